@@ -261,7 +261,8 @@ class FrozenTarget:
         return self._embed(ids)
 
     def lm_head(self, hidden: Tensor) -> Tensor:
-        return self._lm_head(hidden)
+        """Target logits for hidden states [..., D] -> [..., V], in the target's precision."""
+        return self._lm_head(hidden.to(self._lm_head.weight.dtype))
 
     def lm_head_weight(self) -> Tensor:
         """A detached copy of the LM head weight [V,D], for heads that start from it."""

@@ -18,11 +18,15 @@ from draftsmith.target import FrozenTarget, TargetDims, TargetFeatures
 __all__ = ["DraftHead", "TargetDims", "TargetFeatures", "depth_labels", "depth_cross_entropy"]
 
 
-def depth_labels(input_ids: Tensor, loss_mask: Optional[Tensor], depth: int) -> tuple[Tensor, Tensor]:
+def depth_labels(
+    input_ids: Tensor, loss_mask: Optional[Tensor], depth: int, segment_ids: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor]:
     """Labels and validity for K draft depths.
 
-    input_ids [B,T], loss_mask [B,T] (1 where a token is trained on, e.g. assistant tokens) or None.
-    Returns labels [B,T,K] (x_{t+1+k}, 0 where out of range) and valid [B,T,K] (bool).
+    input_ids [B,T]; loss_mask [B,T] (1 where a token is trained on, e.g. assistant tokens) or None;
+    segment_ids [B,T] (packed rows: which example each token belongs to) or None.
+    Returns labels [B,T,K] (x_{t+1+k}, 0 where out of range) and valid [B,T,K] (bool). A label is
+    valid only inside the same packed example as position t.
     """
     B, T = input_ids.shape
     labels = input_ids.new_zeros(B, T, depth)
@@ -34,6 +38,8 @@ def depth_labels(input_ids: Tensor, loss_mask: Optional[Tensor], depth: int) -> 
             break
         labels[:, : T - shift, k - 1] = input_ids[:, shift:]
         valid[:, : T - shift, k - 1] = mask[:, shift:]
+        if segment_ids is not None:
+            valid[:, : T - shift, k - 1] &= segment_ids[:, shift:] == segment_ids[:, : T - shift]
     return labels, valid
 
 
@@ -90,10 +96,12 @@ class DraftHead(nn.Module):
         """Loss weight of each depth [K] (default: equal)."""
         return torch.ones(self.depth)
 
-    def loss(self, features: TargetFeatures, loss_mask: Optional[Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(
+        self, features: TargetFeatures, loss_mask: Optional[Tensor], segment_ids: Optional[Tensor] = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """Weighted cross-entropy over depths. Returns (scalar loss, stats with ce/top1/count per depth [K])."""
         logits = self(features)
-        labels, valid = depth_labels(features.input_ids, loss_mask, self.depth)
+        labels, valid = depth_labels(features.input_ids, loss_mask, self.depth, segment_ids)
         ce, top1, count = depth_cross_entropy(logits, labels, valid)
         weights = self.depth_weights().to(ce.device, ce.dtype)
         loss = (weights * ce).sum() / weights.sum()

@@ -8,12 +8,13 @@ LM head initialised from the target's, or the target's frozen LM head.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.heads.base import DraftHead, TargetDims, TargetFeatures
+from draftsmith.heads.base import DraftHead, TargetDims, TargetFeatures, depth_labels
 from draftsmith.target import FrozenTarget
 
 
@@ -82,6 +83,36 @@ class MedusaHead(DraftHead):
 
     def forward(self, features: TargetFeatures) -> Tensor:
         return self.head_logits(features.final_hidden, features.lm_head)
+
+    def loss(
+        self, features: TargetFeatures, loss_mask: Optional[Tensor], segment_ids: Optional[Tensor] = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The base class's weighted cross-entropy, projecting only the rows that carry a label.
+
+        The vocabulary projection dominates the cost (V >> D), and in chat data most positions are
+        prompt tokens without a label, so each depth gathers its valid rows before its LM head.
+        """
+        labels, valid = depth_labels(features.input_ids, loss_mask, self.depth, segment_ids)
+        hidden = features.final_hidden
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        ce, top1, count = [], [], []
+        for k, block in enumerate(self.blocks):
+            rows = valid[..., k]
+            h = block(hidden[rows])  # [M,D]
+            logits = self.lm_heads[k](h) if self.lm_heads is not None else features.lm_head(h)
+            target = labels[..., k][rows]
+            n = target.numel()
+            if n == 0:
+                ce.append(hidden.new_zeros((), dtype=dtype) + 0.0 * h.sum())
+                top1.append(hidden.new_zeros((), dtype=dtype))
+            else:
+                ce.append(F.cross_entropy(logits.to(dtype), target))
+                top1.append((logits.argmax(-1) == target).to(dtype).mean().detach())
+            count.append(torch.tensor(float(n), dtype=dtype, device=hidden.device))
+        ce_t, top1_t, count_t = torch.stack(ce), torch.stack(top1), torch.stack(count)
+        weights = self.depth_weights().to(ce_t.device, ce_t.dtype)
+        loss = (weights * ce_t).sum() / weights.sum()
+        return loss, {"ce": ce_t.detach(), "top1": top1_t, "count": count_t}
 
     @torch.no_grad()
     def draft(self, hidden: Tensor, lm_head) -> Tensor:

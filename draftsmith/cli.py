@@ -1,0 +1,190 @@
+"""draftsmith command line: train | prepare | validate | ls | export | push | generate | eval.
+
+Recipe errors exit with code 2, other bad input with code 1; both print one line, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+EXIT_BAD_INPUT = 1
+EXIT_BAD_RECIPE = 2
+
+
+def _split_recipe_args(items: list[str]) -> tuple[list[str], list[str]]:
+    """Separate recipe files from key=value overrides (files come first, overrides after)."""
+    paths, overrides = [], []
+    for item in items:
+        (overrides if "=" in item and not item.endswith((".yaml", ".yml")) else paths).append(item)
+    return paths, overrides
+
+
+def _load(items: list[str]):
+    from draftsmith.recipe import RecipeError, load_recipe
+
+    paths, overrides = _split_recipe_args(items)
+    if not paths:
+        raise RecipeError("no recipe file given (e.g. draftsmith train recipes/medusa/smollm2-135m.yaml)")
+    return load_recipe(*paths, overrides=overrides)
+
+
+def cmd_train(args) -> int:
+    from draftsmith.trainers import TRAINERS
+
+    recipe = _load(args.recipe)
+    trainer = TRAINERS[recipe.trainer](recipe).setup()
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({k: v for k, v in summary.items() if k != "checkpoint"}, indent=2))
+        print(f"outputs: {Path(recipe.output_dir).resolve()}  (checkpoint: {summary.get('checkpoint')})")
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from draftsmith.data import prepare_data
+    from draftsmith.target import FrozenTarget
+
+    recipe = _load(args.recipe)
+    target = FrozenTarget.from_config(recipe.target)
+    cache_dir = Path(recipe.data.cache_dir) if recipe.data.cache_dir else Path(recipe.output_dir) / "data"
+    data = prepare_data(recipe.data, target.tokenizer, cache_dir, target_model=target.model)
+    print(json.dumps(data.stats, indent=2))
+    print(f"data cached in {cache_dir.resolve()}")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from draftsmith.recipe import RecipeError, all_recipe_files, load_recipe
+
+    paths = [Path(p) for p in args.paths] or all_recipe_files(args.root)
+    if not paths:
+        print(f"error: no recipes found under {args.root}/", file=sys.stderr)
+        return EXIT_BAD_RECIPE
+    failed = 0
+    for path in paths:
+        try:
+            recipe = load_recipe(path)
+            print(f"ok    {path}  (trainer {recipe.trainer})")
+        except RecipeError as err:
+            failed += 1
+            print(f"FAIL  {path}: {err}")
+    return EXIT_BAD_RECIPE if failed else 0
+
+
+def cmd_ls(args) -> int:
+    from draftsmith.distill import DIVERGENCES
+    from draftsmith.heads import HEADS
+    from draftsmith.recipe import all_recipe_files
+    from draftsmith.target import BUILTIN_MODELS
+    from draftsmith.trainers import TRAINERS
+
+    print("trainers:    " + ", ".join(TRAINERS))
+    print("heads:       " + ", ".join(HEADS))
+    print("divergences: " + ", ".join(DIVERGENCES))
+    print("targets:     " + ", ".join(BUILTIN_MODELS) + "  (built in, from PyPI packages)")
+    print("recipes:")
+    for path in all_recipe_files(args.root):
+        print(f"  {path}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from draftsmith.export import export_heads
+
+    out = export_heads(args.source, args.out)
+    print(f"exported to {out.resolve()}")
+    return 0
+
+
+def cmd_push(args) -> int:
+    from draftsmith.export import push_folder
+
+    url = push_folder(args.folder, args.repo_id, private=args.private)
+    print(f"pushed {args.folder} to {url}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a drafter from a recipe")
+    p.add_argument("recipe", nargs="+", help="recipe YAML files, then key=value overrides")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("prepare", help="run the data step of a recipe on its own (regeneration, tokenization)")
+    p.add_argument("recipe", nargs="+", help="recipe YAML files, then key=value overrides")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("validate", help="load recipes strictly and report errors (default: every recipes/**/*.yaml)")
+    p.add_argument("paths", nargs="*")
+    p.add_argument("--root", default="recipes")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("ls", help="list trainers, heads, divergences, built-in targets and recipes")
+    p.add_argument("--root", default="recipes")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("export", help="write a Hugging Face folder for a trained drafter")
+    p.add_argument("source", help="a run folder or a checkpoint folder")
+    p.add_argument("--out", required=True, help="the folder to write")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("push", help="upload an exported folder to the Hugging Face Hub")
+    p.add_argument("folder")
+    p.add_argument("--repo-id", required=True)
+    p.add_argument("--private", action="store_true")
+    p.set_defaults(func=cmd_push)
+
+    try:
+        from draftsmith.runtime.cli import add_runtime_commands
+    except ImportError:
+        pass
+    else:
+        add_runtime_commands(sub)
+    return parser
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [FileNotFoundError]
+    for module, name in [
+        ("draftsmith.data", "DataError"),
+        ("draftsmith.target", "TargetLoadError"),
+        ("draftsmith.trainers.loop", "TrainingError"),
+        ("draftsmith.export", "ExportError"),
+        ("draftsmith.runtime.tree", "TreeError"),
+        ("draftsmith.runtime.drafters", "DrafterError"),
+    ]:
+        try:
+            errors.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The deepspeed launcher injects --local_rank=N; the rank also lives in the environment.
+    argv = [a for a in argv if not a.startswith(("--local_rank", "--local-rank"))]
+    args = build_parser().parse_args(argv)
+    from draftsmith.recipe import RecipeError
+
+    try:
+        return args.func(args)
+    except RecipeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_RECIPE
+    except _known_errors() as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Checkpoint -> Hugging Face folder: config.json, model.safetensors, README.md, recipe.yaml, metrics.json.
+
+An exported head folder holds the head's own weights only, never the target's: the target is named in
+config.json and loaded separately by whoever runs the drafter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith import __version__
+from draftsmith.heads import HEADS, DraftHead, TargetDims
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+HEAD_PREFIX = "head."
+
+
+class ExportError(RuntimeError):
+    """A folder that is not a checkpoint or export draftsmith can read. The message names it."""
+
+
+@dataclass
+class HeadExport:
+    """A draft head loaded from an export or checkpoint, with what it was trained against."""
+
+    head: DraftHead
+    target: dict  # path, hidden_size, vocab_size, num_layers, model_type
+    folder: Path
+    metrics: Optional[dict] = None
+
+
+def _head_config(kind: str, values: dict):
+    if kind not in HEADS:
+        raise ExportError(f"unknown head kind '{kind}' (known: {', '.join(HEADS)})")
+    cls = HEADS[kind].config_class
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def _dims(target: dict) -> TargetDims:
+    return TargetDims(hidden_size=target["hidden_size"], vocab_size=target["vocab_size"], num_layers=target["num_layers"])
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or a run folder (its newest checkpoint)."""
+    from draftsmith.trainers.loop import STATE_FILE, list_checkpoints
+
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return path
+    found = list_checkpoints(path)
+    if not found:
+        raise ExportError(f"{path} is neither a checkpoint nor a run folder with checkpoints")
+    return found[-1]
+
+
+def load_head(path: str | Path) -> HeadExport:
+    """Load a head from an export folder, a checkpoint folder or a run folder."""
+    path = Path(path)
+    if not path.exists():
+        raise ExportError(f"drafter folder not found: {path}")
+    config_file = path / CONFIG_NAME
+    if config_file.is_file():
+        config = json.loads(config_file.read_text()).get("draftsmith")
+        if not config or config.get("drafter") != "heads":
+            raise ExportError(f"{config_file} is not a draftsmith head export")
+        head = HEADS[config["head"]["kind"]](_head_config(config["head"]["kind"], config["head"]), _dims(config["target"]))
+        head.load_state_dict(load_file(str(path / WEIGHTS_NAME)))
+        metrics = json.loads((path / "metrics.json").read_text()) if (path / "metrics.json").is_file() else None
+        return HeadExport(head.eval(), config["target"], path, metrics)
+    ckpt = resolve_checkpoint(path)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    if "head" not in state:
+        raise ExportError(f"{ckpt} is not a head-trainer checkpoint")
+    head = HEADS[state["head"]["kind"]](_head_config(state["head"]["kind"], state["head"]), _dims(state["target"]))
+    weights = load_file(str(ckpt / WEIGHTS_NAME))
+    head.load_state_dict({k[len(HEAD_PREFIX) :]: v for k, v in weights.items() if k.startswith(HEAD_PREFIX)})
+    return HeadExport(head.eval(), state["target"], ckpt, state.get("last_eval"))
+
+
+def model_card(kind: str, head_cfg: dict, target: dict, recipe_yaml: str, metrics: Optional[dict]) -> str:
+    """A Hub model card: front matter for search, then what the drafter is and how to run it."""
+    lines = [
+        "---",
+        "library_name: draftsmith",
+        f"base_model: {target['path']}" if "/" in str(target["path"]) else f"# target: {target['path']}",
+        "tags:",
+        "- speculative-decoding",
+        f"- {kind}",
+        "- draftsmith",
+        "---",
+        "",
+        f"# {kind.capitalize()} draft head for `{target['path']}`",
+        "",
+        f"A {kind} draft head trained with draftsmith {__version__} against the frozen target `{target['path']}` "
+        f"({target.get('model_type') or 'decoder'}, {target['num_layers']} layers, hidden size {target['hidden_size']}, "
+        f"vocabulary {target['vocab_size']}). It holds only the head's own weights; speculative decoding with it "
+        "produces exactly the target's output, faster when the head agrees with the target.",
+        "",
+        "## Use",
+        "",
+        "```bash",
+        "pip install draftsmith",
+        'draftsmith generate --drafter <this folder> --prompt "Write a haiku about the sea."',
+        "draftsmith eval --drafter <this folder> --prompts mtbench --out eval/",
+        "```",
+        "",
+        "## Head",
+        "",
+        "| setting | value |",
+        "| --- | --- |",
+        *[f"| {k} | {v} |" for k, v in head_cfg.items()],
+        "",
+    ]
+    if metrics:
+        lines += ["## Held-out accuracy (teacher forced)", "", "| depth | top-1 | top-5 |", "| --- | --- | --- |"]
+        for d, (a1, a5) in enumerate(zip(metrics.get("top1", []), metrics.get("top5", [])), start=1):
+            lines.append(f"| {d} | {a1:.3f} | {a5:.3f} |")
+        if "simulated_accept_length" in metrics:
+            lines += ["", f"Simulated mean accepted length of a chain: {metrics['simulated_accept_length']:.3f}."]
+        lines.append("")
+    lines += ["## Recipe", "", "```yaml", recipe_yaml.rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def export_heads(source: str | Path, out: str | Path) -> Path:
+    """Write an HF folder for the head in `source` (run folder or checkpoint) into `out`, atomically."""
+    loaded = load_head(source)
+    ckpt = loaded.folder
+    out = Path(out)
+    head = loaded.head
+    kind = head.cfg.kind
+    head_cfg = {f.name: getattr(head.cfg, f.name) for f in fields(head.cfg)}
+    recipe_yaml = (ckpt / "recipe.yaml").read_text() if (ckpt / "recipe.yaml").is_file() else ""
+    config: dict[str, Any] = {
+        "architectures": [f"Draftsmith{type(head).__name__}"],
+        "model_type": f"draftsmith-{kind}",
+        "draftsmith": {
+            "version": __version__,
+            "drafter": "heads",
+            "head": head_cfg,
+            "target": loaded.target,
+        },
+    }
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(head.runtime_state_dict(), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / "recipe.yaml").write_text(recipe_yaml)
+    (tmp / "metrics.json").write_text(json.dumps(loaded.metrics or {}, indent=2) + "\n")
+    (tmp / "README.md").write_text(model_card(kind, head_cfg, loaded.target, recipe_yaml, loaded.metrics))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def push_folder(folder: str | Path, repo_id: str, private: bool = False, token: Optional[str] = None) -> str:
+    """Upload an export folder to the Hub (HF_ENDPOINT and HF_TOKEN are honoured). Returns the repo URL."""
+    from huggingface_hub import HfApi
+
+    folder = Path(folder)
+    if not (folder / CONFIG_NAME).is_file():
+        raise ExportError(f"{folder} has no {CONFIG_NAME}: export it first with `draftsmith export`")
+    api = HfApi(token=token)
+    url = api.create_repo(repo_id, private=private, exist_ok=True)
+    api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message="Upload draftsmith drafter")
+    return str(url)

@@ -1,0 +1,117 @@
+"""Recipes load strictly: typos, wrong types and missing values fail at load time, naming the key."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftsmith.recipe import RecipeError, all_recipe_files, load_recipe, recipe_to_yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+BASE = """\
+trainer: heads
+output_dir: {out}
+target: {{path: some/model}}
+data: {{path: data.jsonl}}
+head: {{kind: medusa, num_heads: 3}}
+"""
+
+
+@pytest.fixture
+def recipe_file(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(BASE.format(out=tmp_path / "run"))
+    return path
+
+
+def test_every_recipe_in_the_repo_loads():
+    files = all_recipe_files(REPO / "recipes")
+    assert files, "no recipes found under recipes/"
+    for path in files:
+        recipe = load_recipe(path)
+        assert recipe.output_dir
+
+
+def test_yaml_files_merge_in_order_then_overrides(recipe_file, tmp_path):
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("train: {lr: 0.5, max_steps: 7}\nhead: {num_layers: 2}\n")
+    recipe = load_recipe(recipe_file, extra, overrides=["train.lr=0.25", "head.lm_head=own"])
+    assert recipe.train.lr == 0.25  # the override beats the later file
+    assert recipe.train.max_steps == 7  # the later file beats the schema default
+    assert recipe.head.num_heads == 3 and recipe.head.num_layers == 2 and recipe.head.lm_head == "own"
+    assert type(recipe.head).__name__ == "MedusaConfig"
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.lrr=1", "unknown recipe key 'train.lrr' (did you mean 'train.lr'?)"),
+        ("data.regenerate.enabld=true", "'data.regenerate.enabld' (did you mean 'data.regenerate.enabled'?)"),
+        ("head.num_head=2", "'head.num_head' (did you mean 'head.num_heads'?)"),
+        ("head.kind=medusaa", "unknown draft head 'medusaa' (did you mean 'medusa'?)"),
+        ("trainer=head", "unknown trainer 'head' (did you mean 'heads'?)"),
+        ("train.lr=fast", "recipe key 'train.lr'"),
+        ("train.mixed_precision=fp8", "recipe key 'train.mixed_precision'"),
+        ("train.micro_batch_size=0", "'train.micro_batch_size' must be positive"),
+        ("outputdir=x", "did you mean 'output_dir'"),
+    ],
+)
+def test_bad_values_name_the_key(recipe_file, override, expected):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(recipe_file, overrides=[override])
+    assert expected in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_required_value_names_the_key(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("trainer: heads\ntarget: {path: m}\ndata: {path: d}\nhead: {kind: medusa}\n")
+    with pytest.raises(RecipeError, match="output_dir"):
+        load_recipe(path)
+
+
+def test_head_section_required_for_head_trainer(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("trainer: heads\noutput_dir: o\ntarget: {path: m}\ndata: {path: d}\n")
+    with pytest.raises(RecipeError, match="recipe key 'head' is missing"):
+        load_recipe(path)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(RecipeError, match="cannot parse recipe file"):
+        load_recipe(bad)
+
+
+def test_resolved_recipe_round_trips(recipe_file, tmp_path):
+    recipe = load_recipe(recipe_file, overrides=["train.lr=0.125"])
+    saved = tmp_path / "resolved.yaml"
+    saved.write_text(recipe_to_yaml(recipe))
+    assert load_recipe(saved) == recipe
+
+
+def _cli(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "draftsmith.cli", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def test_cli_typo_is_one_line_exit_2_no_traceback(recipe_file):
+    proc = _cli("train", str(recipe_file), "train.lrr=1")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["error: unknown recipe key 'train.lrr' (did you mean 'train.lr'?); valid keys here: "
+                     + lines[0].split("valid keys here: ")[1]]
+
+
+def test_cli_validate_and_ls():
+    proc = _cli("validate")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ok    recipes/medusa/smollm2-135m.yaml" in proc.stdout
+    proc = _cli("ls")
+    assert proc.returncode == 0, proc.stderr
+    assert "medusa" in proc.stdout and "heads" in proc.stdout and "smollm2-135m.yaml" in proc.stdout
