@@ -1,0 +1,130 @@
+"""The head trainer on a tiny random model: loss goes down, the target stays frozen, checkpoints are
+atomic and hold only head weights, and an interrupted run resumes to the uninterrupted run's losses."""
+
+import json
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.recipe import load_recipe
+from draftsmith.trainers import TRAINERS, loop
+
+WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
+
+
+def write_chats(path: Path, n: int = 40, seed: int = 0) -> Path:
+    """Conversations whose answers follow a learnable rule: each answer repeats the question's words."""
+    rng = random.Random(seed)
+    with open(path, "w") as fh:
+        for _ in range(n):
+            words = [rng.choice(WORDS) for _ in range(4)]
+            question = "say " + " ".join(words)
+            answer = " ".join(words + words)
+            fh.write(json.dumps({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}) + "\n")
+    return path
+
+
+def make_recipe(tmp_path: Path, model_dir: Path, name: str, *overrides: str):
+    data = write_chats(tmp_path / "chats.jsonl")
+    text = f"""
+trainer: heads
+output_dir: {tmp_path / name}
+target: {{path: {model_dir}}}
+data: {{path: {data}, eval_size: 8, max_length: 96, seed: 1}}
+head: {{kind: medusa, num_heads: 2, num_layers: 1, lm_head: own}}
+train: {{micro_batch_size: 4, max_steps: 30, lr: 0.01, warmup_steps: 2, log_every: 1, eval_every: 30, save_every: 10}}
+"""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return load_recipe(path, overrides=list(overrides))
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def run(recipe, interrupt_at: int | None = None):
+    trainer = TRAINERS[recipe.trainer](recipe, argv=["draftsmith", "train", "test"]).setup()
+    if interrupt_at is not None:
+        original = trainer.train_step
+
+        def step_then_signal():
+            values = original()
+            if trainer.step + 1 == interrupt_at:  # the loop increments step after this returns
+                os.kill(os.getpid(), signal.SIGTERM)
+            return values
+
+        trainer.train_step = step_then_signal
+    target_before = {k: v.clone() for k, v in trainer.target.model.state_dict().items()}
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    return trainer, summary, target_before
+
+
+def test_loss_decreases_target_frozen_checkpoint_clean(tmp_path, tiny_llama_dir):
+    recipe = make_recipe(tmp_path, tiny_llama_dir, "golden")
+    trainer, summary, target_before = run(recipe)
+    curve = losses(Path(recipe.output_dir))
+    first, last = sum(curve[s] for s in (1, 2, 3)) / 3, sum(curve[s] for s in (28, 29, 30)) / 3
+    assert last < 0.8 * first, curve
+
+    # The frozen target did not move.
+    for key, value in trainer.target.model.state_dict().items():
+        assert torch.equal(value, target_before[key]), key
+
+    # Checkpoints: only complete step-N folders, the newest keep_last of them, no target tensors.
+    ckpts = loop.list_checkpoints(recipe.output_dir)
+    assert [c.name for c in ckpts] == ["step-000020", "step-000030"]
+    assert not list(loop.checkpoint_root(recipe.output_dir).glob(".tmp-*"))
+    weights = load_file(str(ckpts[-1] / "model.safetensors"))
+    assert weights and all(k.startswith("head.") for k in weights)
+    head_params = {f"head.{k}" for k in trainer.head.state_dict()}
+    assert set(weights) == head_params
+    target_names = set(trainer.target.model.state_dict())
+    assert not any(k.removeprefix("head.") in target_names for k in weights)
+    state = json.loads((ckpts[-1] / "trainer_state.json").read_text())
+    assert state["step"] == 30 and "data" in state
+    assert (ckpts[-1] / "recipe.yaml").is_file() and (ckpts[-1] / "command.txt").is_file()
+    assert (Path(recipe.output_dir) / "recipe.yaml").is_file()
+
+    # Evaluation reports per-head accuracy and the simulated chain length from it.
+    assert len(summary["top1"]) == 2 and len(summary["top5"]) == 2
+    expected = 1 + summary["top1"][0] + summary["top1"][0] * summary["top1"][1]
+    assert summary["simulated_accept_length"] == pytest.approx(expected)
+    assert all(t5 >= t1 for t1, t5 in zip(summary["top1"], summary["top5"]))
+
+
+def test_sigterm_then_resume_reproduces_uninterrupted_losses(tmp_path, tiny_llama_dir):
+    full = make_recipe(tmp_path, tiny_llama_dir, "full", "train.max_steps=12", "train.save_every=100")
+    run(full)
+    reference = losses(Path(full.output_dir))
+
+    broken = make_recipe(tmp_path, tiny_llama_dir, "broken", "train.max_steps=12", "train.save_every=100")
+    trainer, summary, _ = run(broken, interrupt_at=5)
+    assert summary["step"] == 5
+    assert [c.name for c in loop.list_checkpoints(broken.output_dir)] == ["step-000005"]
+
+    # A crash while writing the next checkpoint leaves a temporary folder; it must not be picked up.
+    (loop.checkpoint_root(broken.output_dir) / ".tmp-step-000008").mkdir()
+    (loop.checkpoint_root(broken.output_dir) / "step-000009").mkdir()  # no trainer_state.json: corrupt
+    run(broken)
+    resumed = losses(Path(broken.output_dir))
+    assert sorted(resumed) == sorted(reference) == list(range(1, 13))
+    for step in reference:
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
+
+
+def test_resume_never_refuses_to_overwrite(tmp_path, tiny_llama_dir):
+    recipe = make_recipe(tmp_path, tiny_llama_dir, "once", "train.max_steps=2", "train.save_every=1")
+    run(recipe)
+    again = make_recipe(tmp_path, tiny_llama_dir, "once", "train.max_steps=2", "train.resume=never")
+    with pytest.raises(loop.TrainingError, match="already holds checkpoints"):
+        TRAINERS["heads"](again).setup()
