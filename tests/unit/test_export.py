@@ -1,0 +1,88 @@
+"""Export: an HF folder with the head's weights only, a model card, and a push to a (local) Hub."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.export import ExportError, export_heads, load_head
+from draftsmith.heads import MedusaConfig, MedusaHead
+from draftsmith.target import FrozenTarget
+from draftsmith.testing import tiny_causal_lm
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fake_checkpoint(tmp_path: Path, lm_head: str = "own"):
+    """A checkpoint folder as the head trainer writes it (accelerate's model.safetensors + state)."""
+    from safetensors.torch import save_file
+
+    target = FrozenTarget(tiny_causal_lm("llama", vocab_size=40, hidden_size=32))
+    head = MedusaHead(MedusaConfig(num_heads=2, lm_head=lm_head), target.dims)
+    head.init_from_target(target)
+    for p in head.parameters():
+        p.data.add_(torch.randn_like(p) * 0.1)
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000010"
+    ckpt.mkdir(parents=True)
+    save_file({f"head.{k}": v.contiguous() for k, v in head.state_dict().items()}, str(ckpt / "model.safetensors"))
+    state = {
+        "step": 10,
+        "head": {"kind": "medusa", "num_heads": 2, "num_layers": 1, "lm_head": lm_head, "loss_decay": 0.8},
+        "target": {"path": "org/tiny", "hidden_size": 32, "vocab_size": 40, "num_layers": 3, "model_type": "llama"},
+        "last_eval": {"top1": [0.5, 0.25], "top5": [0.75, 0.5], "simulated_accept_length": 1.625},
+    }
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    (ckpt / "recipe.yaml").write_text("trainer: heads\n")
+    return target, head, tmp_path / "run"
+
+
+def test_export_round_trip_and_model_card(tmp_path):
+    target, head, run = fake_checkpoint(tmp_path)
+    out = export_heads(run, tmp_path / "export")
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "metrics.json", "model.safetensors", "recipe.yaml"]
+    config = json.loads((out / "config.json").read_text())["draftsmith"]
+    assert config["drafter"] == "heads" and config["head"]["kind"] == "medusa" and config["target"]["path"] == "org/tiny"
+    loaded = load_head(out)
+    for key, value in head.state_dict().items():
+        assert torch.equal(loaded.head.state_dict()[key], value), key
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: draftsmith\nbase_model: org/tiny\n")
+    assert "| 2 | 0.250 | 0.500 |" in card and "1.625" in card
+    # No tensor in the export equals a target tensor of the same shape except the LM heads the
+    # recipe asked to train (they started from the target's and have moved away from it).
+    weights = load_file(str(out / "model.safetensors"))
+    for name, tensor in target.model.state_dict().items():
+        for key, value in weights.items():
+            assert not (value.shape == tensor.shape and torch.equal(value, tensor)), (key, name)
+
+
+def test_loading_the_wrong_folder_fails_clearly(tmp_path):
+    with pytest.raises(ExportError, match="drafter folder not found"):
+        load_head(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ExportError, match="neither a checkpoint nor a run folder"):
+        load_head(tmp_path / "empty")
+
+
+def test_push_to_local_hub(tmp_path):
+    sys.path.insert(0, str(REPO / "tests"))
+    from hub_server import LocalHub
+
+    _, _, run = fake_checkpoint(tmp_path)
+    out = export_heads(run, tmp_path / "export")
+    with LocalHub() as hub:
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_test", "HF_HUB_OFFLINE": "0"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "draftsmith.cli", "push", str(out), "--repo-id", "me/tiny-medusa"],
+            env=env, capture_output=True, text=True, cwd=REPO,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        files = hub.state.repos["me/tiny-medusa"]
+        assert set(files) == {p.name for p in out.iterdir()}
+        assert files["model.safetensors"] == (out / "model.safetensors").read_bytes()
+        assert files["README.md"].decode().startswith("---\nlibrary_name: draftsmith")
