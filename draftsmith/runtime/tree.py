@@ -1,0 +1,374 @@
+"""Draft trees: static trees from Medusa-style choice lists, dynamic trees (EAGLE-2 style), masks, positions.
+
+Conventions shared by the whole runtime (the fused kernel codes against them):
+
+- A tree has N nodes in topological order: ``parents[i] < i``. Node 0 is the root; ``parents[0] = -1``.
+- The root holds the last token already decided (the previous step's bonus token, or the last prompt
+  token). It is not yet in the target's KV cache; the target reads it in the same forward pass as the
+  drafted nodes 1..N-1.
+- ``depths[i]`` is the number of edges from the root, so node i sits at sequence position
+  ``prefix_len + depths[i]`` where ``prefix_len`` is the number of tokens already in the KV cache.
+- In one target forward over the N nodes, ``target_logits[:, i]`` predicts the token that follows
+  node i's path.
+- Trees in a batch may have fewer nodes than N: nodes ``i >= num_nodes[b]`` are padding with
+  ``parents = -1``, ``depths = 0`` and token 0. A padding node is nobody's child, so verification
+  never tests it, and in the attention mask it sees only the prefix and itself.
+
+Shapes: B trees, N nodes, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "TreeError",
+    "TreeSpec",
+    "DynamicTreeSpec",
+    "DraftTree",
+    "Frontier",
+    "default_tree",
+    "parse_tree",
+    "ancestor_mask",
+    "tree_positions",
+    "tree_attention_mask",
+    "build_dynamic_tree",
+]
+
+
+class TreeError(ValueError):
+    """A tree spec or a draft tree that is not a tree. The message is one line."""
+
+
+def _not_a_tree(detail: str) -> TreeError:
+    return TreeError(f"a tree spec that is not a tree: {detail}")
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """A static draft tree shape from a Medusa-style choice list.
+
+    Each drafted node is a tuple of child ranks from the root: ``(1,)`` is the root's second-best
+    child, ``(0, 2)`` the third-best child of the root's best child. Rank r means "the r-th best
+    candidate" when drafting greedily and "the r-th draw without replacement" when sampling (the
+    children of one node are then drawn in rank order; gaps in the ranks are closed up).
+
+    Nodes are ordered by depth, then lexicographically, which is topological and puts siblings in
+    rank order. ``parents``, ``depths`` and ``ranks`` are per node, root included (N = len(choices) + 1).
+    """
+
+    choices: tuple[tuple[int, ...], ...]
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def from_choices(cls, choices: Sequence[Sequence[int]]) -> "TreeSpec":
+        """Validate a choice list: non-negative integer ranks, no duplicates, every prefix present."""
+        normalized = []
+        for choice in choices:
+            if isinstance(choice, int) or not isinstance(choice, (list, tuple)):
+                raise _not_a_tree(f"node {choice!r} is not a tuple of child ranks")
+            if len(choice) == 0:
+                raise _not_a_tree("the empty tuple is the root, which is implicit; leave it out")
+            if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in choice):
+                raise _not_a_tree(f"node {tuple(choice)!r} has a rank that is not a non-negative integer")
+            normalized.append(tuple(choice))
+        seen = set()
+        for choice in normalized:
+            if choice in seen:
+                raise _not_a_tree(f"node {choice!r} appears twice")
+            seen.add(choice)
+        for choice in normalized:
+            if len(choice) > 1 and choice[:-1] not in seen:
+                raise _not_a_tree(f"node {choice!r} has no parent {choice[:-1]!r}")
+        ordered = tuple(sorted(normalized, key=lambda c: (len(c), c)))
+        index = {choice: i + 1 for i, choice in enumerate(ordered)}
+        parents = (-1,) + tuple(index[c[:-1]] if len(c) > 1 else 0 for c in ordered)
+        depths = (0,) + tuple(len(c) for c in ordered)
+        ranks = (0,) + tuple(c[-1] for c in ordered)
+        return cls(choices=ordered, parents=parents, depths=depths, ranks=ranks)
+
+    @classmethod
+    def chain(cls, length: int) -> "TreeSpec":
+        """A chain of ``length`` drafted tokens (one child per node): classic speculative decoding."""
+        if length < 0:
+            raise _not_a_tree(f"a chain needs a length >= 0, got {length}")
+        return cls.from_choices([(0,) * d for d in range(1, length + 1)])
+
+    @property
+    def num_nodes(self) -> int:
+        """N, root included."""
+        return len(self.parents)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    def children(self, node: int) -> list[int]:
+        """Children of ``node`` in index order (= rank order)."""
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def parents_tensor(self, device=None) -> Tensor:
+        """parents as a long tensor [N]."""
+        return torch.tensor(self.parents, dtype=torch.long, device=device)
+
+    def depths_tensor(self, device=None) -> Tensor:
+        """depths as a long tensor [N]."""
+        return torch.tensor(self.depths, dtype=torch.long, device=device)
+
+
+@dataclass(frozen=True)
+class DynamicTreeSpec:
+    """An EAGLE-2 style dynamic tree: ``depth`` levels, the best ``topk`` frontier nodes expanded per
+    level with ``topk`` children each, and the best ``budget`` drafted nodes kept (see build_dynamic_tree).
+
+    Dynamic trees choose children by rank of draft probability, so they draft greedily only: a
+    kept node set that depends on the sampled tokens' own probabilities would bias sampling.
+    """
+
+    depth: int
+    topk: int
+    budget: int
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.topk < 1 or self.budget < 1:
+            raise _not_a_tree(f"a dynamic tree needs depth, topk and budget >= 1, got {self.depth}, {self.topk}, {self.budget}")
+
+
+def default_tree(depth: int = 4, widths: Sequence[int] = (4, 2, 2, 1)) -> TreeSpec:
+    """Top-k per depth along the best path: the best node at depth d-1 gets ``widths[d-1]`` children.
+
+    ``default_tree(4, (4, 2, 2, 1))`` has 4 + 2 + 2 + 1 = 9 drafted nodes. Depths beyond
+    ``len(widths)`` get one child.
+    """
+    widths = list(widths) + [1] * max(0, depth - len(widths))
+    if any(int(w) < 1 for w in widths[:depth]):
+        raise _not_a_tree(f"every width must be >= 1, got {tuple(widths[:depth])}")
+    choices = []
+    for d in range(depth):
+        best_path = (0,) * d
+        choices.extend(best_path + (r,) for r in range(int(widths[d])))
+    return TreeSpec.from_choices(choices)
+
+
+def parse_tree(text: str):
+    """Parse a CLI tree flag.
+
+    - ``"4,2,2,1"``: widths per depth along the best path (default_tree); ``"1,1,1"`` is a chain of 3.
+    - ``"[[0],[1],[0,0]]"``: a JSON list of choices (TreeSpec.from_choices).
+    - ``"dynamic:6,8,60"``: a DynamicTreeSpec(depth=6, topk=8, budget=60).
+    """
+    text = text.strip()
+    if text.startswith("dynamic:"):
+        try:
+            depth, topk, budget = (int(x) for x in text[len("dynamic:") :].split(","))
+        except ValueError:
+            raise _not_a_tree(f"{text!r}: expected dynamic:DEPTH,TOPK,BUDGET") from None
+        return DynamicTreeSpec(depth, topk, budget)
+    if text.startswith("["):
+        try:
+            choices = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise _not_a_tree(f"{text!r} is not valid JSON ({err.msg})") from None
+        if not isinstance(choices, list):
+            raise _not_a_tree(f"{text!r} is not a list of choices")
+        return TreeSpec.from_choices([tuple(c) if isinstance(c, list) else c for c in choices])
+    try:
+        widths = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise _not_a_tree(f"{text!r}: expected widths like 4,2,2,1, a JSON list of choices, or dynamic:D,K,B") from None
+    return default_tree(len(widths), widths)
+
+
+@dataclass
+class DraftTree:
+    """A batch of drafted trees (conventions in the module docstring).
+
+    tokens [B,N] long; parents [B,N] long (root and padding: -1); depths [B,N] long;
+    num_nodes [B] long; draft_probs [B,N,V] float or None. ``draft_probs[b, i]`` is the draft
+    distribution at node i from which i's children were drawn, after the same temperature / top-k /
+    top-p processing the target gets (``logits_to_probs``). Sampled verification needs it; rows of
+    nodes without children are unused (zeros are fine).
+    """
+
+    tokens: Tensor
+    parents: Tensor
+    depths: Tensor
+    num_nodes: Tensor
+    draft_probs: Optional[Tensor] = None
+
+    @classmethod
+    def from_lists(
+        cls, tokens: Sequence[int], parents: Sequence[int], draft_probs: Optional[Tensor] = None, device=None
+    ) -> "DraftTree":
+        """One tree (B = 1) from python lists; depths are computed. draft_probs [N,V] or None."""
+        depths = []
+        for i, p in enumerate(parents):
+            depths.append(0 if p < 0 else depths[p] + 1)
+        tree = cls(
+            tokens=torch.tensor([list(tokens)], dtype=torch.long, device=device),
+            parents=torch.tensor([list(parents)], dtype=torch.long, device=device),
+            depths=torch.tensor([depths], dtype=torch.long, device=device),
+            num_nodes=torch.tensor([len(tokens)], dtype=torch.long, device=device),
+            draft_probs=None if draft_probs is None else draft_probs.unsqueeze(0),
+        )
+        tree.validate()
+        return tree
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def size(self) -> int:
+        """N, the padded number of nodes."""
+        return self.tokens.shape[1]
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max().item()) if self.depths.numel() else 0
+
+    def validate(self) -> None:
+        """Raise TreeError unless shapes agree and every real node's parent precedes it."""
+        B, N = self.tokens.shape
+        for name in ("parents", "depths"):
+            if getattr(self, name).shape != (B, N):
+                raise TreeError(f"a draft tree that is not a tree: {name} has shape {tuple(getattr(self, name).shape)}, tokens {(B, N)}")
+        if self.draft_probs is not None and self.draft_probs.shape[:2] != (B, N):
+            raise TreeError(f"a draft tree that is not a tree: draft_probs has shape {tuple(self.draft_probs.shape)}, tokens {(B, N)}")
+        index = torch.arange(N, device=self.parents.device)
+        real = index.unsqueeze(0) < self.num_nodes.unsqueeze(1)
+        if N == 0 or (self.num_nodes < 1).any():
+            raise TreeError("a draft tree that is not a tree: every tree needs its root")
+        if (self.parents[:, 0] != -1).any():
+            raise TreeError("a draft tree that is not a tree: the root's parent must be -1")
+        drafted = real & (index > 0)
+        bad = drafted & ((self.parents < 0) | (self.parents >= index))
+        if bad.any():
+            b, i = (int(x) for x in bad.nonzero()[0])
+            raise TreeError(f"a draft tree that is not a tree: node {i} of tree {b} has parent {int(self.parents[b, i])}")
+        parent_depth = self.depths.gather(1, self.parents.clamp_min(0))
+        if (drafted & (self.depths != parent_depth + 1)).any():
+            raise TreeError("a draft tree that is not a tree: a node's depth is not its parent's depth + 1")
+
+    def children_table(self) -> Tensor:
+        """kids [B,N,C] long: kids[b,n,j] is the j-th child of node n in index order, -1 past the last.
+
+        C is the largest number of children of any node (at least 1).
+        """
+        B, N = self.parents.shape
+        is_child = self.parents.unsqueeze(1) == torch.arange(N, device=self.parents.device).view(1, N, 1)  # [B,n,i]
+        counts = is_child.sum(-1)
+        C = max(1, int(counts.max().item()) if counts.numel() else 1)
+        # Rank of child i among its siblings = how many earlier nodes share its parent.
+        order = torch.cumsum(is_child.long(), dim=-1) - 1
+        kids = torch.full((B, N, C), -1, dtype=torch.long, device=self.parents.device)
+        b, n, i = is_child.nonzero(as_tuple=True)
+        kids[b, n, order[b, n, i]] = i
+        return kids
+
+
+def ancestor_mask(parents: Tensor) -> Tensor:
+    """anc [B,N,N] bool: anc[b, i, j] is True iff node j is an ancestor of node i or i itself.
+
+    parents [B,N] long, topological (parents[i] < i), -1 for the root and padding.
+    """
+    B, N = parents.shape
+    anc = torch.zeros(B, N, N, dtype=torch.bool, device=parents.device)
+    rows = torch.arange(B, device=parents.device)
+    for i in range(N):
+        p = parents[:, i]
+        has_parent = p >= 0
+        # Topological order: the parent's row is final before its children are visited.
+        inherited = anc[rows, p.clamp_min(0)] & has_parent.unsqueeze(-1)
+        anc[:, i] = inherited
+        anc[:, i, i] = True
+    return anc
+
+
+def tree_positions(depths: Tensor, prefix_len: int) -> Tensor:
+    """position_ids [B,N] = prefix_len + depths: a node sits right after its path in the sequence."""
+    return depths + prefix_len
+
+
+def tree_attention_mask(parents: Tensor, prefix_len: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Additive attention mask [B,1,N,prefix_len+N] for N tree nodes on top of a KV cache.
+
+    Every node sees the whole cached prefix and, among the tree nodes, its ancestors and itself.
+    Visible entries are 0 and hidden ones ``finfo(dtype).min``. transformers (5.x) hands a 4D mask
+    to the attention function untouched; eager attention adds it to the scores, SDPA accepts it as a
+    float mask, so one additive mask serves both. (Flash-attention kernels take no custom mask.)
+    """
+    B, N = parents.shape
+    visible = torch.cat(
+        [torch.ones(B, N, prefix_len, dtype=torch.bool, device=parents.device), ancestor_mask(parents)], dim=-1
+    )
+    mask = torch.zeros(B, 1, N, prefix_len + N, dtype=dtype, device=parents.device)
+    return mask.masked_fill_(~visible.unsqueeze(1), torch.finfo(dtype).min)
+
+
+@dataclass
+class Frontier:
+    """What build_dynamic_tree asks ``expand`` about.
+
+    ``nodes``: ids of the frontier nodes to expand, in creation order. ``tokens``, ``parents`` and
+    ``depths``: every node created so far, indexed by id (id 0 is the root; parents precede children).
+    """
+
+    nodes: list[int]
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+
+
+def build_dynamic_tree(
+    expand: Callable[[Frontier], Tensor], root_token: int, depth: int, topk: int, budget: int
+) -> tuple[DraftTree, list[int]]:
+    """Grow an EAGLE-2 style dynamic tree for one sequence (B = 1) and keep its best nodes.
+
+    ``expand(frontier) -> log-probs [F,V]`` for each frontier node. Level 1 expands the root; each
+    later level expands the ``topk`` nodes of the previous level with the highest cumulative path
+    log-prob, each getting its ``topk`` most likely tokens as children (tokens of probability zero
+    are skipped). Finally the ``budget`` drafted nodes with the highest cumulative log-prob are kept.
+    A child's cumulative log-prob never exceeds its parent's and ties go to the earlier-created node,
+    so every kept node's ancestors are kept too.
+
+    Returns (tree with 1 + kept nodes, in topological order; ids) where ``ids[i]`` is the creation
+    id that ``expand`` saw for tree node i (ids[0] = 0, the root).
+    """
+    tokens, parents, depths, scores = [int(root_token)], [-1], [0], [0.0]
+    frontier = [0]
+    for _ in range(depth):
+        logp = expand(Frontier(list(frontier), tokens, parents, depths))
+        if logp.shape[0] != len(frontier):
+            raise ValueError(f"expand returned {logp.shape[0]} rows for {len(frontier)} frontier nodes")
+        values, candidates = torch.topk(logp.float(), min(topk, logp.shape[-1]), dim=-1)
+        level = []
+        for row, parent in enumerate(frontier):
+            for value, token in zip(values[row].tolist(), candidates[row].tolist()):
+                if value == float("-inf"):
+                    continue
+                level.append(len(tokens))
+                tokens.append(int(token))
+                parents.append(parent)
+                depths.append(depths[parent] + 1)
+                # min(., 0): a log-prob above 0 (rounding, or a sloppy expand) would let a child
+                # outrank its parent and break the ancestor-closure of the kept set.
+                scores.append(scores[parent] + min(value, 0.0))
+        if not level:
+            break
+        # Stable sort on the score: ties go to the earlier node.
+        frontier = sorted(sorted(level, key=lambda i: -scores[i])[:topk])
+    drafted = sorted(range(1, len(tokens)), key=lambda i: (-scores[i], i))[:budget]
+    kept = [0] + sorted(drafted)  # creation order is topological
+    new_index = {old: new for new, old in enumerate(kept)}
+    tree = DraftTree.from_lists(
+        [tokens[i] for i in kept], [-1] + [new_index[parents[i]] for i in kept[1:]]
+    )
+    return tree, kept

@@ -1,0 +1,270 @@
+"""Reference verification of draft trees in torch: greedy and lossless speculative sampling.
+
+Pure functions of tensors. The fused kernel (runtime/kernels) must match ``verify_greedy`` exactly
+and ``verify_sample`` given the same ``uniforms``; the decoding loop is lossless with either.
+Tree conventions (node 0 = root, topological order, padding) are in ``draftsmith.runtime.tree``.
+
+Shapes: B trees, N nodes per tree, V vocabulary, D = the deepest node's depth in the batch.
+
+Sampled verification (``verify_sample``) is multi-candidate recursive rejection sampling WITHOUT
+replacement. Its contract with the drafter: the children of a node are distinct tokens drawn one
+after another without replacement from that node's ``draft_probs`` q, in index order (draw the
+first child from q, the second from q with the first zeroed and renormalised, and so on; Gumbel
+top-k gives exactly this). Walking down from the root, at the current node with target
+distribution p and draft distribution q, each child x in index order is tested:
+
+    accept  iff  u * q(x) < p(x)            (probability min(1, p(x) / q(x)))
+    reject:      p <- max(p - q, 0) / sum(max(p - q, 0))
+                 q <- q with q(x) = 0, renormalised
+
+An accepted child becomes the current node (its own p and q are loaded). When every child is
+rejected the bonus token is drawn from the residual p; at a node without children (a fully
+accepted leaf) it is drawn from the target's p there. A chain is the case of one child per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from draftsmith.runtime.tree import DraftTree, ancestor_mask
+
+__all__ = ["SamplingParams", "VerifyResult", "logits_to_probs", "verify", "verify_greedy", "verify_sample"]
+
+MODES = ("greedy", "sample")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. ``mode`` "greedy" ignores the rest; "sample" draws from
+    ``logits_to_probs(logits, temperature, top_k, top_p)`` for the target and the drafter alike."""
+
+    mode: str = "greedy"
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.mode == "greedy"
+
+
+@dataclass
+class VerifyResult:
+    """The outcome of verifying B trees.
+
+    accept_len [B] long: accepted drafted tokens (the root excluded).
+    best_node [B] long: the deepest accepted node (0 when nothing was accepted).
+    path [B,D+1] long: node indices root..best_node, -1 past best_node. They are also the tree
+        positions whose KV entries the cache keeps (cache slot prefix_len + path[b, d]).
+    accepted_tokens [B,D] long: tokens of path[1..accept_len], -1 past accept_len.
+    bonus [B] long: the target's token after the accepted path (next step's root).
+    """
+
+    accept_len: Tensor
+    best_node: Tensor
+    path: Tensor
+    accepted_tokens: Tensor
+    bonus: Tensor
+
+
+def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """logits [..., V] -> probs [..., V] in at least fp32; the one processing for draft and target.
+
+    In order: divide by temperature (0 means one-hot at the argmax, first index on ties); top-k
+    keeps the tokens whose scaled logit is >= the k-th largest (ties at the boundary are all kept;
+    0 = off); top-p keeps, in descending probability order (stable sort), each token whose
+    strictly-higher-ranked tokens hold less than ``top_p`` of the mass (so at least one token);
+    then renormalise.
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    x = logits.to(dtype)
+    V = x.shape[-1]
+    if temperature == 0:
+        return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+    x = x / temperature
+    if 0 < top_k < V:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _result(tree: DraftTree, best: Tensor, bonus: Tensor, anc: Optional[Tensor] = None) -> VerifyResult:
+    """Assemble a VerifyResult from the best node [B] and bonus [B]."""
+    B, N = tree.tokens.shape
+    D = tree.max_depth
+    rows = torch.arange(B, device=best.device)
+    if anc is None:
+        anc = ancestor_mask(tree.parents)
+    on_path = anc[rows, best]  # [B,N]
+    path = torch.full((B, D + 1), -1, dtype=torch.long, device=best.device)
+    b, j = on_path.nonzero(as_tuple=True)
+    path[b, tree.depths[b, j]] = j
+    steps = path[:, 1:]
+    accepted_tokens = torch.where(steps >= 0, tree.tokens.gather(1, steps.clamp_min(0)), torch.full_like(steps, -1))
+    return VerifyResult(
+        accept_len=tree.depths[rows, best].clone(),
+        best_node=best,
+        path=path,
+        accepted_tokens=accepted_tokens,
+        bonus=bonus,
+    )
+
+
+def verify_greedy(tree: DraftTree, target_logits: Tensor) -> VerifyResult:
+    """Greedy verification. target_logits [B,N,V].
+
+    Node i >= 1 is accepted iff tokens[i] == argmax(target_logits[parents[i]]) and its parent is
+    accepted (argmax: first index on ties). best = the deepest accepted node, the lowest index on
+    ties; bonus = argmax(target_logits[best]).
+    """
+    tree.validate()
+    B, N = tree.tokens.shape
+    if target_logits.shape[:2] != (B, N):
+        raise ValueError(f"target_logits has shape {tuple(target_logits.shape)}; the trees need [{B},{N},V]")
+    parents = tree.parents
+    pred = target_logits.argmax(-1)  # [B,N]
+    match = (tree.tokens == pred.gather(1, parents.clamp_min(0))) & (parents >= 0)
+    match[:, 0] = True  # the root is decided already
+    anc = ancestor_mask(parents)
+    # Accepted iff every ancestor-or-self matches: one reduction instead of a walk down the tree.
+    accepted = ~(anc & ~match.unsqueeze(1)).any(-1)
+    index = torch.arange(N, device=parents.device)
+    score = torch.where(accepted, tree.depths * (N + 1) + (N - index), torch.full_like(tree.depths, -1))
+    best = score.argmax(-1)
+    bonus = pred.gather(1, best.unsqueeze(1)).squeeze(1)
+    return _result(tree, best, bonus, anc)
+
+
+# The three rules of the rejection walk, as functions so that a test can swap in a broken rule and
+# watch the distribution test fail.
+
+
+def _accepts(u: Tensor, p_x: Tensor, q_x: Tensor) -> Tensor:
+    """Accept with probability min(1, p(x)/q(x)); multiplied out so that q(x) = 0 cannot divide."""
+    return u * q_x < p_x
+
+
+def _residual(p: Tensor, q: Tensor) -> Tensor:
+    """norm(max(p - q, 0)) per row [B,V]. A row whose residual is all zero keeps p (a rejection
+    there has probability zero; rounding alone could get there)."""
+    r = (p - q).clamp_min(0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / torch.where(total > 0, total, torch.ones_like(total)), p)
+
+
+def _without(q: Tensor, x: Tensor) -> Tensor:
+    """q [B,V] with token x [B] removed and renormalised: the next sibling's draw without replacement."""
+    r = q.scatter(-1, x.unsqueeze(-1), 0.0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / torch.where(total > 0, total, torch.ones_like(total)), r)
+
+
+def _inverse_cdf(p: Tensor, u: Tensor) -> Tensor:
+    """Draw from p [B,V] (unnormalised is fine) with uniforms u [B]: the first token whose
+    cumulative mass exceeds u * total. Tokens of mass zero are never drawn."""
+    cdf = torch.cumsum(p, dim=-1)
+    token = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1).contiguous(), right=True).squeeze(-1)
+    # Rounding can push u * total past the last step of the cdf: fall back to the last live token.
+    V = p.shape[-1]
+    last_live = (V - 1) - (p.flip(-1) > 0).to(torch.int8).argmax(-1)
+    return torch.minimum(token, last_live)
+
+
+def verify_sample(
+    tree: DraftTree,
+    target_logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+    uniforms: Optional[Tensor] = None,
+) -> VerifyResult:
+    """Lossless sampled verification (rules in the module docstring). target_logits [B,N,V].
+
+    tree.draft_probs [B,N,V] is required: q at each node, processed like the target's p
+    (``logits_to_probs`` with the same temperature / top_k / top_p).
+
+    uniforms [B,N+1] in [0,1), or None to draw them from ``generator``: column i (1 <= i < N) is
+    the acceptance test of node i (used only if node i is tested; column 0 is unused, the root is
+    never tested) and column N is the bonus draw, by inverse CDF over the final p.
+    """
+    if tree.draft_probs is None:
+        raise ValueError("sampled verification needs tree.draft_probs (the drafter's processed distributions)")
+    tree.validate()
+    B, N = tree.tokens.shape
+    if target_logits.shape[:2] != (B, N):
+        raise ValueError(f"target_logits has shape {tuple(target_logits.shape)}; the trees need [{B},{N},V]")
+    P = logits_to_probs(target_logits, temperature, top_k, top_p)
+    dtype = torch.promote_types(P.dtype, tree.draft_probs.dtype)
+    P, Q = P.to(dtype), tree.draft_probs.to(dtype)
+    device = P.device
+    if uniforms is None:
+        uniforms = torch.rand(B, N + 1, generator=generator, device=device, dtype=dtype)
+    elif uniforms.shape != (B, N + 1):
+        raise ValueError(f"uniforms must have shape [{B},{N + 1}], got {tuple(uniforms.shape)}")
+    uniforms = uniforms.to(device=device, dtype=dtype)
+
+    kids = tree.children_table()  # [B,N,C]
+    rows = torch.arange(B, device=device)
+    cur = torch.zeros(B, dtype=torch.long, device=device)
+    p, q = P[:, 0].clone(), Q[:, 0].clone()
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    # Each pass moves every live row one level down or finishes it, so depth + 1 passes suffice.
+    for _ in range(tree.max_depth + 1):
+        if bool(done.all()):
+            break
+        moved = torch.zeros(B, dtype=torch.bool, device=device)
+        nxt = cur.clone()
+        for j in range(kids.shape[-1]):
+            child = kids[rows, cur, j]
+            test = ~done & ~moved & (child >= 0)
+            if not bool(test.any()):
+                continue
+            c = child.clamp_min(0)
+            x = tree.tokens[rows, c]
+            p_x = p.gather(1, x.unsqueeze(1)).squeeze(1)
+            q_x = q.gather(1, x.unsqueeze(1)).squeeze(1)
+            acc = test & _accepts(uniforms[rows, c], p_x, q_x)
+            rej = (test & ~acc).unsqueeze(1)
+            p = torch.where(rej, _residual(p, q), p)
+            q = torch.where(rej, _without(q, x), q)
+            moved |= acc
+            nxt = torch.where(acc, child, nxt)
+        cur = torch.where(moved, nxt, cur)
+        p = torch.where(moved.unsqueeze(1), P[rows, cur], p)
+        q = torch.where(moved.unsqueeze(1), Q[rows, cur], q)
+        done |= ~moved
+    bonus = _inverse_cdf(p, uniforms[:, N])
+    return _result(tree, cur, bonus)
+
+
+def verify(tree: DraftTree, target_logits: Tensor, mode: str = "greedy", **sampling) -> VerifyResult:
+    """Dispatch to verify_greedy (mode "greedy") or verify_sample (mode "sample", keyword
+    arguments temperature, top_k, top_p, generator, uniforms). target_logits [B,N,V]."""
+    if mode == "greedy":
+        return verify_greedy(tree, target_logits)
+    if mode == "sample":
+        return verify_sample(tree, target_logits, **sampling)
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

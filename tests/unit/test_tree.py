@@ -1,0 +1,208 @@
+"""Draft trees: specs, validation, masks and positions against hand-built trees, dynamic trees."""
+
+import itertools
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from draftsmith.runtime.tree import (
+    DraftTree,
+    DynamicTreeSpec,
+    Frontier,
+    TreeError,
+    TreeSpec,
+    ancestor_mask,
+    build_dynamic_tree,
+    default_tree,
+    parse_tree,
+    tree_attention_mask,
+    tree_positions,
+)
+from draftsmith.testing import tiny_causal_lm
+
+# root 0 -> 1, 2; 1 -> 3, 4; 3 -> 5
+HAND_PARENTS = [-1, 0, 0, 1, 1, 3]
+HAND_ANCESTORS = [  # row i: ancestors-or-self of node i
+    [1, 0, 0, 0, 0, 0],
+    [1, 1, 0, 0, 0, 0],
+    [1, 0, 1, 0, 0, 0],
+    [1, 1, 0, 1, 0, 0],
+    [1, 1, 0, 0, 1, 0],
+    [1, 1, 0, 1, 0, 1],
+]
+
+
+def test_spec_orders_nodes_topologically_with_siblings_in_rank_order():
+    spec = TreeSpec.from_choices([(0, 0, 0), (1,), (0, 1), (0,), (0, 0)])
+    assert spec.choices == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
+    assert spec.parents == (-1, 0, 0, 1, 1, 3)
+    assert spec.depths == (0, 1, 1, 2, 2, 3)
+    assert spec.ranks == (0, 0, 1, 0, 1, 0)
+    assert spec.num_nodes == 6 and spec.max_depth == 3
+    assert spec.children(1) == [3, 4] and spec.children(5) == []
+
+
+@pytest.mark.parametrize(
+    "choices, detail",
+    [
+        ([(0,), (0,)], "appears twice"),
+        ([(0,), (1, 0)], "has no parent (1,)"),
+        ([(0, 0)], "has no parent (0,)"),
+        ([()], "the root"),
+        ([(0,), (-1,)], "non-negative"),
+        ([(0,), (0.5,)], "non-negative"),
+        ([0, 1], "not a tuple"),
+    ],
+)
+def test_non_trees_raise_one_clear_line(choices, detail):
+    with pytest.raises(TreeError) as info:
+        TreeSpec.from_choices(choices)
+    message = str(info.value)
+    assert message.startswith("a tree spec that is not a tree")
+    assert detail in message and "\n" not in message
+
+
+def test_default_tree_is_top_k_along_the_best_path():
+    spec = default_tree(4, (4, 2, 2, 1))
+    assert spec.num_nodes == 1 + 4 + 2 + 2 + 1
+    assert set(spec.choices) == {(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)}
+    assert default_tree(5, (2,)).choices == ((0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0))
+    assert TreeSpec.chain(3).parents == (-1, 0, 1, 2)
+
+
+def test_parse_cli_flags():
+    assert parse_tree("4,2,2,1") == default_tree(4, (4, 2, 2, 1))
+    assert parse_tree(" 1,1,1 ") == TreeSpec.chain(3)
+    assert parse_tree("[[0],[1],[0,0]]") == TreeSpec.from_choices([(0,), (1,), (0, 0)])
+    assert parse_tree("dynamic:6,8,60") == DynamicTreeSpec(6, 8, 60)
+    for bad in ("4,x", "[[0],[0]]", "[[0", "dynamic:6,8", "4,0"):
+        with pytest.raises(TreeError, match="not a tree"):
+            parse_tree(bad)
+
+
+def test_ancestor_mask_positions_and_attention_mask_by_hand():
+    tree = DraftTree.from_lists([9, 8, 7, 6, 5, 4], HAND_PARENTS)
+    assert tree.depths.tolist() == [[0, 1, 1, 2, 2, 3]]
+    anc = ancestor_mask(tree.parents)
+    assert anc[0].int().tolist() == HAND_ANCESTORS
+    assert tree_positions(tree.depths, 5).tolist() == [[5, 6, 6, 7, 7, 8]]
+    mask = tree_attention_mask(tree.parents, prefix_len=3)
+    assert mask.shape == (1, 1, 6, 9)
+    visible = (mask[0, 0] == 0).int().tolist()
+    for i in range(6):
+        assert visible[i] == [1, 1, 1] + HAND_ANCESTORS[i]
+    assert mask.min() == torch.finfo(torch.float32).min
+    assert tree_attention_mask(tree.parents, 0, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_padding_nodes_see_only_themselves_and_are_nobodys_children():
+    tree = DraftTree(
+        tokens=torch.tensor([[1, 2, 3, 4], [1, 2, 0, 0]]),
+        parents=torch.tensor([[-1, 0, 1, 1], [-1, 0, -1, -1]]),
+        depths=torch.tensor([[0, 1, 2, 2], [0, 1, 0, 0]]),
+        num_nodes=torch.tensor([4, 2]),
+    )
+    tree.validate()
+    anc = ancestor_mask(tree.parents)
+    assert anc[1, 2].tolist() == [False, False, True, False]
+    kids = tree.children_table()
+    assert kids[0].tolist() == [[1, -1], [2, 3], [-1, -1], [-1, -1]]
+    assert kids[1].tolist() == [[1, -1], [-1, -1], [-1, -1], [-1, -1]]
+
+
+@pytest.mark.parametrize(
+    "parents, depths, needle",
+    [
+        ([-1, 0, 2], [0, 1, 2], "has parent 2"),
+        ([0, 0, 1], [0, 1, 2], "root's parent"),
+        ([-1, 0, 0], [0, 1, 2], "depth"),
+    ],
+)
+def test_draft_tree_validation(parents, depths, needle):
+    tree = DraftTree(torch.tensor([[1, 2, 3]]), torch.tensor([parents]), torch.tensor([depths]), torch.tensor([3]))
+    with pytest.raises(TreeError, match=needle):
+        tree.validate()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tree_mask_on_a_kv_cache_reproduces_each_paths_own_forward(arch):
+    """One tree forward over a cached prefix gives, at every node, the logits of a plain forward
+    over prefix + that node's path: the mask and positions are what an HF model needs."""
+    model = tiny_causal_lm(arch, vocab_size=50, hidden_size=32, num_layers=2, seed=3)
+    prefix = torch.randint(0, 50, (1, 7), generator=torch.Generator().manual_seed(0))
+    tree = DraftTree.from_lists([11, 12, 13, 14, 15, 16], HAND_PARENTS)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prefix, past_key_values=cache, use_cache=True)
+        out = model(
+            tree.tokens,
+            attention_mask=tree_attention_mask(tree.parents, 7),
+            position_ids=tree_positions(tree.depths, 7),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        assert cache.get_seq_length() == 7 + 6
+        for i in range(6):
+            path = [j for j in range(6) if HAND_ANCESTORS[i][j]]
+            full = model(torch.cat([prefix, tree.tokens[:, path]], dim=1)).logits[0, -1]
+            torch.testing.assert_close(out.logits[0, i], full, atol=1e-5, rtol=1e-5)
+
+
+def _table_expand(table, calls):
+    """An expand whose log-probs depend only on the frontier node's token."""
+
+    def expand(frontier: Frontier):
+        calls.append(list(frontier.nodes))
+        return table[[frontier.tokens[n] for n in frontier.nodes]]
+
+    return expand
+
+
+def test_dynamic_tree_expands_best_frontier_and_keeps_best_budget():
+    torch.manual_seed(0)
+    V, depth, topk, budget = 7, 3, 2, 5
+    table = torch.log_softmax(torch.randn(V, V) * 2, dim=-1)
+    calls = []
+    tree, ids = build_dynamic_tree(_table_expand(table, calls), root_token=3, depth=depth, topk=topk, budget=budget)
+
+    # Brute force the same construction to know every created node and its cumulative score.
+    nodes = [(3, -1, 0.0)]  # (token, parent id, score)
+    frontier = [0]
+    expected_calls = []
+    for _ in range(depth):
+        expected_calls.append(frontier)
+        level = []
+        for parent in frontier:
+            values, tokens = torch.topk(table[nodes[parent][0]], topk)
+            for v, t in zip(values.tolist(), tokens.tolist()):
+                level.append(len(nodes))
+                nodes.append((t, parent, nodes[parent][2] + v))
+        frontier = sorted(sorted(level, key=lambda i: -nodes[i][2])[:topk])
+    assert calls == expected_calls
+    best = sorted(range(1, len(nodes)), key=lambda i: -nodes[i][2])[:budget]
+    assert ids == [0] + sorted(best)
+    assert tree.size == budget + 1
+    assert tree.tokens[0].tolist() == [nodes[i][0] for i in ids]
+    for new, old in enumerate(ids[1:], start=1):
+        assert ids[int(tree.parents[0, new])] == nodes[old][1]  # the kept node's parent is kept
+
+
+def test_dynamic_tree_keeps_ancestors_on_ties():
+    """A token of probability one gives a child the same cumulative log-prob as its parent; the
+    parent must still win the tie, or the kept set would not be a tree."""
+    V = 4
+    table = torch.full((V, V), float("-inf"))
+    table[:, 1] = 0.0  # every node's only live child is token 1, with log-prob exactly 0
+    tree, ids = build_dynamic_tree(_table_expand(table, []), root_token=0, depth=4, topk=3, budget=2)
+    assert tree.parents[0].tolist() == [-1, 0, 1]
+    assert tree.tokens[0].tolist() == [0, 1, 1]
+    assert ids == [0, 1, 2]
+
+
+def test_dynamic_tree_budget_larger_than_the_tree():
+    table = torch.log_softmax(torch.randn(5, 5), dim=-1)
+    tree, ids = build_dynamic_tree(_table_expand(table, []), root_token=0, depth=2, topk=2, budget=100)
+    assert tree.size == 1 + 2 + 4 and ids == list(range(7))
+    # Every node appears once with a parent before it: build_dynamic_tree validated the tree.
+    assert all(p < i for i, p in itertools.islice(enumerate(tree.parents[0].tolist()), 1, None))
