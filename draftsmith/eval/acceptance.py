@@ -1,0 +1,209 @@
+"""Acceptance statistics of speculative decoding, accumulated step by step.
+
+One speculative step drafts up to `max_depth` tokens along a path, runs the target once, accepts
+the longest prefix the verifier agrees with (`accepted` tokens, 0..max_depth) and adds one token of
+its own (the correction at the first rejection, or the bonus token when everything was accepted).
+A step therefore emits `accepted + 1` tokens per target forward.
+
+Depth d (1-based) of a step is *attempted* (judged by the verifier) when every shallower depth
+was accepted and d <= max_depth, i.e. for d = 1 .. min(accepted + 1, max_depth); it is *accepted*
+for d = 1 .. accepted. Drafted tokens past the first rejection are never judged and are not
+counted as attempts: they say nothing about the draft.
+
+The accumulator does not know the runtime: anything that can report (accepted, max_depth) per step
+and (tokens, seconds) per generation can feed it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["AcceptanceStats"]
+
+
+def _ratio(num: float, den: float) -> float | None:
+    # None, not NaN: undefined figures must stay valid JSON and read as "not measured".
+    return num / den if den else None
+
+
+@dataclass
+class AcceptanceStats:
+    """Accumulator for speculative steps, generation timings and baseline timings.
+
+    Feed it with `add_step` (per speculative step), `add_generation` (per speculative generation),
+    `add_baseline` (per plain target-only generation) and optionally `add_assisted` (per
+    generation of another speculative implementation, e.g. transformers' assisted generation).
+    """
+
+    steps: int = 0
+    accepted_tokens: int = 0
+    # Index d - 1 holds depth d.
+    depth_attempts: list[int] = field(default_factory=list)
+    depth_accepts: list[int] = field(default_factory=list)
+    # Index k counts steps that accepted k drafted tokens (emitted k + 1 tokens).
+    accepted_counts: list[int] = field(default_factory=list)
+    generations: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    target_forwards: int = 0
+    baseline_tokens: int = 0
+    baseline_seconds: float = 0.0
+    assisted_tokens: int = 0
+    assisted_seconds: float = 0.0
+    # None once any assisted generation could not report its target forwards.
+    assisted_target_forwards: int | None = 0
+    assisted_generations: int = 0
+
+    # ---- feeding -------------------------------------------------------------------------------
+
+    def add_step(self, accepted: int, max_depth: int) -> None:
+        """One speculative step that accepted `accepted` of a path drafted `max_depth` deep."""
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        if not 0 <= accepted <= max_depth:
+            raise ValueError(f"accepted must be in [0, max_depth={max_depth}], got {accepted}")
+        _grow(self.depth_attempts, max_depth)
+        _grow(self.depth_accepts, max_depth)
+        _grow(self.accepted_counts, max_depth + 1)
+        for d in range(min(accepted + 1, max_depth)):
+            self.depth_attempts[d] += 1
+        for d in range(accepted):
+            self.depth_accepts[d] += 1
+        self.accepted_counts[accepted] += 1
+        self.accepted_tokens += accepted
+        self.steps += 1
+
+    def add_generation(self, new_tokens: int, seconds: float, target_forwards: int) -> None:
+        """One speculative generation: tokens it produced, wall time, target forwards it ran."""
+        _check_timing(new_tokens, seconds)
+        self.generations += 1
+        self.new_tokens += new_tokens
+        self.seconds += seconds
+        self.target_forwards += target_forwards
+
+    def add_baseline(self, new_tokens: int, seconds: float) -> None:
+        """One generation of the same prompt by the target alone (plain autoregressive decoding)."""
+        _check_timing(new_tokens, seconds)
+        self.baseline_tokens += new_tokens
+        self.baseline_seconds += seconds
+
+    def add_assisted(self, new_tokens: int, seconds: float, target_forwards: int | None = None) -> None:
+        """One generation by a reference speculative implementation (transformers' assisted
+        generation); `target_forwards` when it is known."""
+        _check_timing(new_tokens, seconds)
+        self.assisted_generations += 1
+        self.assisted_tokens += new_tokens
+        self.assisted_seconds += seconds
+        if target_forwards is None or self.assisted_target_forwards is None:
+            self.assisted_target_forwards = None
+        else:
+            self.assisted_target_forwards += target_forwards
+
+    # ---- derived figures -----------------------------------------------------------------------
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """tau = mean over steps of (accepted + 1): tokens emitted per target forward."""
+        return _ratio(self.accepted_tokens + self.steps, self.steps)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted depth attempts / depth attempts = sum(accepted) / sum(min(accepted + 1, max_depth)).
+
+        The fraction of drafted tokens the verifier judged that it accepted. For a draft whose
+        tokens are accepted independently with probability alpha this estimates alpha (it is the
+        maximum-likelihood estimate); it is not sum(accepted) / sum(max_depth), which would count
+        tokens past the first rejection that were never judged.
+        """
+        return _ratio(self.accepted_tokens, sum(self.depth_attempts))
+
+    @property
+    def per_depth_acceptance(self) -> list[float | None]:
+        """Entry d - 1 is P(depth d accepted | depth d attempted); None where never attempted."""
+        return [_ratio(a, n) for a, n in zip(self.depth_accepts, self.depth_attempts)]
+
+    @property
+    def accepted_length_histogram(self) -> list[int]:
+        """Entry k counts the steps that accepted k drafted tokens, i.e. emitted k + 1 tokens."""
+        return list(self.accepted_counts)
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """Speculative decoding throughput: new tokens / wall seconds over all generations."""
+        return _ratio(self.new_tokens, self.seconds)
+
+    @property
+    def tokens_per_target_forward(self) -> float | None:
+        """New tokens / target forwards over whole generations (tau seen end to end)."""
+        return _ratio(self.new_tokens, self.target_forwards)
+
+    @property
+    def baseline_tokens_per_second(self) -> float | None:
+        """Target-only throughput: baseline new tokens / baseline seconds."""
+        return _ratio(self.baseline_tokens, self.baseline_seconds)
+
+    @property
+    def speedup(self) -> float | None:
+        """tokens_per_second / baseline_tokens_per_second (wall-clock speedup over the target)."""
+        tps, base = self.tokens_per_second, self.baseline_tokens_per_second
+        return _ratio(tps, base) if tps is not None and base is not None else None
+
+    @property
+    def assisted_tokens_per_second(self) -> float | None:
+        """Throughput of the reference speculative implementation."""
+        return _ratio(self.assisted_tokens, self.assisted_seconds)
+
+    @property
+    def assisted_speedup(self) -> float | None:
+        """assisted_tokens_per_second / baseline_tokens_per_second."""
+        a, base = self.assisted_tokens_per_second, self.baseline_tokens_per_second
+        return _ratio(a, base) if a is not None and base is not None else None
+
+    @property
+    def speedup_vs_assisted(self) -> float | None:
+        """tokens_per_second / assisted_tokens_per_second (> 1: we beat the reference)."""
+        tps, a = self.tokens_per_second, self.assisted_tokens_per_second
+        return _ratio(tps, a) if tps is not None and a is not None else None
+
+    def summary(self) -> dict:
+        """All derived figures and the raw counts behind them, as plain JSON-ready values."""
+        out = {
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "per_depth_acceptance": self.per_depth_acceptance,
+            "accepted_length_histogram": self.accepted_length_histogram,
+            "tokens_per_second": self.tokens_per_second,
+            "baseline_tokens_per_second": self.baseline_tokens_per_second,
+            "speedup": self.speedup,
+            "tokens_per_target_forward": self.tokens_per_target_forward,
+            "steps": self.steps,
+            "accepted_tokens": self.accepted_tokens,
+            "depth_attempts": list(self.depth_attempts),
+            "depth_accepts": list(self.depth_accepts),
+            "generations": self.generations,
+            "new_tokens": self.new_tokens,
+            "seconds": self.seconds,
+            "target_forwards": self.target_forwards,
+            "baseline_tokens": self.baseline_tokens,
+            "baseline_seconds": self.baseline_seconds,
+        }
+        if self.assisted_generations:
+            out.update(
+                assisted_tokens_per_second=self.assisted_tokens_per_second,
+                assisted_speedup=self.assisted_speedup,
+                speedup_vs_assisted=self.speedup_vs_assisted,
+                assisted_tokens_per_target_forward=_ratio(self.assisted_tokens, self.assisted_target_forwards or 0),
+                assisted_tokens=self.assisted_tokens,
+                assisted_seconds=self.assisted_seconds,
+            )
+        return out
+
+
+def _grow(counts: list[int], size: int) -> None:
+    if len(counts) < size:
+        counts.extend([0] * (size - len(counts)))
+
+
+def _check_timing(new_tokens: int, seconds: float) -> None:
+    if new_tokens < 0 or seconds < 0:
+        raise ValueError(f"new_tokens and seconds must be >= 0, got {new_tokens} and {seconds}")
