@@ -51,8 +51,9 @@ def make_accelerator(train: TrainConfig):
     from accelerate.utils import InitProcessGroupKwargs
 
     handlers = []
-    if not torch.cuda.is_available():
-        # On CPU the process group must be gloo (accelerate's default would try NCCL).
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Several CPU processes talk over gloo. In one process, naming a backend would make
+        # accelerate believe it is distributed, so it is set only under a launcher.
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
     return Accelerator(
         mixed_precision=train.mixed_precision,
