@@ -328,7 +328,7 @@ class Frontier:
 
 
 def build_dynamic_tree(
-    expand: Callable[[Frontier], Tensor], root_token: int, depth: int, topk: int, budget: int
+    expand: Callable[[Frontier], Tensor], root_token: int, depth: int, topk: int, budget: int, device=None
 ) -> tuple[DraftTree, list[int]]:
     """Grow an EAGLE-2 style dynamic tree for one sequence (B = 1) and keep its best nodes.
 
@@ -339,7 +339,7 @@ def build_dynamic_tree(
     A child's cumulative log-prob never exceeds its parent's and ties go to the earlier-created node,
     so every kept node's ancestors are kept too.
 
-    Returns (tree with 1 + kept nodes, in topological order; ids) where ``ids[i]`` is the creation
+    Returns (tree with 1 + kept nodes, in topological order, on ``device``; ids) where ``ids[i]`` is the creation
     id that ``expand`` saw for tree node i (ids[0] = 0, the root).
     """
     tokens, parents, depths, scores = [int(root_token)], [-1], [0], [0.0]
@@ -369,6 +369,6 @@ def build_dynamic_tree(
     kept = [0] + sorted(drafted)  # creation order is topological
     new_index = {old: new for new, old in enumerate(kept)}
     tree = DraftTree.from_lists(
-        [tokens[i] for i in kept], [-1] + [new_index[parents[i]] for i in kept[1:]]
+        [tokens[i] for i in kept], [-1] + [new_index[parents[i]] for i in kept[1:]], device=device
     )
     return tree, kept

@@ -203,22 +203,28 @@ def verify_sample(
 ) -> VerifyResult:
     """Lossless sampled verification (rules in the module docstring). target_logits [B,N,V].
 
-    tree.draft_probs [B,N,V] is required: q at each node, processed like the target's p
-    (``logits_to_probs`` with the same temperature / top_k / top_p).
+    tree.draft_probs [B,N,V] is required unless every tree is root-only: q at each node, processed
+    like the target's p (``logits_to_probs`` with the same temperature / top_k / top_p).
 
     uniforms [B,N+1] in [0,1), or None to draw them from ``generator``: column i (1 <= i < N) is
     the acceptance test of node i (used only if node i is tested; column 0 is unused, the root is
     never tested) and column N is the bonus draw, by inverse CDF over the final p.
     """
-    if tree.draft_probs is None:
-        raise ValueError("sampled verification needs tree.draft_probs (the drafter's processed distributions)")
     tree.validate()
     B, N = tree.tokens.shape
     if target_logits.shape[:2] != (B, N):
         raise ValueError(f"target_logits has shape {tuple(target_logits.shape)}; the trees need [{B},{N},V]")
     P = logits_to_probs(target_logits, temperature, top_k, top_p)
-    dtype = torch.promote_types(P.dtype, tree.draft_probs.dtype)
-    P, Q = P.to(dtype), tree.draft_probs.to(dtype)
+    if tree.draft_probs is None:
+        if bool((tree.num_nodes > 1).any()):
+            raise ValueError("sampled verification needs tree.draft_probs (the drafter's processed distributions)")
+        Q = torch.zeros_like(P)  # root-only trees test nothing
+    elif tree.draft_probs.shape != P.shape:
+        raise ValueError(f"draft_probs has shape {tuple(tree.draft_probs.shape)}, target probs {tuple(P.shape)}")
+    else:
+        Q = tree.draft_probs
+    dtype = torch.promote_types(P.dtype, Q.dtype)
+    P, Q = P.to(dtype), Q.to(dtype)
     device = P.device
     if uniforms is None:
         uniforms = torch.rand(B, N + 1, generator=generator, device=device, dtype=dtype)

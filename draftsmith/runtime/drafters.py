@@ -1,0 +1,350 @@
+"""Drafters: whatever proposes a draft tree each step. One protocol, one adapter per draft kind.
+
+The decoding loop (``generate.speculative_generate``) talks to a drafter in this order, batch size 1:
+
+    drafter.reset(prompt)
+    repeat:
+        tree = drafter.propose(state)     # state: DraftState, see below
+        ... the target verifies the tree in one forward ...
+        drafter.accept(result)            # VerifyResult: roll caches back to the accepted path
+
+``DraftState`` hands over everything decided so far plus the target's features of the positions
+that entered the target's KV cache since the previous ``propose`` (the prompt minus its last token
+on the first step, then the accepted path root..best_node). That is what sequential heads (Hydra,
+EAGLE: features along the accepted path) and Medusa (the last of them) read; standalone LMs and
+early-exit self-drafting only need the tokens. A drafter names the decoder layers it wants with
+``required_layers()``; the loop captures them during its target forwards.
+
+Sampling contract (see ``verify``): in "sample" mode the children of a node are distinct tokens
+drawn without replacement, in index order, from the node's processed draft distribution, which goes
+into ``DraftTree.draft_probs``. Drafters here draw them with Gumbel top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Sequence, Union, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from draftsmith.runtime.tree import (
+    DraftTree,
+    DynamicTreeSpec,
+    Frontier,
+    TreeSpec,
+    build_dynamic_tree,
+)
+from draftsmith.runtime.verify import SamplingParams, VerifyResult, logits_to_probs
+
+__all__ = [
+    "DrafterError",
+    "DraftState",
+    "Drafter",
+    "MedusaDrafter",
+    "StandaloneDrafter",
+    "grow_static_tree",
+    "sample_without_replacement",
+    "compact_cache",
+]
+
+
+class DrafterError(RuntimeError):
+    """A drafter that cannot draft as asked (wrong tree depth, sliding-window cache, ...). One line."""
+
+
+@dataclass
+class DraftState:
+    """What a drafter sees before proposing (B = 1).
+
+    tokens [1,T]: every decided token, prompt included; ``tokens[0, -1]`` is the root of the tree
+        to propose and is not yet in the target's KV cache, which holds ``prefix_len = T - 1`` tokens.
+    new_hidden [1,M,D] or None: the target's final (post-norm) hidden states at the M positions that
+        entered its KV cache since the previous propose; ``new_hidden[:, -1]`` is the position whose
+        logits predicted the root. None when M = 0 (a one-token prompt).
+    new_layers {i: [1,M,D]}: the same positions' outputs of decoder layer i (pre-norm, the
+        TargetFeatures convention) for each layer in the drafter's ``required_layers()``.
+    sampling, generator: how the loop chooses tokens; a sampling drafter draws its children with
+        this generator (on the model's device).
+    """
+
+    tokens: Tensor
+    new_hidden: Optional[Tensor] = None
+    new_layers: dict[int, Tensor] = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generator: Optional[torch.Generator] = None
+
+    @property
+    def root(self) -> int:
+        return int(self.tokens[0, -1])
+
+    @property
+    def prefix_len(self) -> int:
+        return self.tokens.shape[1] - 1
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes one draft tree per step (B = 1); see the module docstring for the call order."""
+
+    def required_layers(self) -> Sequence[int]:
+        """Target decoder layers whose outputs the drafter reads from DraftState.new_layers."""
+        ...
+
+    def reset(self, prompt: Tensor) -> None:
+        """Forget everything; a new generation starts from prompt [1,T]."""
+        ...
+
+    def propose(self, state: DraftState) -> DraftTree:
+        """A tree rooted at ``state.root`` (tokens[0,0] must be the root); draft_probs set in sample mode."""
+        ...
+
+    def accept(self, result: VerifyResult) -> None:
+        """The verdict on the last proposed tree: keep what lies on ``result.path``, drop the rest."""
+        ...
+
+
+def sample_without_replacement(probs: Tensor, count: int, generator: Optional[torch.Generator] = None) -> Tensor:
+    """Up to ``count`` distinct tokens [m] drawn one after another without replacement from probs [V]
+    (Gumbel top-k: the order of the perturbed top-k is the draw order). m = min(count, support)."""
+    m = min(count, int((probs > 0).sum()))
+    u = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=torch.float64)
+    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+    return torch.topk(probs.double().log() + gumbel, m).indices
+
+
+def grow_static_tree(
+    spec: TreeSpec,
+    root_token: int,
+    level_logits: Callable[[Frontier], Tensor],
+    sampling: SamplingParams,
+    generator: Optional[torch.Generator] = None,
+    device: Optional[torch.device] = None,
+) -> tuple[DraftTree, list[int]]:
+    """Draft the shape ``spec`` level by level (B = 1); the tree's tensors land on ``device``.
+
+    ``level_logits(frontier) -> logits [F,V]``: the draft's logits after each frontier node (ids
+    are tree node indices of the tree being grown, root = 0). Greedy: the child of rank r is the
+    r-th most likely token. Sample: a node's children are drawn without replacement from
+    ``logits_to_probs`` of its logits, in rank order; when the processed distribution has fewer
+    tokens than the node has children, the extra children (and their subtrees) are left out.
+
+    Returns (tree with draft_probs in sample mode unless it is root-only, spec_ids) where spec_ids[i] is the spec node of
+    tree node i; tree nodes keep the spec's order.
+    """
+    tokens, parents, depths, spec_ids = [int(root_token)], [-1], [0], [0]
+    probs_rows: dict[int, Tensor] = {}
+    level = [0]
+    for _ in range(spec.max_depth):
+        frontier = [n for n in level if spec.children(spec_ids[n])]
+        if not frontier:
+            break
+        logits = level_logits(Frontier(frontier, tokens, parents, depths))
+        next_level = []
+        for row, node in enumerate(frontier):
+            kids = spec.children(spec_ids[node])
+            if sampling.greedy:
+                ranks = [spec.ranks[k] for k in kids]
+                top = torch.topk(logits[row], min(max(ranks) + 1, logits.shape[-1])).indices.tolist()
+                chosen = [(k, top[r]) for k, r in zip(kids, ranks) if r < len(top)]
+            else:
+                q = logits_to_probs(logits[row], sampling.temperature, sampling.top_k, sampling.top_p)
+                probs_rows[node] = q
+                draws = sample_without_replacement(q, len(kids), generator).tolist()
+                chosen = list(zip(kids, draws))
+            for spec_node, token in chosen:
+                next_level.append(len(tokens))
+                tokens.append(int(token))
+                parents.append(node)
+                depths.append(depths[node] + 1)
+                spec_ids.append(spec_node)
+        level = next_level
+    draft_probs = None
+    if probs_rows:
+        first = next(iter(probs_rows.values()))
+        draft_probs = first.new_zeros(len(tokens), first.shape[-1])
+        for node, q in probs_rows.items():
+            draft_probs[node] = q
+    return DraftTree.from_lists(tokens, parents, draft_probs=draft_probs, device=device), spec_ids
+
+
+def compact_cache(cache, prefix_len: int, keep: Sequence[int] | Tensor) -> None:
+    """Keep the first ``prefix_len`` positions of an HF DynamicCache plus positions
+    ``prefix_len + keep[j]`` (keep ascending), packed right after the prefix; drop the rest.
+
+    Works on the cache's layer objects (``cache.layers[i].keys / .values``, [B,H,S,Dh]) in place:
+    the prefix is never copied or recomputed. Sliding-window layers are refused: their tensors do
+    not hold one entry per position.
+    """
+    keep = torch.as_tensor(keep, dtype=torch.long)
+    m = int(keep.numel())
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            raise DrafterError(f"cannot roll back a sliding-window cache layer ({type(layer).__name__}); use full attention")
+        keys = getattr(layer, "keys", None)
+        if keys is None or keys.numel() == 0:
+            continue
+        index = (keep + prefix_len).to(keys.device)
+        # keep[j] >= j, so writing slot prefix+j from slot prefix+keep[j] never reads a slot already
+        # overwritten; the gather copies first anyway.
+        keys[..., prefix_len : prefix_len + m, :] = keys.index_select(-2, index)
+        layer.values[..., prefix_len : prefix_len + m, :] = layer.values.index_select(-2, index)
+        layer.keys = keys[..., : prefix_len + m, :]
+        layer.values = layer.values[..., : prefix_len + m, :]
+
+
+def _root_only(root: int, device=None) -> DraftTree:
+    """A tree without drafted nodes: the target just takes one plain step."""
+    return DraftTree.from_lists([root], [-1], device=device)
+
+
+class MedusaDrafter:
+    """Medusa heads as a drafter: one head call per step, tokens placed into a static tree.
+
+    Head k reads the target's final hidden state at the position that predicted the root and
+    proposes the token k positions after the root, so tree depth d uses head d and a node's
+    candidates do not depend on its parent (Medusa's product tree). Greedy: the rank-r child at depth
+    d is the r-th most likely token of head d. Sample: each node's children are drawn without
+    replacement from head d's processed distribution, independently per node.
+    """
+
+    def __init__(self, head: nn.Module, target, tree: TreeSpec) -> None:
+        if not isinstance(tree, TreeSpec):
+            raise DrafterError("Medusa drafts a static tree (TreeSpec); dynamic trees need a drafter that conditions on the path")
+        if tree.max_depth > head.depth:
+            raise DrafterError(f"the tree is {tree.max_depth} deep but the Medusa head drafts {head.depth} tokens")
+        self.head = head.eval()
+        self.target = target
+        self.tree = tree
+
+    def required_layers(self) -> Sequence[int]:
+        return list(self.head.required_layers())
+
+    def reset(self, prompt: Tensor) -> None:
+        """Medusa heads keep no state between steps."""
+
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> DraftTree:
+        if state.new_hidden is None or state.new_hidden.shape[1] == 0:
+            # Nothing has predicted the root yet (one-token prompt): let the target take one plain step.
+            return _root_only(state.root, state.tokens.device)
+        hidden = state.new_hidden[:, -1]
+        param = next(self.head.parameters(), None)
+        if param is not None:
+            hidden = hidden.to(param.dtype)
+        logits = self.head.draft(hidden, self.target.lm_head)[0]  # [K,V]
+
+        def level_logits(frontier: Frontier) -> Tensor:
+            # depth d nodes get children from head d + 1 (row d)
+            return logits[[frontier.depths[n] for n in frontier.nodes]]
+
+        tree, _ = grow_static_tree(self.tree, state.root, level_logits, state.sampling, state.generator, logits.device)
+        return tree
+
+    def accept(self, result: VerifyResult) -> None:
+        """Nothing to roll back."""
+
+
+class StandaloneDrafter:
+    """A small HF causal LM with its own KV cache (same vocabulary as the target).
+
+    ``tree``: a TreeSpec (``TreeSpec.chain(k)`` for classic speculative decoding, or any static
+    tree, greedy or sampled) or a DynamicTreeSpec (EAGLE-2 style, greedy only). Each step the model
+    first reads the decided tokens it has not seen (the root included), then one forward per tree
+    level over the nodes that get children, with a tree mask on its cache. ``accept`` keeps the
+    cache entries of the accepted path and drops the other tree nodes.
+    """
+
+    def __init__(self, model: nn.Module, tree: Union[TreeSpec, DynamicTreeSpec] = TreeSpec.chain(4)) -> None:
+        self.model = model.eval()
+        self.tree = tree
+        self.cache = None
+        self.cached_len = 0
+        self._slots: dict[int, int] = {}  # node id -> cache position, for the tree being drafted
+        self._tree_ids: list[int] = []  # tree node index -> node id
+        self._prefix = 0  # cache length before the tree nodes (decided tokens, root included)
+        self.reset(None)
+
+    def required_layers(self) -> Sequence[int]:
+        return []
+
+    def reset(self, prompt: Optional[Tensor]) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached_len = 0
+        self._slots, self._tree_ids, self._prefix = {}, [], 0
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def _forward(self, ids: Tensor, positions: Tensor, mask: Optional[Tensor]) -> Tensor:
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache, use_cache=True)
+        return out.logits[0]
+
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> DraftTree:
+        T = state.tokens.shape[1]
+        device = state.tokens.device
+        if self._tree_ids:
+            raise DrafterError("propose was called again before accept: the drafter's cache still holds the last tree")
+        if self.cached_len >= T:
+            raise DrafterError(f"the drafter has seen {self.cached_len} tokens but the state holds {T}; call reset(prompt) first")
+        unseen = state.tokens[:, self.cached_len :]
+        positions = torch.arange(self.cached_len, T, device=device).unsqueeze(0)
+        root_logits = self._forward(unseen, positions, None)[-1]
+        self.cached_len = self._prefix = T
+        logits_of: dict[int, Tensor] = {0: root_logits}
+        self._slots = {0: T - 1}
+
+        def node_logits(frontier: Frontier) -> Tensor:
+            todo = [n for n in frontier.nodes if n not in logits_of]
+            if todo:
+                self._forward_nodes(todo, frontier, T, device, logits_of)
+            return torch.stack([logits_of[n] for n in frontier.nodes])
+
+        if isinstance(self.tree, DynamicTreeSpec):
+            if not state.sampling.greedy:
+                raise DrafterError("dynamic trees draft greedily; sample mode needs a static TreeSpec (a chain or a tree)")
+            spec = self.tree
+
+            def expand(frontier: Frontier) -> Tensor:
+                return torch.log_softmax(node_logits(frontier).float(), dim=-1)
+
+            tree, self._tree_ids = build_dynamic_tree(expand, state.root, spec.depth, spec.topk, spec.budget, device)
+        else:
+            tree, _ = grow_static_tree(self.tree, state.root, node_logits, state.sampling, state.generator, device)
+            self._tree_ids = list(range(tree.size))  # grow_static_tree's frontier ids are tree indices
+        return tree
+
+    def _forward_nodes(self, todo: list[int], frontier: Frontier, T: int, device, logits_of: dict) -> None:
+        """One draft forward over tree nodes ``todo`` on top of the cache (prefix + earlier tree nodes)."""
+        L = self.cached_len
+        n = len(todo)
+        visible = torch.zeros(n, L + n, dtype=torch.bool, device=device)
+        visible[:, :T] = True  # decided tokens, root included
+        for row, node in enumerate(todo):
+            ancestor = frontier.parents[node]
+            while ancestor > 0:
+                visible[row, self._slots[ancestor]] = True
+                ancestor = frontier.parents[ancestor]
+            visible[row, L + row] = True
+        mask = torch.zeros(1, 1, n, L + n, dtype=self._dtype, device=device)
+        mask.masked_fill_(~visible.view(1, 1, n, L + n), torch.finfo(self._dtype).min)
+        ids = torch.tensor([[frontier.tokens[i] for i in todo]], device=device)
+        positions = torch.tensor([[T - 1 + frontier.depths[i] for i in todo]], device=device)
+        logits = self._forward(ids, positions, mask)
+        for row, node in enumerate(todo):
+            self._slots[node] = L + row
+            logits_of[node] = logits[row]
+        self.cached_len = L + n
+
+    def accept(self, result: VerifyResult) -> None:
+        """Keep the decided tokens and the accepted path's tree entries; drop the other nodes."""
+        a = int(result.accept_len[0])
+        path = [self._tree_ids[int(i)] for i in result.path[0, 1 : a + 1]]
+        # Path nodes that got children were forwarded; the last one may not have been.
+        kept = [self._slots[node] - self._prefix for node in path if node in self._slots]
+        compact_cache(self.cache, self._prefix, kept)
+        self.cached_len = self._prefix + len(kept)
+        self._slots, self._tree_ids = {}, []

@@ -1,0 +1,265 @@
+"""The speculative decoding loop with KV-cache bookkeeping, and the plain autoregressive baseline.
+
+Batch size 1. Each step: the drafter proposes a tree rooted at the last decided token, the target
+reads all tree nodes in ONE forward (tree attention mask, tree position ids) on top of its
+DynamicCache, the tree is verified, and the cache keeps the accepted path's entries and drops the
+others by moving tensors (the prefix is never recomputed). The step emits the accepted tokens plus
+the bonus token, which becomes the next root. Greedy output is token-identical to the target's own
+greedy decoding (in fp32; bf16 rounding differs between one-token and many-token forwards and can
+flip near-ties), and sampled output follows the target's processed distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from draftsmith.runtime.drafters import Drafter, DrafterError, DraftState, compact_cache
+from draftsmith.runtime.tree import DraftTree, tree_attention_mask, tree_positions
+from draftsmith.runtime.verify import SamplingParams, VerifyResult, logits_to_probs, verify
+
+__all__ = ["GenerationStats", "TargetSession", "speculative_generate", "autoregressive_generate"]
+
+
+@dataclass
+class GenerationStats:
+    """What one generation did.
+
+    accept_lens[s]: drafted tokens accepted at step s (the step emitted accept_lens[s] + 1 tokens,
+        fewer only when EOS or max_new_tokens cut it short). draft_depths[s]: the deepest node of
+        step s's tree. depth_attempts[d-1] / depth_accepts[d-1]: steps in which a drafted token at
+        depth d was judged (the step reached depth d-1 and the node reached there had children) /
+        accepted. target_forwards: target forward passes, the prefill included. new_tokens: tokens
+        emitted. wall_time: seconds for the whole call; draft_time: seconds inside the drafter.
+    The autoregressive baseline reports one step per token, each with accept_len 0.
+    """
+
+    accept_lens: list[int] = field(default_factory=list)
+    draft_depths: list[int] = field(default_factory=list)
+    depth_attempts: list[int] = field(default_factory=list)
+    depth_accepts: list[int] = field(default_factory=list)
+    target_forwards: int = 0
+    new_tokens: int = 0
+    wall_time: float = 0.0
+    draft_time: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.accept_lens)
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Mean accepted drafted tokens per step (tau - 1 in the papers' notation)."""
+        return sum(self.accept_lens) / len(self.accept_lens) if self.accept_lens else 0.0
+
+    def record_step(self, tree: DraftTree, result: VerifyResult) -> None:
+        a = int(result.accept_len[0])
+        self.accept_lens.append(a)
+        self.draft_depths.append(tree.max_depth)
+        has_children = set(tree.parents[0, 1 : int(tree.num_nodes[0])].tolist())
+        # Depth d is judged when the node reached at depth d-1 had children: depths 1..a always
+        # (the path continued), depth a+1 when the best node has children.
+        attempted = a + int(int(result.best_node[0]) in has_children)
+        for counts, n in ((self.depth_attempts, attempted), (self.depth_accepts, a)):
+            counts.extend([0] * max(0, n - len(counts)))
+            for d in range(n):
+                counts[d] += 1
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(steps=self.steps, mean_accept_len=self.mean_accept_len)
+        return out
+
+
+class TargetSession:
+    """The frozen target and its KV cache during one generation (B = 1).
+
+    ``length`` tokens are cached. ``prefill`` appends tokens; ``forward_tree`` appends a tree's N
+    nodes (cache slots length .. length+N-1, node i at slot length+i); ``keep`` then keeps only the
+    accepted path's slots, packed after the prefix.
+    """
+
+    def __init__(self, target, layers: Sequence[int] = ()) -> None:
+        self.target = target
+        self.layers = list(layers)
+        self.cache = DynamicCache(config=target.model.config)
+        self.length = 0
+        self._tree_base: Optional[int] = None
+
+    def _run(self, ids: Tensor, positions: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, dict[int, Tensor]]:
+        base = self.target.model.base_model
+        with self.target.capture(self.layers) as captured:
+            out = base(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        n = len(self.target.layers)
+        return out.last_hidden_state, {i: captured[i % n] for i in self.layers}
+
+    @torch.no_grad()
+    def prefill(self, ids: Tensor) -> tuple[Tensor, dict[int, Tensor]]:
+        """Append ids [1,M] to the cache. Returns (final hidden [1,M,D], {layer: [1,M,D]})."""
+        positions = torch.arange(self.length, self.length + ids.shape[1], device=ids.device).unsqueeze(0)
+        hidden, layers = self._run(ids, positions, None)
+        self.length += ids.shape[1]
+        return hidden, layers
+
+    @torch.no_grad()
+    def forward_tree(self, tree: DraftTree) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
+        """One forward over a tree's nodes. Returns (logits [1,N,V], final hidden [1,N,D], layers)."""
+        mask = tree_attention_mask(tree.parents, self.length, self.target.dtype)
+        hidden, layers = self._run(tree.tokens, tree_positions(tree.depths, self.length), mask)
+        self._tree_base = self.length
+        self.length += tree.size
+        return self.target.lm_head(hidden), hidden, layers
+
+    def keep(self, path: Union[Tensor, Sequence[int]]) -> None:
+        """Keep the entries of tree nodes ``path`` (ascending node indices, root first) of the last
+        forward_tree, drop the other nodes' entries."""
+        if self._tree_base is None:
+            raise DrafterError("keep() needs a forward_tree() first")
+        path = torch.as_tensor(path, dtype=torch.long)
+        compact_cache(self.cache, self._tree_base, path)
+        self.length = self._tree_base + int(path.numel())
+        self._tree_base = None
+
+
+def _eos_set(eos_token_id: Union[int, Iterable[int], None]) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return {int(t) for t in eos_token_id}
+
+
+def _check_prompt(input_ids: Tensor, max_new_tokens: int) -> None:
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must have shape [1,T] with T >= 1 (batch size 1), got {tuple(input_ids.shape)}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+
+
+@torch.no_grad()
+def speculative_generate(
+    target,
+    drafter: Drafter,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    mode: str = "greedy",
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: Union[int, Iterable[int], None] = None,
+    generator: Optional[torch.Generator] = None,
+    verify_fn: Callable[..., VerifyResult] = verify,
+) -> tuple[Tensor, GenerationStats]:
+    """Speculative decoding with ``drafter`` against ``target`` (a FrozenTarget), batch size 1.
+
+    input_ids [1,T] (T >= 1, on the target's device). Returns (output_ids [1,T+n] = prompt + n new
+    tokens, stats). Stops after the first EOS (emitted, as in HF ``generate``) or after
+    ``max_new_tokens``; never emits past either. eos_token_id: an id, several, or None (no EOS).
+    mode "greedy" or "sample" with temperature / top_k / top_p (``logits_to_probs``); ``generator``
+    drives the drafter's draws and the verification. ``verify_fn`` defaults to the torch reference;
+    ``draftsmith.runtime.kernels.fused_verify`` takes the same arguments.
+    """
+    _check_prompt(input_ids, max_new_tokens)
+    sampling = SamplingParams(mode, temperature, top_k, top_p)
+    eos = _eos_set(eos_token_id)
+    stats = GenerationStats()
+    start = time.perf_counter()
+    session = TargetSession(target, drafter.required_layers())
+    drafter.reset(input_ids)
+    tokens = input_ids
+    # The last prompt token is the first root: it enters the cache with the first tree.
+    hidden, layers = None, {}
+    if input_ids.shape[1] > 1:
+        hidden, layers = session.prefill(input_ids[:, :-1])
+        stats.target_forwards += 1
+    new: list[int] = []
+    finished = max_new_tokens == 0
+    while not finished:
+        state = DraftState(tokens=tokens, new_hidden=hidden, new_layers=layers, sampling=sampling, generator=generator)
+        t0 = time.perf_counter()
+        tree = drafter.propose(state)
+        stats.draft_time += time.perf_counter() - t0
+        if tree.batch_size != 1 or int(tree.tokens[0, 0]) != state.root:
+            raise DrafterError(f"{type(drafter).__name__} proposed a tree whose root is not the last decided token")
+        logits, tree_hidden, tree_layers = session.forward_tree(tree)
+        stats.target_forwards += 1
+        if sampling.greedy:
+            result = verify_fn(tree, logits, mode="greedy")
+        else:
+            result = verify_fn(
+                tree, logits, mode="sample", temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+            )
+        t0 = time.perf_counter()
+        drafter.accept(result)
+        stats.draft_time += time.perf_counter() - t0
+        stats.record_step(tree, result)
+
+        a = int(result.accept_len[0])
+        path = result.path[0, : a + 1]
+        session.keep(path)
+        emitted = result.accepted_tokens[0, :a].tolist() + [int(result.bonus[0])]
+        for token in emitted:
+            new.append(token)
+            if token in eos or len(new) >= max_new_tokens:
+                finished = True
+                break
+        tokens = torch.cat([tokens, torch.tensor([emitted], dtype=tokens.dtype, device=tokens.device)], dim=1)
+        # The next drafter sees the target's features of the positions just cached: the path.
+        path = path.to(tree_hidden.device)
+        hidden = tree_hidden[:, path]
+        layers = {i: h[:, path] for i, h in tree_layers.items()}
+    stats.new_tokens = len(new)
+    stats.wall_time = time.perf_counter() - start
+    out = torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)
+    return torch.cat([input_ids, out], dim=1), stats
+
+
+@torch.no_grad()
+def autoregressive_generate(
+    target,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    mode: str = "greedy",
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: Union[int, Iterable[int], None] = None,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[Tensor, GenerationStats]:
+    """The target alone, one token per forward on its KV cache: the baseline for speedups.
+
+    Same arguments, stopping rules and return value as ``speculative_generate`` (batch size 1).
+    Sampling draws from ``logits_to_probs`` with ``torch.multinomial``.
+    """
+    _check_prompt(input_ids, max_new_tokens)
+    sampling = SamplingParams(mode, temperature, top_k, top_p)
+    eos = _eos_set(eos_token_id)
+    stats = GenerationStats()
+    start = time.perf_counter()
+    session = TargetSession(target)
+    new: list[int] = []
+    ids = input_ids
+    while len(new) < max_new_tokens:
+        hidden, _ = session.prefill(ids)
+        stats.target_forwards += 1
+        logits = target.lm_head(hidden[:, -1])[0]
+        if sampling.greedy:
+            token = int(logits.argmax())
+        else:
+            probs = logits_to_probs(logits, temperature, top_k, top_p)
+            token = int(torch.multinomial(probs, 1, generator=generator))
+        new.append(token)
+        stats.accept_lens.append(0)
+        stats.draft_depths.append(0)
+        if token in eos:
+            break
+        ids = torch.tensor([[token]], dtype=input_ids.dtype, device=input_ids.device)
+    stats.new_tokens = len(new)
+    stats.wall_time = time.perf_counter() - start
+    out = torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)
+    return torch.cat([input_ids, out], dim=1), stats
