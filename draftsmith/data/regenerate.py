@@ -1,0 +1,268 @@
+"""Assistant turns rewritten by the target, so the drafter learns the target's own distribution.
+
+Conversations are answered turn by turn: the target sees the conversation up to a user turn (with
+its own earlier answers), generates, its answer is appended, and the next user turn follows.
+Generation is batched with left padding through ``model.generate``.
+
+Determinism: greedy decoding is a pure function of the prompt. Sampling draws each token from a
+torch.Generator owned by one (conversation, turn), seeded from (cfg.seed, conversation index,
+turn), so a conversation's answer does not depend on which batch it lands in, and a resumed run
+gives the same answers as an uninterrupted one.
+
+The cache is a JSONL file, one line per finished conversation with its index and a key hashing the
+source conversation and the generation settings; lines are appended and flushed after every batch.
+A rerun skips every conversation whose line is there, and a half-written last line (a run killed
+mid-write) is cut off before appending.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from draftsmith.data.chat import render_chat
+from draftsmith.data.errors import DataError
+from draftsmith.recipe import RegenerateConfig
+
+Conversation = list[dict]
+
+
+def stop_token_ids(tokenizer: Any) -> list[int]:
+    """Token ids that end an answer: the tokenizer's eos and ChatML's ``<|im_end|>`` when it exists."""
+    ids = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end not in ids:
+        ids.append(im_end)
+    if not ids:
+        raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')} has no eos token; regeneration cannot tell where answers end")
+    return ids
+
+
+def _split(conversation: Conversation, max_turns: Optional[int]) -> tuple[Conversation, list[str]]:
+    """(leading system message or [], the user turns to answer)."""
+    system = [dict(conversation[0])] if conversation and conversation[0]["role"] == "system" else []
+    users = [m["content"] for m in conversation if m["role"] == "user"]
+    return system, users[:max_turns] if max_turns is not None else users
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:20]
+
+
+def _settings(cfg: RegenerateConfig, max_length: Optional[int]) -> dict:
+    # batch_size is left out: it changes how work is grouped, not what is generated.
+    return {
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "max_turns": cfg.max_turns,
+        "seed": cfg.seed,
+        "max_length": max_length,
+    }
+
+
+def _turn_seed(seed: int, index: int, turn: int) -> int:
+    digest = hashlib.sha256(f"draftsmith-regenerate:{seed}:{index}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
+    """Zero out the tail of each distribution [B,V] beyond cumulative mass top_p (the most likely
+    token always stays), renormalized."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # Keep a token if the mass strictly before it is below top_p.
+    before = sorted_probs.cumsum(-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+    filtered = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return filtered / filtered.sum(-1, keepdim=True)
+
+
+def _row_sampler(generators: list[torch.Generator], temperature: float, top_p: float):
+    from transformers import LogitsProcessor
+
+    class RowSampler(LogitsProcessor):
+        """Samples each row with its own generator, then leaves only that token: generate's greedy
+        step picks it. One draw per row per step, so row r's k-th token uses its k-th draw."""
+
+        def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+            dtype = torch.promote_types(scores.dtype, torch.float32)
+            probs = torch.softmax(scores.to(dtype) / temperature, dim=-1)
+            probs = top_p_filter(probs, top_p).cpu()
+            chosen = torch.stack([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generators)])
+            out = torch.full_like(scores, float("-inf"))
+            return out.scatter(-1, chosen.to(scores.device), 0.0)
+
+    return RowSampler()
+
+
+def _row_budget(prompt_width: int, budgets: list[int]):
+    from transformers import StoppingCriteria
+
+    class RowBudget(StoppingCriteria):
+        """Marks a row finished once it has generated its own token budget."""
+
+        def __init__(self) -> None:
+            self.budgets = torch.tensor(budgets)
+
+        def __call__(self, input_ids: Tensor, scores, **kwargs) -> Tensor:
+            generated = input_ids.shape[1] - prompt_width
+            return (generated >= self.budgets).to(input_ids.device)
+
+    return RowBudget()
+
+
+def _read_cache(cache_file: Path, keys: list[str]) -> dict[int, Conversation]:
+    """Finished conversations in the cache, by index; repairs a half-written last line."""
+    if not cache_file.is_file():
+        return {}
+    data = cache_file.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(cache_file, "r+b") as fh:
+            fh.truncate(end)
+    done: dict[int, Conversation] = {}
+    for line in data[:end].splitlines():
+        try:
+            record = json.loads(line)
+            index = record["index"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a damaged line is just redone
+        if isinstance(index, int) and 0 <= index < len(keys) and record.get("key") == keys[index]:
+            done[index] = record["messages"]
+    return done
+
+
+@torch.no_grad()
+def _generate_turn(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    budgets: list[int],
+    generators: Optional[list[torch.Generator]],
+    cfg: RegenerateConfig,
+    stop_ids: list[int],
+    pad_id: int,
+) -> list[tuple[str, bool]]:
+    """Answers to a batch of tokenized prompts: (text, complete) per prompt, complete meaning the
+    target ended the answer itself rather than running into its token budget."""
+    from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.as_tensor(prompt)  # left padding
+        attention_mask[row, width - len(prompt) :] = 1
+    # A fresh config: the model's own generation_config may ask for sampling or penalties.
+    config = GenerationConfig(
+        max_new_tokens=max(budgets),
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_id,
+    )
+    processors = LogitsProcessorList([_row_sampler(generators, cfg.temperature, cfg.top_p)] if generators else [])
+    out = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        generation_config=config,
+        logits_processor=processors,
+        stopping_criteria=StoppingCriteriaList([_row_budget(width, budgets)]),
+    )
+    answers = []
+    for row, budget in enumerate(budgets):
+        tokens = out[row, width : width + budget].tolist()
+        stop = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+        text = tokenizer.decode(tokens[:stop] if stop is not None else tokens, skip_special_tokens=True)
+        answers.append((text, stop is not None))
+    return answers
+
+
+def regenerate_conversations(
+    model: Any,
+    tokenizer: Any,
+    conversations: Sequence[Conversation],
+    cfg: RegenerateConfig,
+    cache_file: Path,
+    progress: bool = True,
+    max_length: Optional[int] = None,
+) -> list[Conversation]:
+    """Conversations whose assistant turns are written by ``model`` (an HF causal LM).
+
+    Each conversation keeps its system message and its first ``cfg.max_turns`` user turns (all when
+    None); every user turn is followed by the target's answer: greedy when cfg.temperature == 0,
+    else sampled with temperature and top_p; at most cfg.max_new_tokens tokens, ending at eos /
+    ``<|im_end|>``. Assistant messages carry ``"complete": False`` when the answer hit its token
+    budget instead of ending (its closing token is then not trained on, see tokenize_conversation).
+
+    ``max_length`` (the training sequence length) bounds the work: a turn whose prompt already has
+    max_length tokens is not generated (the conversation ends before it), and an answer stops at
+    max_length tokens in all, because training truncates everything beyond.
+
+    Results are appended to ``cache_file`` (JSONL) after every batch of cfg.batch_size
+    conversations; a rerun continues where an interrupted one stopped. Returns the conversations
+    in input order.
+    """
+    cache_file = Path(cache_file)
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    settings = _settings(cfg, max_length)
+    keys = [_digest({"conversation": c, "settings": settings}) for c in conversations]
+    done = _read_cache(cache_file, keys)
+    stop_ids = stop_token_ids(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    sampling = cfg.temperature > 0
+
+    plans = {i: _split(c, cfg.max_turns) for i, c in enumerate(conversations)}
+    # Similar prompt lengths share a batch, so little compute goes to padding.
+    todo = sorted((i for i in range(len(conversations)) if i not in done), key=lambda i: (sum(len(m["content"]) for m in conversations[i][:2]), i))
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(conversations), initial=len(done), desc="regenerate", unit="conv", disable=not progress, dynamic_ncols=True)
+    try:
+        with open(cache_file, "a", encoding="utf-8") as cache:
+            for start in range(0, len(todo), cfg.batch_size):
+                batch = todo[start : start + cfg.batch_size]
+                messages = {i: list(plans[i][0]) for i in batch}
+                active = [i for i in batch if plans[i][1]]
+                turn = 0
+                while active:
+                    prompts, budgets, rows = [], [], []
+                    for i in active:
+                        text = render_chat(tokenizer, messages[i] + [{"role": "user", "content": plans[i][1][turn]}], add_generation_prompt=True)
+                        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+                        budget = cfg.max_new_tokens if max_length is None else min(cfg.max_new_tokens, max_length - len(prompt))
+                        if budget <= 0:
+                            continue  # no room left for an answer: the conversation ends here
+                        prompts.append(prompt)
+                        budgets.append(budget)
+                        rows.append(i)
+                    if not rows:
+                        break
+                    generators = [torch.Generator().manual_seed(_turn_seed(cfg.seed, i, turn)) for i in rows] if sampling else None
+                    answers = _generate_turn(model, tokenizer, prompts, budgets, generators, cfg, stop_ids, pad_id)
+                    for i, (text, complete) in zip(rows, answers):
+                        messages[i].append({"role": "user", "content": plans[i][1][turn]})
+                        messages[i].append({"role": "assistant", "content": text, "complete": complete})
+                    turn += 1
+                    active = [i for i in rows if turn < len(plans[i][1])]
+                lines = "".join(json.dumps({"index": i, "key": keys[i], "messages": messages[i]}, ensure_ascii=False) + "\n" for i in batch)
+                cache.write(lines)
+                cache.flush()
+                os.fsync(cache.fileno())
+                done.update(messages)
+                bar.update(len(batch))
+    finally:
+        bar.close()
+    return [done[i] for i in range(len(conversations))]
