@@ -111,6 +111,68 @@ def cmd_push(args) -> int:
     return 0
 
 
+def _add_decoding_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", required=True, help="an export folder, a run/checkpoint folder, or an HF causal-LM folder")
+    p.add_argument("--target", default=None, help="override the target the drafter recorded")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="target precision (default: as recorded)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--tree", default=None, help='widths per depth "4,2,2,1", a JSON choice list, or "dynamic:DEPTH,TOPK,BUDGET"')
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_generate(args) -> int:
+    from draftsmith.eval.run import generate_one, load_drafter
+
+    loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype)
+    text, new, stats = generate_one(
+        loaded, [{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed
+    )
+    print(text)
+    tau = (sum(stats.accept_lens) + stats.steps) / max(stats.steps, 1)
+    print(
+        f"\n[{loaded.kind} drafter] {stats.new_tokens} tokens in {stats.steps} target steps: "
+        f"mean accepted length {tau:.2f}, {stats.new_tokens / max(stats.wall_time, 1e-9):.1f} tokens/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from draftsmith.eval.report import write_report
+    from draftsmith.eval.run import evaluate, load_drafter, load_prompts
+
+    prompts = load_prompts(args.prompts, args.limit)
+    loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype)
+    stats, extra = evaluate(
+        loaded, prompts, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+        baseline=True, assisted=loaded.kind == "standalone" and not args.no_assisted,
+    )
+    meta = {
+        "target": loaded.target_path,
+        "drafter": str(loaded.folder),
+        "drafter_kind": loaded.kind,
+        "prompts": args.prompts,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "tree": args.tree or "default",
+        "target_dtype": str(loaded.target.dtype).replace("torch.", ""),
+        **extra,
+    }
+    report = write_report(stats, args.out, meta)
+    print(
+        f"mean accepted length {report['mean_accepted_length']:.3f}, acceptance rate {report['acceptance_rate']:.3f}, "
+        f"speedup {report['speedup']:.2f}x over plain decoding"
+    )
+    print(f"report: {Path(args.out).resolve()}/report.md (also report.json, report.png)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,12 +205,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true")
     p.set_defaults(func=cmd_push)
 
-    try:
-        from draftsmith.runtime.cli import add_runtime_commands
-    except ImportError:
-        pass
-    else:
-        add_runtime_commands(sub)
+    p = sub.add_parser("generate", help="speculative generation for one prompt, with acceptance statistics")
+    _add_decoding_args(p)
+    p.add_argument("--prompt", required=True)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("eval", help="acceptance and speedup over a prompt set -> report.json/.md/.png")
+    _add_decoding_args(p)
+    p.add_argument("--prompts", required=True, help='a JSONL/JSON file (prompt or messages) or "mtbench", "humaneval", "sharegpt"')
+    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--out", required=True, help="folder for report.json, report.md, report.png")
+    p.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation (standalone drafters)")
+    p.set_defaults(func=cmd_eval)
     return parser
 
 

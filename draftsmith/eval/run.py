@@ -1,0 +1,246 @@
+"""Run a drafter on prompts and measure it: the engine behind `draftsmith generate` and `draftsmith eval`.
+
+A drafter folder is any of: a head export (config.json with a "draftsmith" block), a head-trainer
+checkpoint or run folder, or a plain HF causal-LM folder (a standalone or distilled drafter). The
+target comes from what the drafter recorded (its config or recipe.yaml) unless overridden.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from draftsmith.eval.acceptance import AcceptanceStats
+from draftsmith.runtime.drafters import DrafterError, MedusaDrafter, StandaloneDrafter
+from draftsmith.runtime.generate import autoregressive_generate, speculative_generate
+from draftsmith.runtime.tree import DynamicTreeSpec, TreeSpec, default_tree, parse_tree
+from draftsmith.target import FrozenTarget, load_causal_lm
+
+
+@dataclass
+class LoadedDrafter:
+    """A drafter ready to run, the target it drafts for, and where both came from."""
+
+    kind: str  # "medusa", ... or "standalone"
+    drafter: Any
+    target: FrozenTarget
+    folder: Path
+    target_path: str
+    draft_model: Any = None  # the HF model of a standalone drafter (for assisted generation)
+    meta: dict = field(default_factory=dict)
+
+
+def _recorded_target(folder: Path) -> Optional[dict]:
+    """The target section a drafter folder recorded: its recipe.yaml, or a parent run's."""
+    from omegaconf import OmegaConf
+
+    for candidate in (folder / "recipe.yaml", folder.parent / "recipe.yaml", folder.parent.parent / "recipe.yaml"):
+        if candidate.is_file():
+            data = OmegaConf.to_container(OmegaConf.load(candidate)) or {}
+            if isinstance(data, dict) and isinstance(data.get("target"), dict):
+                return data["target"]
+    return None
+
+
+def _check_vocab(draft_tokenizer, target_tokenizer, folder: Path, target_path: str) -> None:
+    if draft_tokenizer is None or target_tokenizer is None:
+        return
+    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise DrafterError(
+            f"drafter {folder} uses a different tokenizer than target {target_path} "
+            f"({len(draft_tokenizer)} vs {len(target_tokenizer)} tokens); speculative decoding needs the same vocabulary"
+        )
+
+
+def load_drafter(
+    folder: str | Path,
+    target: Optional[str] = None,
+    tree: Optional[str] = None,
+    dtype: Optional[str] = None,
+) -> LoadedDrafter:
+    """Load a drafter folder and its target. `tree` is a spec for parse_tree (default per drafter)."""
+    from draftsmith.export import ExportError, load_head
+
+    folder = Path(folder)
+    if not folder.exists():
+        raise DrafterError(f"drafter folder not found: {folder}")
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    is_lm = bool(config) and "draftsmith" not in config and "model_type" in config
+    spec = parse_tree(tree) if tree else None
+
+    if is_lm:
+        recorded = _recorded_target(folder)
+        target_path = target or (recorded or {}).get("path")
+        if not target_path:
+            raise DrafterError(f"{folder} does not record its target (no recipe.yaml): pass --target")
+        target_dtype = dtype or (recorded or {}).get("dtype", "float32")
+        tgt = FrozenTarget.load(target_path, target_dtype, (recorded or {}).get("gguf_file") if not target else None)
+        model, tokenizer = load_causal_lm(str(folder), target_dtype)
+        _check_vocab(tokenizer, tgt.tokenizer, folder, target_path)
+        if model.get_output_embeddings().weight.shape[0] != tgt.dims.vocab_size:
+            raise DrafterError(
+                f"drafter {folder} has a vocabulary of {model.get_output_embeddings().weight.shape[0]}, "
+                f"target {target_path} of {tgt.dims.vocab_size}"
+            )
+        drafter = StandaloneDrafter(model.eval(), spec or TreeSpec.chain(4))
+        return LoadedDrafter("standalone", drafter, tgt, folder, target_path, draft_model=model)
+
+    try:
+        loaded = load_head(folder)
+    except ExportError as err:
+        raise DrafterError(str(err)) from None
+    recorded = _recorded_target(loaded.folder) or {}
+    target_path = target or loaded.target.get("path") or recorded.get("path")
+    target_dtype = dtype or recorded.get("dtype", "float32")
+    tgt = FrozenTarget.load(target_path, target_dtype, recorded.get("gguf_file") if not target else None)
+    want, have = loaded.target, tgt.dims
+    if (want["hidden_size"], want["vocab_size"]) != (have.hidden_size, have.vocab_size):
+        raise DrafterError(
+            f"drafter {folder} was trained for a target with hidden size {want['hidden_size']} and vocabulary "
+            f"{want['vocab_size']}; {target_path} has hidden size {have.hidden_size} and vocabulary {have.vocab_size}"
+        )
+    head = loaded.head.to(tgt.device)
+    kind = head.cfg.kind
+    if isinstance(spec, DynamicTreeSpec):
+        raise DrafterError(f"{kind} heads draft a static tree; give --tree as widths per depth (e.g. 4,2,2)")
+    spec = spec or default_tree(depth=head.depth)
+    if spec.max_depth > head.depth:
+        raise DrafterError(f"--tree is {spec.max_depth} deep but the {kind} head drafts only {head.depth} tokens")
+    drafter = MedusaDrafter(head, tgt, spec)
+    return LoadedDrafter(kind, drafter, tgt, folder, target_path, meta={"head": loaded.metrics})
+
+
+def load_prompts(spec: str, limit: Optional[int] = None) -> list[list[dict]]:
+    """Prompts as chat messages ending with a user turn: a JSONL/JSON file (`prompt` field or chat
+    `messages`) or a built-in set ("mtbench", "humaneval", "sharegpt"). Only the first user turn
+    (with any system message before it) of each conversation is kept."""
+    from draftsmith.data import DataError, load_conversations
+
+    conversations = load_conversations(spec, format="auto", limit=None)
+    prompts = []
+    for conv in conversations:
+        head = []
+        for message in conv:
+            head.append({"role": message["role"], "content": message["content"]})
+            if message["role"] == "user":
+                break
+        if head and head[-1]["role"] == "user" and head[-1]["content"].strip():
+            prompts.append(head)
+        if limit is not None and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise DataError(f"no usable prompts in {spec}: each record needs a `prompt` field or chat `messages` with a user turn")
+    return prompts
+
+
+def encode_prompt(tokenizer, messages: list[dict], device) -> Tensor:
+    """Chat messages -> input_ids [1,T] with the generation prompt, via the tokenizer's template."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        text = "\n".join(m["content"] for m in messages)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return ids.to(device)
+
+
+def _eos(tokenizer, model) -> list[int]:
+    ids = set()
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return sorted(ids)
+
+
+def _sampling(temperature: float, top_k: int, top_p: float) -> dict:
+    if temperature <= 0:
+        return {"mode": "greedy"}
+    return {"mode": "sample", "temperature": temperature, "top_k": top_k, "top_p": top_p}
+
+
+def generate_one(
+    loaded: LoadedDrafter, messages: list[dict], max_new_tokens: int, temperature: float = 0.0,
+    top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+):
+    """Speculative generation for one prompt. Returns (completion text, new token ids, GenerationStats)."""
+    tok = loaded.target.tokenizer
+    ids = encode_prompt(tok, messages, loaded.target.device)
+    gen = torch.Generator(device=loaded.target.device).manual_seed(seed)
+    out, stats = speculative_generate(
+        loaded.target, loaded.drafter, ids, max_new_tokens, eos_token_id=_eos(tok, loaded.target.model),
+        generator=gen, **_sampling(temperature, top_k, top_p),
+    )
+    new = out[0, ids.shape[1]:]
+    return tok.decode(new, skip_special_tokens=True), new, stats
+
+
+def _count_forwards(model):
+    """Count a model's forward calls (assisted generation's target passes)."""
+    counter = {"n": 0}
+
+    def hook(*_):
+        counter["n"] += 1
+
+    return counter, model.register_forward_pre_hook(hook)
+
+
+def evaluate(
+    loaded: LoadedDrafter,
+    prompts: list[list[dict]],
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    baseline: bool = True,
+    assisted: bool = False,
+    progress: bool = True,
+) -> tuple[AcceptanceStats, dict]:
+    """Speculative decoding over `prompts`, plus plain decoding of the same target in the same
+    process, plus transformers' assisted generation when asked (standalone drafters). Returns the
+    stats and extra figures (greedy outputs identical to the baseline, draft time)."""
+    from tqdm.auto import tqdm
+
+    target, tok = loaded.target, loaded.target.tokenizer
+    eos = _eos(tok, target.model)
+    sampling = _sampling(temperature, top_k, top_p)
+    stats = AcceptanceStats()
+    identical, draft_time = 0, 0.0
+    for i, messages in enumerate(tqdm(prompts, desc="eval", disable=not progress, dynamic_ncols=True)):
+        ids = encode_prompt(tok, messages, target.device)
+        gen = torch.Generator(device=target.device).manual_seed(seed + i)
+        out, g = speculative_generate(target, loaded.drafter, ids, max_new_tokens, eos_token_id=eos, generator=gen, **sampling)
+        for accepted, depth in zip(g.accept_lens, g.draft_depths):
+            stats.add_step(accepted, max(depth, 1))
+        stats.add_generation(g.new_tokens, g.wall_time, g.target_forwards)
+        draft_time += g.draft_time
+        if baseline:
+            gen = torch.Generator(device=target.device).manual_seed(seed + i)
+            base, b = autoregressive_generate(target, ids, max_new_tokens, eos_token_id=eos, generator=gen, **sampling)
+            stats.add_baseline(b.new_tokens, b.wall_time)
+            identical += int(torch.equal(base, out))
+        if assisted and loaded.draft_model is not None:
+            counter, handle = _count_forwards(target.model)
+            kwargs = {"do_sample": False} if sampling["mode"] == "greedy" else {
+                "do_sample": True, "temperature": temperature, "top_k": top_k or None, "top_p": top_p}
+            started = time.perf_counter()
+            try:
+                res = target.model.generate(
+                    ids, attention_mask=torch.ones_like(ids), assistant_model=loaded.draft_model,
+                    max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=tok.pad_token_id or eos[0], **kwargs,
+                )
+            finally:
+                handle.remove()
+            stats.add_assisted(res.shape[1] - ids.shape[1], time.perf_counter() - started, counter["n"])
+    extra = {"draft_seconds": round(draft_time, 3)}
+    if baseline and sampling["mode"] == "greedy":
+        extra["greedy_identical_to_baseline"] = f"{identical}/{len(prompts)}"
+    return stats, extra

@@ -1,0 +1,88 @@
+"""`draftsmith eval` / `generate` end to end on tiny models: reports, losslessness, clear errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftsmith.export import export_heads
+from draftsmith.testing import save_tiny_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_train_heads import make_recipe, run  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "draftsmith.cli", *map(str, args)], capture_output=True, text=True, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def head_export(tmp_path_factory, tiny_llama_dir):
+    tmp = tmp_path_factory.mktemp("eval")
+    recipe = make_recipe(tmp, tiny_llama_dir, "run", "train.max_steps=8", "head.num_heads=3")
+    run(recipe)
+    return export_heads(recipe.output_dir, tmp / "export"), tmp
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    rows = [{"prompt": "say red cat sun"}, {"prompt": "say dog moon"}, {"prompt": "say tree blue"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_eval_head_export_writes_report_and_is_lossless(head_export, prompts, tmp_path):
+    export, _ = head_export
+    proc = cli("eval", "--drafter", export, "--prompts", prompts, "--max-new-tokens", 24, "--out", tmp_path / "report")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    for key in ("acceptance_rate", "mean_accepted_length", "per_depth_acceptance", "tokens_per_second",
+                "baseline_tokens_per_second", "speedup"):
+        assert key in report, key
+    assert report["num_prompts"] == 3 and report["drafter_kind"] == "medusa"
+    assert report["greedy_identical_to_baseline"] == "3/3"  # fp32: token for token the target's output
+    assert 1.0 <= report["mean_accepted_length"] <= 4.0
+    assert len(report["per_depth_acceptance"]) == 3
+    assert (tmp_path / "report" / "report.md").is_file() and (tmp_path / "report" / "report.png").stat().st_size > 1000
+    assert "report.md" in proc.stdout
+
+
+def test_generate_from_run_folder(head_export):
+    _, tmp = head_export
+    proc = cli("generate", "--drafter", tmp / "run", "--prompt", "say red", "--max-new-tokens", 12)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mean accepted length" in proc.stderr
+
+
+def test_standalone_drafter_with_assisted_generation(tiny_llama_dir, tmp_path):
+    prompts = tmp_path / "chats.jsonl"
+    chats = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": f"say {w}"}] for w in ("red", "dog", "sun")]
+    prompts.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    draft = save_tiny_model(tmp_path / "draft", "llama", seed=3, num_layers=1)
+    (draft / "recipe.yaml").write_text(f"target:\n  path: {tiny_llama_dir}\n  dtype: float32\n")
+    proc = cli("eval", "--drafter", draft, "--prompts", prompts, "--max-new-tokens", 16, "--tree", "1,1,1", "--out", tmp_path / "r")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["drafter_kind"] == "standalone" and report["greedy_identical_to_baseline"] == "3/3"
+    assert report["assisted_tokens_per_second"] is not None
+
+
+def test_mismatched_target_bad_prompts_bad_tree(head_export, prompts, tmp_path):
+    export, _ = head_export
+    other = save_tiny_model(tmp_path / "other", "qwen2", hidden_size=32)
+    proc = cli("generate", "--drafter", export, "--target", other, "--prompt", "hi")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "hidden size 64" in proc.stderr and "hidden size 32" in proc.stderr
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"prompt": "   "}) + "\n")
+    proc = cli("eval", "--drafter", export, "--prompts", empty, "--out", tmp_path / "x")
+    assert proc.returncode == 1 and "no usable" in proc.stderr and "empty.jsonl" in proc.stderr, proc.stderr[-2000:]
+
+    proc = cli("generate", "--drafter", export, "--prompt", "hi", "--tree", "[[0],[0,0],[1,0]]")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "tree" in proc.stderr.lower(), proc.stderr[-2000:]
