@@ -98,6 +98,67 @@ class TrainConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (peft) on a draft LM instead of training all of its weights."""
+
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class DraftConfig:
+    """A standalone draft LM (trainers distill and online); same tokenizer as the target."""
+
+    # Like target.path: a hub id, folder, .gguf file or built-in name. Required by distill/online.
+    path: Optional[str] = None
+    gguf_file: Optional[str] = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class DistillConfig:
+    """DistillSpec-style distillation of a draft LM into the target (trainer: distill)."""
+
+    divergence: Literal["fkl", "rkl", "jsd", "tvd", "tvdpp"] = "fkl"
+    # Mixture weight of the generalized JSD (divergence: jsd), in (0, 1).
+    beta: float = 0.5
+    # Both distributions are softened by this temperature inside the divergence.
+    temperature: float = 1.0
+    # Fraction of training sequences whose answer the draft writes itself (on-policy), in [0, 1].
+    lambda_onpolicy: float = 0.0
+    # Sampling temperature of those on-policy answers (0: greedy) and their length.
+    onpolicy_temperature: float = 1.0
+    onpolicy_max_new_tokens: int = 64
+
+
+@dataclass
+class OnlineConfig:
+    """Online speculative decoding (trainer: online): serve a prompt stream, distill on what the target verified."""
+
+    # Prompt sources served after data.path, in order (the query distribution shifts at each one).
+    shift_to: list[str] = field(default_factory=list)
+    # Requests served from data.path and from each shift_to source.
+    requests_per_source: int = 16
+    # Update the drafter after every this many served requests.
+    update_every: int = 4
+    # Optimizer steps per update, each on train.micro_batch_size sequences drawn from the buffer.
+    steps_per_update: int = 4
+    # Replay buffer capacity in verified sequences; the oldest go first.
+    buffer_size: int = 64
+    max_new_tokens: int = 48
+    # Tokens drafted per step (a chain).
+    draft_length: int = 4
+    # Serving temperature (0: greedy verification).
+    temperature: float = 0.0
+    # Requests per point of the logged acceptance curve (a moving window).
+    window: int = 4
+
+
+@dataclass
 class Recipe:
     """One experiment. `head` is checked against HEADS[head.kind].config_class."""
 
@@ -107,6 +168,9 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     head: Any = None
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
     description: str = ""
 
 
@@ -260,8 +324,43 @@ def _check_values(recipe: Recipe) -> None:
         raise RecipeError(f"recipe key 'train.min_lr_ratio' must be in [0, 1], got {recipe.train.min_lr_ratio}")
     if recipe.data.regenerate.temperature < 0:
         raise RecipeError(f"recipe key 'data.regenerate.temperature' must be >= 0, got {recipe.data.regenerate.temperature}")
+    _check_draft_values(recipe)
     if not 0.0 < recipe.data.regenerate.top_p <= 1.0:
         raise RecipeError(f"recipe key 'data.regenerate.top_p' must be in (0, 1], got {recipe.data.regenerate.top_p}")
+
+
+def _check_draft_values(recipe: Recipe) -> None:
+    """Range checks of the draft, distill and online sections."""
+    from draftsmith.trainers import TRAINERS
+
+    if getattr(TRAINERS[recipe.trainer], "needs_draft", False) and not recipe.draft.path:
+        raise RecipeError(f"recipe key 'draft.path' is missing: trainer '{recipe.trainer}' trains a draft LM (a folder, hub id, .gguf or built-in name)")
+    d, o = recipe.distill, recipe.online
+    if not 0.0 <= d.lambda_onpolicy <= 1.0:
+        raise RecipeError(f"recipe key 'distill.lambda_onpolicy' must be in [0, 1] (the fraction of on-policy sequences), got {d.lambda_onpolicy}")
+    if not 0.0 < d.beta < 1.0:
+        raise RecipeError(f"recipe key 'distill.beta' must be in (0, 1), got {d.beta}")
+    if d.temperature <= 0:
+        raise RecipeError(f"recipe key 'distill.temperature' must be positive, got {d.temperature}")
+    if d.onpolicy_temperature < 0:
+        raise RecipeError(f"recipe key 'distill.onpolicy_temperature' must be >= 0, got {d.onpolicy_temperature}")
+    if recipe.draft.lora.r <= 0:
+        raise RecipeError(f"recipe key 'draft.lora.r' must be positive, got {recipe.draft.lora.r}")
+    positive = {
+        "distill.onpolicy_max_new_tokens": d.onpolicy_max_new_tokens,
+        "online.requests_per_source": o.requests_per_source,
+        "online.update_every": o.update_every,
+        "online.steps_per_update": o.steps_per_update,
+        "online.buffer_size": o.buffer_size,
+        "online.max_new_tokens": o.max_new_tokens,
+        "online.draft_length": o.draft_length,
+        "online.window": o.window,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise RecipeError(f"recipe key '{key}' must be positive, got {value}")
+    if o.temperature < 0:
+        raise RecipeError(f"recipe key 'online.temperature' must be >= 0, got {o.temperature}")
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:
@@ -292,6 +391,10 @@ def as_dict(obj: Any) -> dict:
 
 __all__ = [
     "DataConfig",
+    "DistillConfig",
+    "DraftConfig",
+    "LoraConfig",
+    "OnlineConfig",
     "Recipe",
     "RecipeError",
     "RegenerateConfig",

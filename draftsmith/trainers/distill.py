@@ -1,0 +1,347 @@
+"""The DistillSpec trainer: a small standalone LM learns the frozen target's next-token distributions.
+
+Per micro-batch: a fraction ``distill.lambda_onpolicy`` of the sequences get an answer written by
+the current draft (data/onpolicy.py), the rest keep their fixed or target-written answer
+(data.regenerate); the target scores every sequence in one forward (logits at all positions); the
+draft's logits at the same positions go through the recipe's objective (``distill.divergence``:
+fkl, rkl, jsd, tvd, or tvdpp on tokens sampled from the draft), averaged over answer tokens with
+``masked_mean``. Only the draft (or its LoRA adapter) reaches the optimizer and the checkpoints.
+
+Held-out evaluation reports the mean divergence, the token-level top-1 agreement with the target
+and the expected one-token acceptance 1 - TVD (the probability that speculative sampling accepts
+one drafted token, averaged over answer positions).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from draftsmith.distill import DIVERGENCES, distillation_loss, masked_mean, sample_draft_tokens
+from draftsmith.recipe import Recipe, save_resolved
+from draftsmith.target import FrozenTarget, load_causal_lm
+from draftsmith.trainers import loop
+
+
+class TokenizerMismatchError(loop.TrainingError):
+    """The draft and the target do not share a vocabulary: speculative decoding cannot pair them."""
+
+
+def check_same_tokenizer(draft_tokenizer: Any, target_tokenizer: Any, draft_path: str, target_path: str) -> None:
+    """Raise TokenizerMismatchError unless both tokenizers map the same strings to the same ids."""
+    draft_vocab, target_vocab = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+    if draft_vocab == target_vocab:
+        return
+    differ = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()), key=lambda kv: kv[1])
+    example = differ[0] if differ else ("?", -1)
+    raise TokenizerMismatchError(
+        f"draft {draft_path} and target {target_path} use different tokenizers ({len(draft_vocab)} vs "
+        f"{len(target_vocab)} tokens; e.g. {example[0]!r} -> {example[1]} in only one of them): "
+        "a drafter must share the target's vocabulary"
+    )
+
+
+def predicted_mask(loss_mask: Tensor, segment_ids: Optional[Tensor] = None) -> Tensor:
+    """Which logits positions are trained: position t predicts token t+1, trained when token t+1 is
+    an answer token (and, in packed rows, belongs to the same example as token t).
+
+    loss_mask, segment_ids: [B,T]. Returns [B,T-1] bool, aligned with logits[:, :-1].
+    """
+    keep = loss_mask[:, 1:] != 0
+    if segment_ids is not None:
+        keep = keep & (segment_ids[:, 1:] == segment_ids[:, :-1])
+    return keep
+
+
+def common_vocab(draft_logits: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Both logit tensors cut to the shorter vocabulary: models sharing a tokenizer may pad their
+    embedding matrices to different sizes, and the padded rows are tokens neither ever emits."""
+    V = min(draft_logits.shape[-1], target_logits.shape[-1])
+    return draft_logits[..., :V], target_logits[..., :V]
+
+
+class DistillStep(nn.Module):
+    """The module the engine wraps: the draft LM. Its forward returns the draft's logits [B,T,V]."""
+
+    def __init__(self, draft: nn.Module) -> None:
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        return self.draft(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
+
+
+def apply_lora(model: nn.Module, lora) -> nn.Module:
+    """Wrap an HF causal LM in peft LoRA adapters per the recipe's draft.lora section."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def load_draft(recipe: Recipe):
+    """(draft model, tokenizer) per the recipe's draft section, LoRA-wrapped when enabled."""
+    d = recipe.draft
+    model, tokenizer = load_causal_lm(d.path, d.dtype, d.gguf_file)
+    if d.lora.enabled:
+        model = apply_lora(model, d.lora)
+    return model, tokenizer
+
+
+def trainable_only(weights: dict) -> dict:
+    """A LoRA draft's checkpoint keeps the adapter: the frozen base weights are the draft's files."""
+    return {k: v for k, v in weights.items() if "lora_" in k}
+
+
+def keep_adapter_weights(_models: list, weights: list[dict], _output_dir: str) -> None:
+    """accelerate save_state pre-hook: each model's state dict shrinks to its LoRA adapter."""
+    for state in weights:
+        adapter = trainable_only(state)
+        state.clear()
+        state.update(adapter)
+
+
+def distill_objective(recipe: Recipe, draft_logits: Tensor, target_logits: Tensor, mask: Tensor) -> Tensor:
+    """The recipe's distillation loss, a scalar. draft_logits, target_logits [B,T,V]; mask [B,T]."""
+    d = recipe.distill
+    if d.divergence == "tvdpp":
+        sampled = sample_draft_tokens(draft_logits, d.temperature)
+        return distillation_loss("tvdpp", draft_logits, target_logits, mask, d.temperature, sampled_tokens=sampled)
+    params = {"beta": d.beta} if d.divergence == "jsd" else {}
+    return distillation_loss(d.divergence, draft_logits, target_logits, mask, d.temperature, **params)
+
+
+class DistillTrainer:
+    needs_head = False
+    needs_draft = True
+
+    def __init__(self, recipe: Recipe, argv: Optional[list[str]] = None) -> None:
+        self.recipe = recipe
+        self.argv = argv if argv is not None else loop.command_line()
+        self.output_dir = Path(recipe.output_dir)
+        self._micro = 0
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> "DistillTrainer":
+        from draftsmith.data import BatchStream, Collator, prepare_data
+        from draftsmith.data.onpolicy import OnPolicySampler
+        from draftsmith.data.regenerate import stop_token_ids
+
+        r = self.recipe
+        self.accelerator = acc = loop.make_accelerator(r.train)
+        torch.manual_seed(r.train.seed)
+        if acc.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            save_resolved(r, self.output_dir, self.argv)
+            loop.clear_partial_checkpoints(self.output_dir)
+        self.resume_from = loop.find_resume_checkpoint(self.output_dir, r.train.resume)
+
+        self.target = FrozenTarget.from_config(r.target).to(acc.device)
+        tokenizer = self.target.tokenizer
+        self.draft, draft_tokenizer = load_draft(r)
+        check_same_tokenizer(draft_tokenizer, tokenizer, r.draft.path, r.target.path)
+        cache_dir = Path(r.data.cache_dir) if r.data.cache_dir else self.output_dir / "data"
+        with acc.main_process_first():
+            self.data = prepare_data(r.data, tokenizer, cache_dir, target_model=self.target.model, progress=acc.is_main_process)
+
+        self.step_module = DistillStep(self.draft)
+        optimizer = loop.build_optimizer(self.draft.parameters(), r.train)
+        self.scheduler = loop.build_scheduler(optimizer, r.train)
+        self.model, self.optimizer = acc.prepare(self.step_module, optimizer)
+        acc.register_for_checkpointing(self.scheduler)
+        if r.draft.lora.enabled:
+            acc.register_save_state_pre_hook(keep_adapter_weights)
+
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.collator = Collator(pad_token_id=pad, max_length=r.data.max_length, packing=r.data.packing)
+        self.stream = BatchStream(
+            self.data.train, batch_size=r.train.micro_batch_size, collator=self.collator, seed=r.data.seed,
+            shuffle=True, rank=acc.process_index, world_size=acc.num_processes,
+        )
+        self.onpolicy = OnPolicySampler(
+            self.draft, pad, stop_token_ids(tokenizer), r.distill.onpolicy_temperature,
+            r.distill.onpolicy_max_new_tokens, r.data.max_length,
+        )
+        self.onpolicy_counts = [0, 0]  # on-policy sequences, all sequences
+        self.metrics = loop.MetricsLog(self.output_dir, enabled=acc.is_main_process)
+        self.step = 0
+        if self.resume_from is not None:
+            # strict=False: a LoRA checkpoint holds the adapter only (the base is the draft's own files).
+            acc.load_state(str(self.resume_from), strict=False)
+            state = json.loads((self.resume_from / loop.STATE_FILE).read_text())
+            self.step = state["step"]
+            self.stream.load_state_dict(state["data"])
+            self.onpolicy_counts = list(state.get("onpolicy_counts", [0, 0]))
+            self.metrics.truncate_after(self.step)
+            loop.log(f"resumed from {self.resume_from} at step {self.step}")
+        n_params = sum(p.numel() for p in self.draft.parameters() if p.requires_grad)
+        loop.log(
+            f"target {r.target.path}, draft {r.draft.path} ({n_params:,} trainable parameters"
+            f"{', LoRA' if r.draft.lora.enabled else ''}); divergence {r.distill.divergence}, "
+            f"on-policy fraction {r.distill.lambda_onpolicy}; {len(self.data.train)} train / {len(self.data.eval)} eval examples"
+        )
+        return self
+
+    # ------------------------------------------------------------------ steps
+
+    def next_examples(self) -> list[dict]:
+        """The next micro-batch's examples, a fraction lambda of them with on-policy answers."""
+        from draftsmith.data.onpolicy import choose_onpolicy
+
+        r = self.recipe
+        examples = [self.stream.examples[i] for i in self.stream.next_indices()]
+        chosen = choose_onpolicy(len(examples), r.distill.lambda_onpolicy, r.train.seed, self.step * r.train.grad_accum_steps + self._micro)
+        picked = [e for e, c in zip(examples, chosen) if c]
+        if picked:
+            seed = (r.train.seed * 1_000_003 + self.step * 1009 + self._micro * 31 + self.accelerator.process_index) % (2**31)
+            fresh = iter(self.onpolicy(picked, seed))
+            examples = [next(fresh) if c else e for e, c in zip(examples, chosen)]
+        self.onpolicy_counts[0] += len(picked)
+        self.onpolicy_counts[1] += len(examples)
+        return examples
+
+    def _logits(self, batch: dict, module) -> tuple[Tensor, Tensor, Tensor]:
+        """(draft logits [B,T-1,V], target logits [B,T-1,V], trained positions [B,T-1])."""
+        device = self.accelerator.device
+        ids = batch["input_ids"].to(device)
+        attention = batch["attention_mask"].to(device)
+        positions = batch["position_ids"].to(device) if "position_ids" in batch else None
+        target_logits = self.target.features(ids, attention_mask=attention, position_ids=positions, need_logits=True).logits
+        draft_logits = module(ids, attention, positions)
+        draft_logits, target_logits = common_vocab(draft_logits[:, :-1], target_logits[:, :-1])
+        mask = predicted_mask(batch["loss_mask"].to(device), batch.get("segment_ids", None))
+        return draft_logits, target_logits, mask.to(device)
+
+    def train_step(self) -> dict:
+        """One optimizer step over grad_accum_steps micro-batches. Returns logged values."""
+        acc, r = self.accelerator, self.recipe
+        losses, grad_norm = [], None
+        for self._micro in range(r.train.grad_accum_steps):
+            batch = self.collator(self.next_examples())
+            with acc.accumulate(self.model):
+                draft_logits, target_logits, mask = self._logits(batch, self.model)
+                loss = distill_objective(r, draft_logits, target_logits, mask)
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    grad_norm = acc.clip_grad_norm_(self.draft.parameters(), r.train.max_grad_norm)
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        mean = torch.stack(losses).mean()
+        mean = acc.reduce(mean, reduction="mean") if acc.num_processes > 1 else mean
+        return {
+            "loss": float(mean),
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "onpolicy_fraction": self.onpolicy_counts[0] / max(1, self.onpolicy_counts[1]),
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """On held-out answers: mean divergence, top-1 agreement with the target, 1 - TVD."""
+        acc, r = self.accelerator, self.recipe
+        self.draft.eval()
+        name = r.distill.divergence if r.distill.divergence in DIVERGENCES else "tvd"
+        params = {"beta": r.distill.beta} if name == "jsd" else {}
+        sums = torch.zeros(4, dtype=torch.float64, device=acc.device)  # divergence, tvd, agree, positions
+        examples = self.data.eval[acc.process_index :: acc.num_processes]
+        for start in range(0, len(examples), r.train.micro_batch_size):
+            batch = self.collator(examples[start : start + r.train.micro_batch_size])
+            draft_logits, target_logits, mask = self._logits(batch, self.step_module)
+            n = mask.sum()
+            sums[0] += masked_mean(DIVERGENCES[name](draft_logits, target_logits, r.distill.temperature, **params), mask).double() * n
+            sums[1] += masked_mean(DIVERGENCES["tvd"](draft_logits, target_logits), mask).double() * n
+            sums[2] += ((draft_logits.argmax(-1) == target_logits.argmax(-1)) & mask).sum().double()
+            sums[3] += n.double()
+        if acc.num_processes > 1:
+            sums = acc.reduce(sums, reduction="sum")
+        self.draft.train()
+        count = max(1.0, float(sums[3]))
+        tvd = float(sums[1]) / count
+        return {
+            "divergence": name,
+            "divergence_value": float(sums[0]) / count,
+            "tvd": tvd,
+            "top1_agreement": float(sums[2]) / count,
+            "expected_acceptance": 1.0 - tvd,
+            "positions": int(sums[3]),
+        }
+
+    def save(self) -> Path:
+        state = {
+            "data": self.stream.state_dict(),
+            "draft": {"path": self.recipe.draft.path, "lora": self.recipe.draft.lora.enabled},
+            "onpolicy_counts": self.onpolicy_counts,
+            "last_eval": getattr(self, "last_eval", None),
+        }
+        path = loop.save_checkpoint(self.accelerator, self.output_dir, self.step, state, self.recipe, self.recipe.train.keep_last)
+        self.last_checkpoint = path
+        return path
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> dict:
+        from tqdm.auto import tqdm
+
+        acc, r = self.accelerator, self.recipe
+        self.last_checkpoint = loop.list_checkpoints(self.output_dir)[-1] if self.resume_from else None
+        stop = loop.StopFlag()
+        restore = loop.install_stop_handlers(stop)
+        self.draft.train()
+        bar = tqdm(total=r.train.max_steps, initial=self.step, desc="distill", disable=not acc.is_main_process, dynamic_ncols=True)
+        started, result = time.time(), {}
+        if self.step == 0:
+            result = self.first_eval = self.evaluate()
+            self.metrics.write(0, "eval", result)
+            bar.write(format_eval(0, result)) if acc.is_main_process else None
+        try:
+            while self.step < r.train.max_steps:
+                values = self.train_step()
+                self.step += 1
+                bar.update(1)
+                if not math.isfinite(values["loss"]):
+                    where = f"; the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else ""
+                    raise loop.TrainingError(f"loss became {values['loss']} at step {self.step}{where}")
+                bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
+                if self.step % r.train.log_every == 0 or self.step == 1:
+                    self.metrics.write(self.step, "train", values)
+                if self.step % r.train.eval_every == 0 or self.step == r.train.max_steps:
+                    result = self.last_eval = self.evaluate()
+                    self.metrics.write(self.step, "eval", result)
+                    bar.write(format_eval(self.step, result)) if acc.is_main_process else None
+                stopping = loop.any_rank(acc, stop.requested)
+                if self.step % r.train.save_every == 0 or self.step == r.train.max_steps or stopping:
+                    self.save()
+                if stopping:
+                    loop.log(f"stopped at step {self.step}; resume with the same command. Checkpoint: {self.last_checkpoint}")
+                    break
+        finally:
+            bar.close()
+            restore()
+        elapsed = time.time() - started
+        summary = {"step": self.step, "seconds": round(elapsed, 1), **result, "checkpoint": str(self.last_checkpoint)}
+        if acc.is_main_process:
+            (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def close(self) -> None:
+        """Release the engine and the process group so every rank exits cleanly."""
+        acc = self.accelerator
+        self.model = self.optimizer = self.step_module = None
+        self.metrics.close()
+        loop.teardown(acc)
+
+
+def format_eval(step: int, result: dict) -> str:
+    return (
+        f"step {step}: {result['divergence']} {result['divergence_value']:.4f}  top-1 agreement {result['top1_agreement']:.3f}  "
+        f"expected acceptance (1 - TVD) {result['expected_acceptance']:.3f}  ({result['positions']} positions)"
+    )
