@@ -96,9 +96,10 @@ def cmd_ls(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from draftsmith.export import export_heads
+    from draftsmith.export import export_heads, export_lm_drafter, is_lm_checkpoint
 
-    out = export_heads(args.source, args.out)
+    # Distill and online runs hold a draft LM (exported as a plain HF causal LM); the rest hold heads.
+    out = export_lm_drafter(args.source, args.out) if is_lm_checkpoint(args.source) else export_heads(args.source, args.out)
     print(f"exported to {out.resolve()}")
     return 0
 
