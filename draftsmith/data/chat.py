@@ -57,11 +57,13 @@ def assistant_spans(tokenizer: Any, messages: list[dict], text: str, stop_at: Op
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prefix = render_chat(tokenizer, messages[:i], add_generation_prompt=True)
-        # Templates that rewrite earlier turns (e.g. dropping old reasoning) break the prefix
-        # property; then the content is searched for after the previous span instead.
-        start = len(prefix) if text.startswith(prefix) else cursor
-        start = max(start, cursor)
+        start = cursor
+        if i > 0:  # some templates cannot render an empty conversation
+            prefix = render_chat(tokenizer, messages[:i], add_generation_prompt=True)
+            # Templates that rewrite earlier turns (e.g. dropping old reasoning) break the prefix
+            # property; then the content is searched for after the previous span instead.
+            if text.startswith(prefix):
+                start = max(len(prefix), cursor)
         if stop_at is not None and start >= stop_at:
             break
         content = message["content"]

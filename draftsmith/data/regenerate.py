@@ -225,7 +225,11 @@ def regenerate_conversations(
 
     plans = {i: _split(c, cfg.max_turns) for i, c in enumerate(conversations)}
     # Similar prompt lengths share a batch, so little compute goes to padding.
-    todo = sorted((i for i in range(len(conversations)) if i not in done), key=lambda i: (sum(len(m["content"]) for m in conversations[i][:2]), i))
+    def first_prompt_chars(i: int) -> int:
+        system, users = plans[i]
+        return sum(len(m["content"]) for m in system) + (len(users[0]) if users else 0)
+
+    todo = sorted((i for i in range(len(conversations)) if i not in done), key=lambda i: (first_prompt_chars(i), i))
 
     from tqdm.auto import tqdm
 

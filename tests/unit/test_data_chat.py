@@ -150,6 +150,14 @@ def test_content_that_also_appears_in_the_scaffolding(tiny_tokenizer):
     )
 
 
+def test_opening_assistant_greeting_is_trained(qwen_tiny):
+    # Not a shape load_conversations produces, but tokenize_conversation takes any message list.
+    messages = [{"role": "assistant", "content": "How can I help?"}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}]
+    trained, context = split(qwen_tiny, tokenize_conversation(qwen_tiny, messages, max_length=1000))
+    assert trained == "How can I help?<|im_end|>Hey<|im_end|>"
+    assert context == QWEN_SYSTEM + "<|im_start|>assistant\n\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n\n"
+
+
 def test_empty_answer_trains_only_the_end_of_turn(tiny_tokenizer):
     messages = [{"role": "user", "content": "Say nothing."}, {"role": "assistant", "content": ""}]
     example = tokenize_conversation(tiny_tokenizer, messages, max_length=1000)
