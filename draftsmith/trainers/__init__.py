@@ -2,10 +2,12 @@
 
 from draftsmith.trainers.distill import DistillTrainer
 from draftsmith.trainers.heads import HeadTrainer
+from draftsmith.trainers.online import OnlineTrainer
 
 TRAINERS = {
     "heads": HeadTrainer,
     "distill": DistillTrainer,
+    "online": OnlineTrainer,
 }
 
 __all__ = ["TRAINERS"]

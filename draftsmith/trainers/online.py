@@ -1,0 +1,306 @@
+"""Online speculative decoding: serve a prompt stream, learn from what the target verified.
+
+The runtime serves each request with the current drafter (``speculative_generate``, a chain of
+``online.draft_length`` tokens). Every served request leaves its verified tokens in a bounded
+replay buffer (data/replay.py). After every ``online.update_every`` requests the drafter takes
+``online.steps_per_update`` distillation steps on batches from the buffer (the target re-scores
+them in one forward; the recipe's ``distill.divergence`` over the verified positions) and the
+updated draft is swapped into the runtime: a new drafter object around the updated weights, the
+server never restarts. The acceptance rate of every request goes to metrics.jsonl (kind "serve")
+so the curve over the stream shows the drafter catching up when the query distribution shifts.
+
+The stream: ``online.requests_per_source`` prompts (first user turns) from ``data.path``, then as
+many from each of ``online.shift_to`` in order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from draftsmith.recipe import Recipe, save_resolved
+from draftsmith.target import FrozenTarget
+from draftsmith.trainers import loop
+from draftsmith.trainers.distill import (
+    DistillStep,
+    check_same_tokenizer,
+    common_vocab,
+    distill_objective,
+    keep_adapter_weights,
+    load_draft,
+    predicted_mask,
+)
+
+
+class EmptyReplayWarning(UserWarning):
+    """An update came due while the replay buffer held no verified tokens; it was skipped."""
+
+
+def stream_prompts(recipe: Recipe) -> list[dict]:
+    """The served stream: [{"source", "messages"}], requests_per_source per source, in order."""
+    from draftsmith.data import DataError, load_conversations
+
+    d, o = recipe.data, recipe.online
+    stream = []
+    for source in [d.path, *o.shift_to]:
+        prompts = []
+        for conv in load_conversations(source, d.format, None, d.seed):
+            head = []
+            for message in conv:
+                head.append({"role": message["role"], "content": message["content"]})
+                if message["role"] == "user":
+                    break
+            if head[-1]["role"] == "user" and head[-1]["content"].strip():
+                prompts.append({"source": source, "messages": head})
+            if len(prompts) == o.requests_per_source:
+                break
+        if not prompts:
+            raise DataError(f"no prompts (a user turn) in {source}")
+        stream.extend(prompts)
+    return stream
+
+
+def encode(tokenizer, messages: list[dict], max_length: int) -> list[int]:
+    """A prompt's token ids with the generation prompt, cut from the left to fit max_length."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids[-max_length:]
+
+
+class OnlineTrainer:
+    needs_head = False
+    needs_draft = True
+
+    def __init__(self, recipe: Recipe, argv: Optional[list[str]] = None) -> None:
+        self.recipe = recipe
+        self.argv = argv if argv is not None else loop.command_line()
+        self.output_dir = Path(recipe.output_dir)
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> "OnlineTrainer":
+        from draftsmith.data import Collator
+        from draftsmith.data.regenerate import stop_token_ids
+        from draftsmith.data.replay import ReplayBuffer
+
+        r = self.recipe
+        self.accelerator = acc = loop.make_accelerator(r.train)
+        if acc.num_processes > 1:
+            raise loop.TrainingError("the online trainer serves one request at a time: run it in one process")
+        torch.manual_seed(r.train.seed)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        save_resolved(r, self.output_dir, self.argv)
+        loop.clear_partial_checkpoints(self.output_dir)
+        self.resume_from = loop.find_resume_checkpoint(self.output_dir, r.train.resume)
+
+        self.target = FrozenTarget.from_config(r.target).to(acc.device)
+        self.tokenizer = tokenizer = self.target.tokenizer
+        self.draft, draft_tokenizer = load_draft(r)
+        check_same_tokenizer(draft_tokenizer, tokenizer, r.draft.path, r.target.path)
+        self.stream = stream_prompts(r)
+        self.eos = stop_token_ids(tokenizer)
+
+        self.step_module = DistillStep(self.draft)
+        optimizer = loop.build_optimizer(self.draft.parameters(), r.train)
+        self.scheduler = loop.build_scheduler(optimizer, r.train)
+        self.model, self.optimizer = acc.prepare(self.step_module, optimizer)
+        acc.register_for_checkpointing(self.scheduler)
+        if r.draft.lora.enabled:
+            acc.register_save_state_pre_hook(keep_adapter_weights)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.collator = Collator(pad_token_id=pad, max_length=r.data.max_length)
+        self.buffer = ReplayBuffer(r.online.buffer_size, seed=r.train.seed)
+        self.metrics = loop.MetricsLog(self.output_dir)
+        self.served = 0
+        self.step = 0  # optimizer steps
+        if self.resume_from is not None:
+            acc.load_state(str(self.resume_from), strict=False)
+            state = json.loads((self.resume_from / loop.STATE_FILE).read_text())
+            self.step, self.served = state["step"], state["served"]
+            self.buffer.load_state_dict(state["buffer"])
+            self.metrics.truncate_after(self.served)
+            loop.log(f"resumed from {self.resume_from} after {self.served} requests")
+        self.swap_drafter()
+        sources = ", ".join(dict.fromkeys(p["source"] for p in self.stream))
+        loop.log(
+            f"serving {len(self.stream)} requests ({sources}) with draft {r.draft.path} for target {r.target.path}; "
+            f"update every {r.online.update_every} requests ({r.online.steps_per_update} steps, {r.distill.divergence})"
+        )
+        return self
+
+    def swap_drafter(self) -> None:
+        """Put the current draft weights into the runtime: a fresh drafter, no restart."""
+        from draftsmith.runtime.drafters import StandaloneDrafter
+        from draftsmith.runtime.tree import TreeSpec
+
+        self.drafter = StandaloneDrafter(self.draft.eval(), TreeSpec.chain(self.recipe.online.draft_length))
+
+    # ------------------------------------------------------------------ serving and updating
+
+    def serve(self, request: dict, seed: int) -> dict:
+        """Answer one request speculatively; its verified tokens go into the buffer. Returns its stats."""
+        from draftsmith.data.replay import verified_record
+        from draftsmith.runtime.generate import speculative_generate
+
+        o, device = self.recipe.online, self.accelerator.device
+        room = self.recipe.data.max_length - o.max_new_tokens
+        prompt = encode(self.tokenizer, request["messages"], max(1, room))
+        ids = torch.tensor([prompt], device=device)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        mode = {"mode": "greedy"} if o.temperature == 0 else {"mode": "sample", "temperature": o.temperature}
+        out, stats = speculative_generate(
+            self.target, self.drafter, ids, o.max_new_tokens, eos_token_id=self.eos, generator=generator, **mode
+        )
+        record = verified_record(prompt, out[0, len(prompt) :].tolist(), stats.accept_lens, stats.draft_depths)
+        self.buffer.add(record)
+        return {
+            "source": request["source"],
+            "accepted": record["accepted"],
+            "judged": record["judged"],
+            "acceptance_rate": record["accepted"] / max(1, record["judged"]),
+            "mean_accepted_length": 1.0 + stats.mean_accept_len,
+            "new_tokens": stats.new_tokens,
+            "steps": stats.steps,
+        }
+
+    def update(self) -> Optional[dict]:
+        """steps_per_update distillation steps on the buffer, then a drafter swap. None when skipped."""
+        acc, r = self.accelerator, self.recipe
+        if self.buffer.verified_tokens == 0:
+            message = f"replay buffer holds no verified tokens after {self.served} requests: skipping this update"
+            warnings.warn(message, EmptyReplayWarning, stacklevel=2)
+            loop.log(f"warning: {message}")
+            return None
+        self.draft.train()
+        losses = []
+        for _ in range(r.online.steps_per_update):
+            batch = self.collator(self.buffer.sample(r.train.micro_batch_size))
+            device = acc.device
+            ids, attention = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            with acc.accumulate(self.model):
+                target_logits = self.target.features(ids, attention_mask=attention, need_logits=True).logits
+                draft_logits, target_logits = common_vocab(self.model(ids, attention)[:, :-1], target_logits[:, :-1])
+                mask = predicted_mask(batch["loss_mask"].to(device))
+                loss = distill_objective(r, draft_logits, target_logits, mask)
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(self.draft.parameters(), r.train.max_grad_norm)
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            self.step += 1
+        self.swap_drafter()
+        mean = sum(losses) / len(losses)
+        if not math.isfinite(mean):
+            raise loop.TrainingError(f"loss became {mean} in the update after {self.served} requests")
+        return {"loss": mean, "first_loss": losses[0], "last_loss": losses[-1], "buffer": len(self.buffer), "lr": self.scheduler.get_last_lr()[0]}
+
+    def save(self) -> Path:
+        state = {
+            "served": self.served,
+            "draft": {"path": self.recipe.draft.path, "lora": self.recipe.draft.lora.enabled},
+            "buffer": self.buffer.state_dict(),
+            "last_eval": getattr(self, "last_eval", None),
+        }
+        # Checkpoints are numbered by requests served: that is where a resumed stream picks up.
+        path = loop.save_checkpoint(self.accelerator, self.output_dir, self.served, state, self.recipe, self.recipe.train.keep_last)
+        self.last_checkpoint = path
+        return path
+
+    # ------------------------------------------------------------------ the stream
+
+    def train(self) -> dict:
+        from tqdm.auto import tqdm
+
+        r, o = self.recipe, self.recipe.online
+        stop = loop.StopFlag()
+        restore = loop.install_stop_handlers(stop)
+        self.last_checkpoint = loop.list_checkpoints(self.output_dir)[-1] if self.resume_from else None
+        bar = tqdm(total=len(self.stream), initial=self.served, desc="serve", dynamic_ncols=True)
+        started = time.time()
+        window: list[tuple[int, int]] = []
+        try:
+            while self.served < len(self.stream):
+                values = self.serve(self.stream[self.served], seed=r.train.seed + self.served)
+                self.served += 1
+                window = (window + [(values["accepted"], values["judged"])])[-o.window :]
+                values["window_acceptance_rate"] = sum(a for a, _ in window) / max(1, sum(j for _, j in window))
+                self.metrics.write(self.served, "serve", values)
+                bar.update(1)
+                bar.set_postfix(accept=f"{values['window_acceptance_rate']:.3f}", buffer=len(self.buffer))
+                if self.served % o.update_every == 0 and self.served < len(self.stream):
+                    update = self.update()
+                    if update is not None:
+                        self.metrics.write(self.served, "update", update)
+                if self.served % r.train.save_every == 0 or self.served == len(self.stream) or stop.requested:
+                    self.save()
+                if stop.requested:
+                    loop.log(f"stopped after {self.served} requests; resume with the same command. Checkpoint: {self.last_checkpoint}")
+                    break
+        finally:
+            bar.close()
+            restore()
+        summary = {"served": self.served, "optimizer_steps": self.step, "seconds": round(time.time() - started, 1), **acceptance_by_source(self.output_dir), "checkpoint": str(self.last_checkpoint)}
+        (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def close(self) -> None:
+        acc = self.accelerator
+        self.model = self.optimizer = self.step_module = None
+        self.metrics.close()
+        loop.teardown(acc)
+
+
+def serve_records(output_dir: str | Path) -> list[dict]:
+    """The per-request records (kind "serve") of an online run, in stream order."""
+    path = Path(output_dir) / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "serve"]
+
+
+def acceptance_by_source(output_dir: str | Path) -> dict:
+    """Acceptance rate per stream source, first and second half of each: {"acceptance": {...}}."""
+    out: dict = {}
+    records = serve_records(output_dir)
+    for source in dict.fromkeys(r["source"] for r in records):
+        rows = [r for r in records if r["source"] == source]
+        half = max(1, len(rows) // 2)
+        rate = lambda rs: sum(r["accepted"] for r in rs) / max(1, sum(r["judged"] for r in rs))  # noqa: E731
+        out[source] = {"requests": len(rows), "first_half": round(rate(rows[:half]), 4), "second_half": round(rate(rows[half:]), 4) if rows[half:] else None}
+    return {"acceptance": out}
+
+
+def plot_acceptance(output_dir: str | Path, png: str | Path, title: str = "") -> Path:
+    """Acceptance rate per request and its moving window over the stream, with source changes marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = serve_records(output_dir)
+    x = [r["step"] for r in records]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(x, [r["acceptance_rate"] for r in records], ".", alpha=0.4, label="per request")
+    ax.plot(x, [r["window_acceptance_rate"] for r in records], "-", label="moving window")
+    for prev, cur in zip(records, records[1:]):
+        if cur["source"] != prev["source"]:
+            ax.axvline(cur["step"] - 0.5, color="gray", ls="--")
+            ax.text(cur["step"], 0.98, f"-> {cur['source']}", va="top", fontsize=8)
+    updates = [r["step"] for r in map(json.loads, (Path(output_dir) / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "update"]
+    for u in updates:
+        ax.axvline(u + 0.5, color="green", alpha=0.15)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("requests served")
+    ax.set_ylabel("acceptance rate")
+    ax.set_title(title or "online speculative decoding: acceptance over the stream (green: drafter updates)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return Path(png)

@@ -1,0 +1,40 @@
+"""The online replay buffer: verified records from runtime statistics, bounded FIFO, empty buffers."""
+
+import pytest
+
+from draftsmith.data.replay import ReplayBuffer, verified_record
+
+
+def test_verified_record_marks_accepted_and_rejected_positions():
+    # chain of depth 3: step 1 accepts 2 (3rd rejected -> the target's correction), step 2 accepts
+    # all 3 (+ a bonus token, no rejection), step 3 accepts 0 (correction at once).
+    prompt = [7, 8]
+    emitted = [10, 11, 12, 20, 21, 22, 23, 30]
+    rec = verified_record(prompt, emitted, accept_lens=[2, 3, 0], draft_depths=[3, 3, 3])
+    assert rec["input_ids"] == prompt + emitted
+    assert rec["loss_mask"] == [0, 0] + [1] * 8
+    #                             p  p  10 11 12 20 21 22 23 30
+    assert rec["rejected_mask"] == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    assert rec["accepted"] == 5
+    assert rec["judged"] == 3 + 3 + 1  # as eval.AcceptanceStats: accepted + 1 per step with a rejection
+
+
+def test_buffer_is_bounded_fifo_and_sampling_is_seeded():
+    buf = ReplayBuffer(capacity=3, seed=1)
+    for i in range(5):
+        buf.add({"input_ids": [i, i], "loss_mask": [0, 1]})
+    assert len(buf) == 3 and [r["input_ids"][0] for r in buf.records] == [2, 3, 4]
+    a = buf.sample(6)
+    other = ReplayBuffer(capacity=3, seed=1)
+    other.load_state_dict({**buf.state_dict(), "draws": 0})
+    assert other.sample(6) == a
+    assert {r["input_ids"][0] for r in a} <= {2, 3, 4}
+
+
+def test_empty_buffer_samples_nothing():
+    buf = ReplayBuffer(capacity=4)
+    assert buf.sample(2) is None
+    buf.add({"input_ids": [1, 2], "loss_mask": [0, 0]})  # a request that produced no verified token
+    assert buf.verified_tokens == 0 and buf.sample(2) is None
+    with pytest.raises(ValueError):
+        ReplayBuffer(capacity=0)
