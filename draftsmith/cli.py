@@ -79,7 +79,7 @@ def cmd_validate(args) -> int:
 
 
 def cmd_ls(args) -> int:
-    from draftsmith.distill import DIVERGENCES
+    from draftsmith.distill import DIVERGENCES, SAMPLED_OBJECTIVES
     from draftsmith.heads import HEADS
     from draftsmith.recipe import all_recipe_files
     from draftsmith.target import BUILTIN_MODELS
@@ -87,7 +87,7 @@ def cmd_ls(args) -> int:
 
     print("trainers:    " + ", ".join(TRAINERS))
     print("heads:       " + ", ".join(HEADS))
-    print("divergences: " + ", ".join(DIVERGENCES))
+    print("divergences: " + ", ".join([*DIVERGENCES, *SAMPLED_OBJECTIVES]))
     print("targets:     " + ", ".join(BUILTIN_MODELS) + "  (built in, from PyPI packages)")
     print("recipes:")
     for path in all_recipe_files(args.root):
