@@ -1,0 +1,159 @@
+"""Fused tree verification: one Triton step for a batch of draft trees, same contract as
+`draftsmith.runtime.verify.verify`.
+
+    from draftsmith.runtime.kernels import fused_verify, kernel_available
+    verify_fn = fused_verify if kernel_available(logits.device) else verify
+
+`fused_verify` matches the torch reference exactly in greedy mode and in distribution in sampling
+mode (given the same `uniforms` it makes the same decisions, up to float rounding at a CDF or
+acceptance boundary). On a CUDA device it runs compiled Triton kernels; on CPU tensors only under
+`TRITON_INTERPRET=1` (set before this package first imports triton, i.e. before the first
+`fused_verify` call) - that is how the tests run them. Without either, `kernel_available` is False
+and callers use the reference. Triton is imported lazily, so importing this package never needs it.
+
+Shapes: B trees, N nodes per tree, V vocabulary, D = the deepest node's depth in the batch.
+
+Top-k / top-p: the kept set needs a sort (top-p) or a k-th largest value (top-k) over V for every
+node. Doing that in the kernel would mean a per-node radix select; instead the launcher applies the
+reference's own filtering in torch (`logits_to_probs` for top-p, the same k-th-largest threshold for
+top-k) and hands the kernel logits that are -inf outside the kept set. The kept set is then
+identical to the reference's by construction, and the kernel still does the temperature softmax,
+the rejection walk, the residuals and the bonus draw. Without top-k / top-p (the common case) no
+torch pass over the logits happens at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from draftsmith.runtime.tree import DraftTree
+from draftsmith.runtime.verify import MODES, VerifyResult, logits_to_probs
+
+__all__ = ["fused_verify", "kernel_available"]
+
+_KERNEL_MODULE = "draftsmith.runtime.kernels.verify_kernels"
+
+
+def kernel_available(device: torch.device | str) -> bool:
+    """True iff `fused_verify` can run on tensors on `device`.
+
+    CUDA: triton is installed and CUDA is up. CPU: triton is installed and the Triton interpreter is
+    on (TRITON_INTERPRET=1) - and was on when the kernel module was imported, since `triton.jit`
+    decides compiled vs interpreted at decoration time.
+    """
+    device = torch.device(device)
+    try:
+        if importlib.util.find_spec("triton") is None:
+            return False
+    except (ImportError, ValueError):  # a triton stub without a spec (e.g. blocked in sys.modules)
+        return False
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    if device.type == "cpu":
+        loaded = sys.modules.get(_KERNEL_MODULE)
+        if loaded is not None:
+            return bool(loaded.INTERPRETED)
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return False
+
+
+def _kernels():
+    import importlib
+
+    return importlib.import_module(_KERNEL_MODULE)
+
+
+def _kernel_logits(target_logits: Tensor, temperature: float, top_k: int, top_p: float) -> tuple[Tensor, float]:
+    """(logits, temperature) for the sampling kernel: -inf outside the reference's kept set.
+
+    target_logits [B,N,V]. Without filtering the logits go through untouched and the kernel divides
+    by the temperature; with filtering they come back already divided (temperature 1.0), because
+    the reference filters the scaled logits.
+    """
+    V = target_logits.shape[-1]
+    dtype = torch.promote_types(target_logits.dtype, torch.float32)
+    if temperature == 0:
+        # The reference's p is one-hot at the argmax (first index on ties): a 0 there and -inf
+        # elsewhere is exactly that after the kernel's softmax.
+        hot = target_logits.argmax(-1, keepdim=True)
+        x = torch.full(target_logits.shape, float("-inf"), dtype=dtype, device=target_logits.device)
+        return x.scatter_(-1, hot, 0.0), 1.0
+    use_top_k = 0 < top_k < V
+    if not use_top_k and top_p >= 1.0:
+        return target_logits, float(temperature)
+    x = target_logits.to(dtype) / temperature
+    if top_p < 1.0:
+        # Top-p needs the reference's stable sort; its zeros are exactly the dropped tokens.
+        keep = logits_to_probs(target_logits, temperature, top_k, top_p) > 0
+        return x.masked_fill(~keep, float("-inf")), 1.0
+    kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+    return x.masked_fill(x < kth, float("-inf")), 1.0
+
+
+def fused_verify(
+    tree: DraftTree,
+    target_logits: Tensor,
+    mode: str = "greedy",
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+    uniforms: Optional[Tensor] = None,
+) -> VerifyResult:
+    """Verify B draft trees in one fused step. Same arguments and result as
+    `draftsmith.runtime.verify.verify` (greedy ignores the sampling arguments).
+
+    tree: DraftTree (tokens, parents, depths [B,N], num_nodes [B], draft_probs [B,N,V] for
+    sampling); target_logits [B,N,V], any float dtype. uniforms [B,N+1] in [0,1) (column c tests
+    node c, column N draws the bonus) or None to draw them from `generator` exactly as the
+    reference does, so the same generator state gives the same numbers to both.
+
+    Returns VerifyResult: accept_len [B], best_node [B], path [B,D+1] (-1 padded),
+    accepted_tokens [B,D] (-1 padded), bonus [B], all long.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    B, N = tree.tokens.shape
+    if target_logits.shape[:2] != (B, N):
+        raise ValueError(f"target_logits has shape {tuple(target_logits.shape)}; the trees need [{B},{N},V]")
+    device = target_logits.device
+    if not kernel_available(device):
+        raise RuntimeError(
+            f"the fused verification kernel cannot run on {device} (needs CUDA and triton, or "
+            "TRITON_INTERPRET=1 for CPU tensors); use draftsmith.runtime.verify.verify"
+        )
+    vk = _kernels()
+    path_len = tree.max_depth + 1
+    args = (tree.tokens, tree.parents, tree.num_nodes)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        if mode == "greedy":
+            outs = vk.greedy(*args, target_logits, path_len, token_pad=-1)
+        else:
+            if tree.draft_probs is None:
+                raise ValueError("sampled verification needs tree.draft_probs (the drafter's processed distributions)")
+            if temperature < 0:
+                raise ValueError(f"temperature must be >= 0, got {temperature}")
+            if uniforms is None:
+                # The reference's draw: same shape, dtype and generator call.
+                dtype = torch.promote_types(
+                    torch.promote_types(target_logits.dtype, torch.float32), tree.draft_probs.dtype
+                )
+                uniforms = torch.rand(B, N + 1, generator=generator, device=device, dtype=dtype)
+            elif uniforms.shape != (B, N + 1):
+                raise ValueError(f"uniforms must have shape [{B},{N + 1}], got {tuple(uniforms.shape)}")
+            logits, kernel_temperature = _kernel_logits(target_logits, temperature, top_k, top_p)
+            outs = vk.sample(
+                *args, logits, kernel_temperature, tree.draft_probs, uniforms.to(device),
+                path_len, token_pad=-1,
+            )  # fmt: skip
+    accept_len, best, bonus, path, accepted_tokens = outs
+    return VerifyResult(
+        accept_len=accept_len, best_node=best, path=path, accepted_tokens=accepted_tokens, bonus=bonus
+    )

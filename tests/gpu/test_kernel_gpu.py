@@ -1,0 +1,180 @@
+"""The fused verification kernel, compiled, on a CUDA device at real sizes (skipped without CUDA).
+
+The same comparisons as tests/unit/test_kernel_verify.py (which runs the kernels in the Triton
+interpreter on tiny inputs), at the sizes the runtime sees: trees of up to 200 nodes, vocabularies
+of 32k-152k, bf16/fp16/fp32 logits, batches of 64, strided logits.
+
+    python -m pytest -q tests/gpu/test_kernel_gpu.py
+"""
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+pytest.importorskip("triton")
+
+from draftsmith.runtime.tree import DraftTree  # noqa: E402
+from draftsmith.runtime.verify import logits_to_probs, verify_greedy, verify_sample  # noqa: E402
+
+KERNEL_MODULE = "draftsmith.runtime.kernels.verify_kernels"
+FIELDS = ("accept_len", "best_node", "path", "accepted_tokens", "bonus")
+DEVICE = "cuda"
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The package with its kernel module imported compiled.
+
+    Collecting tests/unit/test_kernel_verify.py sets TRITON_INTERPRET=1 for the whole session and
+    triton.jit decides at import time, so drop an interpreted import and import again without it.
+    """
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    loaded = sys.modules.get(KERNEL_MODULE)
+    if loaded is not None and loaded.INTERPRETED:
+        del sys.modules[KERNEL_MODULE]
+    pkg = importlib.import_module("draftsmith.runtime.kernels")
+    assert not importlib.import_module(KERNEL_MODULE).INTERPRETED
+    assert pkg.kernel_available(DEVICE)
+    yield pkg
+    if saved is not None:
+        os.environ["TRITON_INTERPRET"] = saved
+
+
+def random_structure(gen, B, N, full=False):
+    """parents, depths [B,N] and num_nodes [B] on the GPU; padding as tree.py defines it."""
+    num_nodes = torch.full((B,), N) if full else torch.randint(1, N + 1, (B,), generator=gen)
+    num_nodes[0] = N
+    parents = torch.full((B, N), -1, dtype=torch.long)
+    depths = torch.zeros(B, N, dtype=torch.long)
+    for i in range(1, N):
+        near = torch.randint(max(0, i - 3), i, (B,), generator=gen)
+        anywhere = torch.randint(0, i, (B,), generator=gen)
+        p = torch.where(torch.rand(B, generator=gen) < 0.6, near, anywhere)
+        real = i < num_nodes
+        parents[:, i] = torch.where(real, p, -1)
+        depths[:, i] = torch.where(real, depths.gather(1, p[:, None]).squeeze(1) + 1, 0)
+    return parents.to(DEVICE), depths.to(DEVICE), num_nodes.to(DEVICE)
+
+
+def sibling_rank(parents):
+    """rank [B,N]: how many earlier nodes share node i's parent (its draw order among siblings)."""
+    B, N = parents.shape
+    seen = torch.zeros(B, N + 1, dtype=torch.long, device=parents.device)
+    rank = torch.zeros_like(parents)
+    slot = torch.where(parents >= 0, parents, N)  # padding counts in a dummy slot
+    for i in range(1, N):
+        rank[:, i] = seen.gather(1, slot[:, i : i + 1]).squeeze(1)
+        seen.scatter_add_(1, slot[:, i : i + 1], torch.ones_like(slot[:, i : i + 1]))
+    return rank
+
+
+def assert_same(got, want):
+    for name in FIELDS:
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        bad = (g != w).reshape(g.shape[0], -1).any(-1).nonzero().flatten()
+        assert bad.numel() == 0, f"{name} differs in trees {bad.tolist()[:10]}"
+
+
+@pytest.mark.parametrize(
+    "B, N, V, dtype",
+    [
+        (1, 8, 32000, torch.bfloat16),
+        (16, 64, 152064, torch.bfloat16),
+        (64, 26, 128256, torch.float16),
+        (4, 64, 32000, torch.float32),
+        (2, 200, 32000, torch.bfloat16),
+    ],
+)
+def test_greedy_matches_reference(kernels, B, N, V, dtype):
+    gen = torch.Generator().manual_seed(B * 1000 + N)
+    parents, depths, num_nodes = random_structure(gen, B, N)
+    # A target forward returns [B, T, V]; verification reads its last N positions (strided).
+    logits = torch.randn(B, N + 3, V, device=DEVICE).to(dtype)[:, 3:]
+    pred = logits.argmax(-1)
+    drafted = torch.where(
+        torch.rand(B, N, device=DEVICE) < 0.85,
+        pred.gather(1, parents.clamp_min(0)),
+        torch.randint(0, V, (B, N), device=DEVICE),
+    )
+    tokens = torch.where(parents >= 0, drafted, 0)
+    tree = DraftTree(tokens, parents, depths, num_nodes)
+    tree.validate()
+    want = verify_greedy(tree, logits)
+    got = kernels.fused_verify(tree, logits, "greedy")
+    assert_same(got, want)
+    assert int(want.accept_len.max()) >= 2  # the cases reach past the root
+
+
+def sample_tree(gen, B, N, V, temperature, top_k, top_p, full=False):
+    """Trees whose siblings are drawn without replacement from the processed draft distribution
+    (Gumbel top-k: the r-th child takes the r-th key)."""
+    parents, depths, num_nodes = random_structure(gen, B, N, full)
+    logits = 3.0 * torch.randn(B, N, V, device=DEVICE)
+    q = logits_to_probs(logits + 0.8 * torch.randn(B, N, V, device=DEVICE), temperature or 1.0, top_k, top_p)
+    rank = sibling_rank(parents)
+    keys = torch.log(q) - torch.log(-torch.log(torch.rand(B, N, V, device=DEVICE).clamp_min(1e-20)))
+    draws = keys.topk(int(rank.max()) + 1, dim=-1).indices  # [B,N,C]
+    tokens = draws[torch.arange(B, device=DEVICE)[:, None], parents.clamp_min(0), rank]
+    tokens = torch.where(parents >= 0, tokens, 0)
+    tree = DraftTree(tokens, parents, depths, num_nodes, q)
+    tree.validate()
+    return tree, logits
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 50, 1.0), (1.0, 0, 0.9), (0.0, 0, 1.0)]
+)
+def test_sample_matches_reference_given_uniforms(kernels, temperature, top_k, top_p):
+    gen = torch.Generator().manual_seed(7)
+    B, N, V = 32, 48, 152064
+    tree, logits = sample_tree(gen, B, N, V, temperature, top_k, top_p)
+    u = torch.rand(B, N + 1, device=DEVICE)
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, uniforms=u)
+    want = verify_sample(tree, logits, **kw)
+    got = kernels.fused_verify(tree, logits, "sample", **kw)
+    # Float rounding differs (exp, sums over 152k terms in another order), so a uniform that
+    # lands within ~1e-6 of an acceptance or CDF boundary may go the other way: allow one tree.
+    same = torch.ones(B, dtype=torch.bool, device=DEVICE)
+    for name in FIELDS:
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.shape == w.shape
+        same &= (g == w).reshape(B, -1).all(-1)
+    assert int((~same).sum()) <= 1, (~same).nonzero().flatten().tolist()
+
+
+def test_sample_first_token_follows_the_target(kernels):
+    """Chi-square over 50,000 draws on a 32k vocabulary: the first emitted token is distributed as
+    the target's p at the root (the 40 likeliest tokens one by one, the rest pooled)."""
+    stats = pytest.importorskip("scipy.stats")
+    torch.manual_seed(8)
+    B, N, V = 50_000, 4, 32000
+    base = torch.randn(N, V, device=DEVICE)
+    base[0] *= 2.5
+    logits = base.expand(B, N, V)  # stride 0 on the batch: one row shared by every tree
+    q_rows = logits_to_probs(base + 1.5 * torch.randn(N, V, device=DEVICE))
+    draft = q_rows.expand(B, N, V)
+    keys = torch.log(q_rows[0]) - torch.log(-torch.log(torch.rand(B, V, device=DEVICE).clamp_min(1e-20)))
+    tokens = torch.zeros(B, N, dtype=torch.long, device=DEVICE)
+    tokens[:, 1:] = keys.topk(N - 1, dim=-1).indices  # three siblings, without replacement
+    parents = torch.tensor([[-1, 0, 0, 0]], device=DEVICE).expand(B, N)
+    depths = torch.tensor([[0, 1, 1, 1]], device=DEVICE).expand(B, N)
+    tree = DraftTree(tokens, parents, depths, torch.full((B,), N, device=DEVICE), draft)
+    got = kernels.fused_verify(tree, logits, "sample", generator=torch.Generator(DEVICE).manual_seed(9))
+    first = torch.where(got.accept_len >= 1, got.accepted_tokens[:, 0], got.bonus)
+    p = torch.softmax(base[0].double(), -1)
+    top = p.topk(40).indices
+    expected = torch.cat([p[top], (1 - p[top].sum()).view(1)]) * B
+    hits = (first[:, None] == top[None, :]).double()
+    counts = torch.cat([hits.sum(0), (B - hits.sum()).view(1)])
+    assert stats.chisquare(counts.cpu().numpy(), expected.cpu().numpy()).pvalue > 1e-4
+    drafted = (tokens[:, 1:2] == top[None, :]).double().sum(0)
+    drafted = torch.cat([drafted, (B - drafted.sum()).view(1)])
+    assert stats.chisquare(drafted.cpu().numpy(), expected.cpu().numpy()).pvalue < 1e-6

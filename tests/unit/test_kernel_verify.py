@@ -1,0 +1,358 @@
+"""The fused Triton verification kernel against the torch reference, run by the Triton interpreter.
+
+Greedy must match `verify_greedy` exactly (ties in the logits, duplicate siblings, padded trees,
+split vocabularies, every logits dtype). Sampling must make the same decisions as `verify_sample`
+given the same uniforms, and its first emitted token must follow the target distribution
+(chi-square). Interpreted programs run one after another, so sizes stay tiny.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports the kernel module
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from draftsmith.runtime.tree import DraftTree, TreeSpec  # noqa: E402
+from draftsmith.runtime.verify import logits_to_probs, verify, verify_greedy, verify_sample  # noqa: E402
+
+KERNEL_MODULE = "draftsmith.runtime.kernels.verify_kernels"
+FIELDS = ("accept_len", "best_node", "path", "accepted_tokens", "bonus")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The package with its kernel module imported in interpreter mode.
+
+    A CUDA run of the whole suite may have imported the kernel module compiled (tests/gpu runs
+    first); triton.jit picks interpreted vs compiled at import, so re-import it here.
+    """
+    os.environ["TRITON_INTERPRET"] = "1"
+    loaded = sys.modules.get(KERNEL_MODULE)
+    if loaded is not None and not loaded.INTERPRETED:
+        del sys.modules[KERNEL_MODULE]
+    pkg = importlib.import_module("draftsmith.runtime.kernels")
+    vk = importlib.import_module(KERNEL_MODULE)
+    assert vk.INTERPRETED
+    return pkg
+
+
+def assert_same(got, want, where=""):
+    for name in FIELDS:
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.dtype == w.dtype == torch.long, (name, g.dtype, w.dtype)
+        assert g.shape == w.shape, f"{where}{name}: shape {tuple(g.shape)} != {tuple(w.shape)}"
+        assert torch.equal(g, w), f"{where}{name}:\nkernel    {g.tolist()}\nreference {w.tolist()}"
+
+
+def random_parents(gen, B, N, num_nodes):
+    """parents/depths [B,N] following tree.py's padding convention (-1 / 0 past num_nodes)."""
+    parents = torch.full((B, N), -1, dtype=torch.long)
+    depths = torch.zeros(B, N, dtype=torch.long)
+    for b in range(B):
+        for i in range(1, int(num_nodes[b])):
+            # Lean on recent nodes so trees get deep as well as wide.
+            lo = max(0, i - 3) if torch.rand(1, generator=gen) < 0.6 else 0
+            p = int(torch.randint(lo, i, (1,), generator=gen))
+            parents[b, i] = p
+            depths[b, i] = depths[b, p] + 1
+    return parents, depths
+
+
+def greedy_case(gen, B=3, N=8, V=48, dtype=torch.float32, full=False):
+    """Random trees whose tokens often equal the target argmax (so paths get accepted), with
+    integer-valued logits (ties everywhere) and tokens that sometimes pick a tied maximum that is
+    not the first one (must be rejected: argmax takes the first)."""
+    num_nodes = torch.full((B,), N) if full else torch.randint(1, N + 1, (B,), generator=gen)
+    num_nodes[0] = N
+    parents, depths = random_parents(gen, B, N, num_nodes)
+    logits = torch.randint(0, 4, (B, N, V), generator=gen).to(dtype)
+    pred = logits.argmax(-1)
+    tokens = torch.zeros(B, N, dtype=torch.long)
+    for b in range(B):
+        for i in range(1, int(num_nodes[b])):
+            p = int(parents[b, i])
+            roll = float(torch.rand(1, generator=gen))
+            if roll < 0.7:
+                tokens[b, i] = pred[b, p]
+            elif roll < 0.85:
+                tied = (logits[b, p] == logits[b, p].max()).nonzero().flatten()
+                tokens[b, i] = tied[-1]
+            else:
+                tokens[b, i] = int(torch.randint(0, V, (1,), generator=gen))
+    tree = DraftTree(tokens, parents, depths, num_nodes.long())
+    tree.validate()
+    return tree, logits
+
+
+def sample_case(gen, B=3, N=8, V=40, temperature=1.0, top_k=0, top_p=1.0, spread=0.7):
+    """Random trees drafted the way verify.py's contract says: the children of a node are distinct
+    tokens drawn without replacement from that node's processed draft distribution."""
+    num_nodes = torch.randint(2, N + 1, (B,), generator=gen)
+    num_nodes[0] = N
+    parents, depths = random_parents(gen, B, N, num_nodes)
+    logits = torch.randn(B, N, V, generator=gen) * 2.0
+    draft_logits = logits + spread * torch.randn(B, N, V, generator=gen)
+    # The drafter draws at temperature 1 when the target is verified greedily at T = 0.
+    q = logits_to_probs(draft_logits, temperature or 1.0, top_k, top_p)
+    tokens = torch.zeros(B, N, dtype=torch.long)
+    for b in range(B):
+        left = {}
+        for i in range(1, int(num_nodes[b])):
+            p = int(parents[b, i])
+            w = left.setdefault(p, q[b, p].clone())
+            if w.sum() <= 0:  # every live token used: a duplicate-free tree can't grow here
+                w = torch.ones(V)
+            tokens[b, i] = int(torch.multinomial(w, 1, generator=gen))
+            w[tokens[b, i]] = 0.0
+    tree = DraftTree(tokens, parents, depths, num_nodes.long(), q)
+    tree.validate()
+    return tree, logits
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy: exact.
+# --------------------------------------------------------------------------------------------
+
+
+def test_greedy_matches_reference_on_random_trees(kernels):
+    gen = torch.Generator().manual_seed(0)
+    accepted = 0
+    for trial in range(6):
+        tree, logits = greedy_case(gen)
+        want = verify_greedy(tree, logits)
+        assert_same(kernels.fused_verify(tree, logits, "greedy"), want, f"trial {trial}: ")
+        accepted += int(want.accept_len.sum())
+    # The cases must actually exercise acceptance, not only the root.
+    assert accepted >= 10
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_greedy_split_vocabulary_and_dtypes(kernels, monkeypatch, dtype):
+    """Three V-splits (the partials combine across programs), strided logits, narrow dtypes."""
+    vk = importlib.import_module(KERNEL_MODULE)
+    monkeypatch.setattr(vk, "_num_splits", lambda *args: 3)
+    gen = torch.Generator().manual_seed(1)
+    tree, logits = greedy_case(gen, V=44, dtype=dtype)
+    # A transposed copy viewed back: same values, non-contiguous strides on every axis.
+    strided = logits.transpose(0, 2).contiguous().transpose(0, 2)
+    assert not strided.is_contiguous()
+    assert_same(kernels.fused_verify(tree, strided, "greedy"), verify_greedy(tree, logits))
+
+
+def test_greedy_fp64_maxima_that_tie_in_fp32(kernels):
+    """Two fp64 logits that round to the same fp32 value: the larger one (later index) is the argmax."""
+    V = 20
+    logits = torch.zeros(1, 3, V, dtype=torch.float64)
+    logits[0, :, 3] = 1.0
+    logits[0, :, 11] = 1.0 + 1e-12
+    assert torch.float32 != logits.dtype and float(logits[0, 0, 3].float()) == float(logits[0, 0, 11].float())
+    tree = DraftTree.from_lists([5, 11, 11], [-1, 0, 1])
+    want = verify_greedy(tree, logits)
+    assert int(want.accept_len[0]) == 2 and int(want.bonus[0]) == 11
+    assert_same(kernels.fused_verify(tree, logits, "greedy"), want)
+
+
+def test_greedy_edge_trees(kernels):
+    gen = torch.Generator().manual_seed(2)
+    V = 16
+    # Only roots (D = 0: path [B,1], accepted_tokens [B,0]).
+    roots = DraftTree(
+        torch.tensor([[7], [3]]), torch.full((2, 1), -1), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    )
+    logits = torch.randn(2, 1, V, generator=gen)
+    assert_same(kernels.fused_verify(roots, logits, "greedy"), verify_greedy(roots, logits))
+    # A fully accepted chain, and a chain rejected at its first token.
+    spec = TreeSpec.chain(5)
+    logits = torch.randn(1, 6, V, generator=gen)
+    good = logits.argmax(-1)[0]
+    for first in (int(good[0]), (int(good[0]) + 1) % V):
+        tokens = [0, first] + [int(t) for t in good[1:5]]
+        tree = DraftTree.from_lists(tokens, list(spec.parents))
+        want = verify_greedy(tree, logits)
+        assert_same(kernels.fused_verify(tree, logits, "greedy"), want)
+    assert int(want.accept_len[0]) == 0 and int(want.bonus[0]) == int(good[0])
+    # Two accepted siblings with the same token: the lower index wins the tie.
+    logits = torch.randn(1, 4, V, generator=gen)
+    t = int(logits[0, 0].argmax())
+    tree = DraftTree.from_lists([1, (t + 1) % V, t, t], [-1, 0, 0, 0])
+    want = verify_greedy(tree, logits)
+    assert int(want.best_node[0]) == 2
+    assert_same(kernels.fused_verify(tree, logits, "greedy"), want)
+
+
+def test_greedy_detects_a_wrong_answer(kernels):
+    """The comparison itself can fail: a kernel result for different logits differs."""
+    gen = torch.Generator().manual_seed(3)
+    tree, logits = greedy_case(gen, full=True)
+    got = kernels.fused_verify(tree, logits, "greedy")
+    other = logits.clone()
+    other[..., 0] = 100.0  # every argmax becomes token 0
+    with pytest.raises(AssertionError):
+        assert_same(got, verify_greedy(tree, other))
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling: same uniforms, same decisions; right distribution.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.3, 6, 1.0), (0.8, 0, 0.7), (1.0, 10, 0.9), (0.0, 0, 1.0)],
+)
+def test_sample_matches_reference_given_uniforms(kernels, temperature, top_k, top_p):
+    gen = torch.Generator().manual_seed(10)
+    rejected = 0
+    for trial in range(2):
+        tree, logits = sample_case(gen, temperature=temperature, top_k=top_k, top_p=top_p)
+        u = torch.rand(tree.batch_size, tree.size + 1, generator=gen)
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, uniforms=u)
+        want = verify_sample(tree, logits, **kw)
+        assert_same(kernels.fused_verify(tree, logits, "sample", **kw), want, f"trial {trial}: ")
+        has_kids = (tree.parents.unsqueeze(-1) == torch.arange(tree.size)).any(1)
+        rejected += int((has_kids.gather(1, want.best_node[:, None]).squeeze(1)).sum())
+    if temperature > 0:
+        # Some walks ended by rejecting every child: the residual and its bonus draw were used.
+        assert rejected >= 1
+
+
+def test_sample_residual_edge_cases(kernels):
+    """Rejection chains that reach verify.py's guards: a drafted token of probability zero under
+    both p and q (its residual is all zero, so p stays), and q running out of mass."""
+    V = 6
+    p_logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0, 0.0]).clamp_min(1e-30))
+    p_logits[4:] = float("-inf")
+    logits = p_logits.expand(3, 4, V).clone()
+    # Tree 0: root's children 4 (p = q = 0: rejected, residual all zero), then 1.
+    q0 = torch.softmax(p_logits, -1)
+    # Tree 1: q one-hot on token 3 (rejected unless u < 0.1), then siblings see an all-zero q.
+    q1 = torch.zeros(V)
+    q1[3] = 1.0
+    # Tree 2: q = p, everything accepted down a chain.
+    draft = torch.stack([q0, q1, q0]).unsqueeze(1).expand(3, 4, V).clone()
+    tokens = torch.tensor([[0, 4, 1, 2], [0, 3, 0, 2], [0, 0, 1, 2]])
+    parents = torch.tensor([[-1, 0, 0, 0], [-1, 0, 0, 0], [-1, 0, 1, 2]])
+    depths = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [0, 1, 2, 3]])
+    tree = DraftTree(tokens, parents, depths, torch.full((3,), 4), draft)
+    tree.validate()
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(3):
+        u = torch.rand(3, 5, generator=gen)
+        u[1, 1] = 0.5  # tree 1 rejects token 3
+        want = verify_sample(tree, logits, uniforms=u)
+        assert_same(kernels.fused_verify(tree, logits, "sample", uniforms=u), want)
+    assert int(want.best_node[1]) != 1
+
+
+def test_sample_generator_draws_the_same_uniforms(kernels):
+    """Without uniforms both draw [B,N+1] from the generator: same seed, same result."""
+    gen = torch.Generator().manual_seed(12)
+    tree, logits = sample_case(gen)
+    want = verify(tree, logits, "sample", temperature=0.9, generator=torch.Generator().manual_seed(5))
+    got = kernels.fused_verify(tree, logits, "sample", temperature=0.9, generator=torch.Generator().manual_seed(5))
+    assert_same(got, want)
+
+
+def test_sample_first_token_follows_the_target(kernels):
+    """Chi-square: the first token a step emits (the first accepted draft token, or the bonus when
+    the root's children are all rejected) is distributed as the target's p at the root, although
+    the drafts come from a very different q. The same test rejects the draft tokens themselves."""
+    stats = pytest.importorskip("scipy.stats")
+    gen = torch.Generator().manual_seed(13)
+    V, B = 5, 160
+    p_root = torch.tensor([2.0, 1.2, 0.6, 0.0, -0.5])
+    q_root = torch.tensor([-0.5, 0.0, 0.6, 1.2, 2.0])
+    # Root with two children (drawn without replacement from q), each a leaf.
+    logits = torch.randn(1, 3, V, generator=gen).expand(B, 3, V).clone()
+    logits[:, 0] = p_root
+    draft = logits_to_probs(torch.randn(1, 3, V, generator=gen)).expand(B, 3, V).clone()
+    draft[:, 0] = torch.softmax(q_root, -1)
+    tokens = torch.zeros(B, 3, dtype=torch.long)
+    tokens[:, 1:] = torch.multinomial(draft[:, 0], 2, replacement=False, generator=gen)
+    tree = DraftTree(
+        tokens, torch.tensor([[-1, 0, 0]]).expand(B, 3), torch.tensor([[0, 1, 1]]).expand(B, 3), torch.full((B,), 3), draft
+    )
+    tree.validate()
+    got = kernels.fused_verify(tree, logits, "sample", generator=gen)
+    first = torch.where(got.accept_len >= 1, got.accepted_tokens[:, 0], got.bonus)
+    expected = (torch.softmax(p_root.double(), -1) * B).numpy()
+    counts = torch.bincount(first, minlength=V).double().numpy()
+    assert stats.chisquare(counts, expected).pvalue > 1e-3, counts
+    drafted = torch.bincount(tokens[:, 1], minlength=V).double().numpy()
+    assert stats.chisquare(drafted, expected).pvalue < 1e-6, drafted
+
+
+# --------------------------------------------------------------------------------------------
+# In the decoding loop.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+def test_speculative_generate_with_the_kernel(kernels, mode):
+    """speculative_generate with verify_fn=fused_verify emits exactly what it emits with the
+    reference: greedy by construction, sampling because both draw the same uniforms from the
+    generator. A distinct random draft model keeps acceptance partial, so rejections happen."""
+    from draftsmith.runtime.drafters import StandaloneDrafter
+    from draftsmith.runtime.generate import speculative_generate
+    from draftsmith.target import FrozenTarget
+    from draftsmith.testing import tiny_causal_lm
+
+    V = 40
+    target = FrozenTarget(tiny_causal_lm("llama", vocab_size=V, hidden_size=32, num_layers=2, seed=0))
+    draft = tiny_causal_lm("llama", vocab_size=V, hidden_size=32, num_layers=1, seed=1)
+    prompt = torch.tensor([[5, 9, 14, 3, 22, 7]])
+    outs = []
+    for verify_fn in (verify, kernels.fused_verify):
+        out, stats = speculative_generate(
+            target, StandaloneDrafter(draft, TreeSpec.from_choices([(0,), (1,), (0, 0)])), prompt, 8,
+            mode=mode, temperature=1.0, generator=torch.Generator().manual_seed(4), verify_fn=verify_fn,
+        )  # fmt: skip
+        outs.append((out.tolist(), stats.accept_lens))
+    assert outs[0] == outs[1]
+    assert len(outs[0][0][0]) == prompt.shape[1] + 8
+
+
+# --------------------------------------------------------------------------------------------
+# API.
+# --------------------------------------------------------------------------------------------
+
+
+def test_kernel_available(kernels):
+    assert kernels.kernel_available("cpu")
+    assert not kernels.kernel_available("meta")
+
+
+def test_errors_match_the_reference(kernels):
+    gen = torch.Generator().manual_seed(14)
+    tree, logits = sample_case(gen)
+    with pytest.raises(ValueError, match="mode"):
+        kernels.fused_verify(tree, logits, "beam")
+    with pytest.raises(ValueError, match="uniforms"):
+        kernels.fused_verify(tree, logits, "sample", uniforms=torch.rand(3, 3))
+    with pytest.raises(ValueError, match="target_logits"):
+        kernels.fused_verify(tree, logits[:, :2], "greedy")
+    bare = DraftTree(tree.tokens, tree.parents, tree.depths, tree.num_nodes)
+    with pytest.raises(ValueError, match="draft_probs"):
+        kernels.fused_verify(bare, logits, "sample")
+    with pytest.raises(RuntimeError, match="cannot run"):
+        kernels.fused_verify(tree, logits.to("meta"), "greedy")
+
+
+def test_package_imports_without_triton():
+    """`import draftsmith.runtime.kernels` needs no triton; it only reports the kernel unavailable."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from draftsmith.runtime.kernels import kernel_available\n"
+        "print(kernel_available('cpu'), kernel_available('cuda'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
