@@ -1,0 +1,36 @@
+"""The decoding runtime: draft trees, verification, drafters and the speculative decoding loop.
+
+    tree.py      TreeSpec / DynamicTreeSpec / DraftTree, masks and positions, build_dynamic_tree
+    verify.py    reference verification in torch (greedy, lossless sampling); the kernels match it
+    drafters.py  the Drafter protocol and its adapters (MedusaDrafter, StandaloneDrafter)
+    generate.py  speculative_generate and the autoregressive baseline (batch size 1)
+    kernels/     the fused Triton verification kernel
+"""
+
+from draftsmith.runtime.drafters import DrafterError, Drafter, DraftState, MedusaDrafter, StandaloneDrafter
+from draftsmith.runtime.generate import GenerationStats, TargetSession, autoregressive_generate, speculative_generate
+from draftsmith.runtime.tree import DraftTree, DynamicTreeSpec, TreeError, TreeSpec, default_tree, parse_tree
+# The function verify stays in its module: re-exported here it would shadow the submodule
+# draftsmith.runtime.verify (``import draftsmith.runtime.verify as v`` would get the function).
+from draftsmith.runtime.verify import SamplingParams, VerifyResult, logits_to_probs
+
+__all__ = [
+    "DraftState",
+    "DraftTree",
+    "Drafter",
+    "DrafterError",
+    "DynamicTreeSpec",
+    "GenerationStats",
+    "MedusaDrafter",
+    "SamplingParams",
+    "StandaloneDrafter",
+    "TargetSession",
+    "TreeError",
+    "TreeSpec",
+    "VerifyResult",
+    "autoregressive_generate",
+    "default_tree",
+    "logits_to_probs",
+    "parse_tree",
+    "speculative_generate",
+]

@@ -253,6 +253,8 @@ class DraftTree:
         if bad.any():
             b, i = (int(x) for x in bad.nonzero()[0])
             raise TreeError(f"a draft tree that is not a tree: node {i} of tree {b} has parent {int(self.parents[b, i])}")
+        if (~real & (self.parents != -1)).any():
+            raise TreeError("a draft tree that is not a tree: padding nodes (index >= num_nodes) must have parent -1")
         parent_depth = self.depths.gather(1, self.parents.clamp_min(0))
         if (drafted & (self.depths != parent_depth + 1)).any():
             raise TreeError("a draft tree that is not a tree: a node's depth is not its parent's depth + 1")

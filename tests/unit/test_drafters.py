@@ -21,6 +21,15 @@ from draftsmith.runtime.verify import SamplingParams, logits_to_probs, verify_gr
 from draftsmith.target import FrozenTarget
 from draftsmith.testing import tiny_causal_lm
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models: one intra-op thread is faster, and idle OpenMP threads spin on a busy 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 SPEC = TreeSpec.from_choices([(0,), (2,), (0, 0), (0, 1), (2, 0), (0, 0, 0)])
 GREEDY = SamplingParams()
 

@@ -21,6 +21,15 @@ from draftsmith.runtime.tree import (
 )
 from draftsmith.testing import tiny_causal_lm
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models: one intra-op thread is faster, and idle OpenMP threads spin on a busy 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 # root 0 -> 1, 2; 1 -> 3, 4; 3 -> 5
 HAND_PARENTS = [-1, 0, 0, 1, 1, 3]
 HAND_ANCESTORS = [  # row i: ancestors-or-self of node i
@@ -122,6 +131,12 @@ def test_padding_nodes_see_only_themselves_and_are_nobodys_children():
 def test_draft_tree_validation(parents, depths, needle):
     tree = DraftTree(torch.tensor([[1, 2, 3]]), torch.tensor([parents]), torch.tensor([depths]), torch.tensor([3]))
     with pytest.raises(TreeError, match=needle):
+        tree.validate()
+
+
+def test_padding_must_be_detached():
+    tree = DraftTree(torch.tensor([[1, 2, 3]]), torch.tensor([[-1, 0, 1]]), torch.tensor([[0, 1, 2]]), torch.tensor([2]))
+    with pytest.raises(TreeError, match="padding"):
         tree.validate()
 
 

@@ -1,0 +1,166 @@
+"""Losslessness end to end on tiny random Llama and Qwen2 models in fp32.
+
+Greedy: speculative output is token-identical to HF ``generate(do_sample=False)`` for every drafter
+kind and tree shape. Sampling: the first generated tokens follow the target's own processed
+distribution (chi-square), and the same check rejects a verifier that always accepts.
+"""
+
+import copy
+
+import pytest
+import torch
+from scipy import stats
+
+from draftsmith.heads.medusa import MedusaConfig, MedusaHead
+from draftsmith.runtime import verify as verify_module
+from draftsmith.runtime.drafters import MedusaDrafter, StandaloneDrafter
+from draftsmith.runtime.generate import speculative_generate
+from draftsmith.runtime.tree import DynamicTreeSpec, TreeSpec, default_tree
+from draftsmith.runtime.verify import logits_to_probs
+from draftsmith.target import FrozenTarget
+from draftsmith.testing import tiny_causal_lm, tiny_tokenizer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models: one intra-op thread is faster, and idle OpenMP threads spin on a busy 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+PROMPTS = [
+    "Hi",
+    "x",
+    "The quick brown fox",
+    "def add(a, b):\n    return",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "0123456789 abcdefghij ABCDEFGHIJ",
+]
+MAX_NEW = 24
+EOS = 2  # the tiny models' eos_token_id
+
+
+def _noisy_copy(model, scale, seed):
+    """The target with every weight perturbed: agrees often, not always (partial acceptance)."""
+    noisy = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std().clamp_min(1e-3))
+    return noisy
+
+
+def _random_medusa(target, seed):
+    head = MedusaHead(MedusaConfig(num_heads=4, num_layers=1), target.dims)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return head
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def setup(request):
+    arch = request.param
+    tokenizer = tiny_tokenizer()
+    target = FrozenTarget(tiny_causal_lm(arch, vocab_size=len(tokenizer), seed=0))
+    prompts = [torch.tensor([tokenizer.encode(p)]) for p in PROMPTS]
+    references = [
+        target.model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=EOS, pad_token_id=0
+        )
+        for ids in prompts
+    ]
+    other = tiny_causal_lm("qwen2" if arch == "llama" else "llama", vocab_size=len(tokenizer), hidden_size=32, num_layers=1, seed=5)
+    noisy = _noisy_copy(target.model, 0.15, seed=1)
+    return target, prompts, references, other, noisy
+
+
+DRAFTERS = {
+    # name: (build(target, other, noisy), must everything be accepted?)
+    "medusa-chain": (lambda t, o, n: MedusaDrafter(_random_medusa(t, 1), t, TreeSpec.chain(4)), False),
+    "medusa-tree": (lambda t, o, n: MedusaDrafter(_random_medusa(t, 2), t, default_tree(4, (4, 2, 2, 1))), False),
+    "other-lm-chain": (lambda t, o, n: StandaloneDrafter(o, TreeSpec.chain(3)), False),
+    "noisy-chain": (lambda t, o, n: StandaloneDrafter(n, TreeSpec.chain(4)), False),
+    "noisy-tree": (lambda t, o, n: StandaloneDrafter(n, default_tree(4, (3, 2, 2, 1))), False),
+    "noisy-dynamic": (lambda t, o, n: StandaloneDrafter(n, DynamicTreeSpec(depth=4, topk=3, budget=10)), False),
+    "self-chain": (lambda t, o, n: StandaloneDrafter(t.model, TreeSpec.chain(4)), True),
+    "self-tree": (lambda t, o, n: StandaloneDrafter(t.model, default_tree(3, (3, 2, 1))), True),
+}
+
+
+@pytest.mark.parametrize("kind", list(DRAFTERS))
+def test_greedy_speculative_equals_hf_greedy(setup, kind):
+    target, prompts, references, other, noisy = setup
+    build, all_accepted = DRAFTERS[kind]
+    drafter = build(target, other, noisy)
+    accepted = drafted_depth = 0
+    for ids, reference in zip(prompts, references):
+        out, stats_ = speculative_generate(target, drafter, ids, MAX_NEW, eos_token_id=EOS)
+        assert out.tolist() == reference.tolist(), f"{kind}: prompt {ids.tolist()}"
+        accepted += sum(stats_.accept_lens)
+        drafted_depth += sum(stats_.draft_depths)
+        if all_accepted:
+            # The target drafting for itself: every drafted token of every step is accepted.
+            assert stats_.accept_lens == stats_.draft_depths[: len(stats_.accept_lens)]
+            assert all(d > 0 for d in stats_.draft_depths[1:])
+    if kind.startswith("noisy"):
+        assert 0 < accepted < drafted_depth  # partial acceptance: rollbacks really happen
+
+
+# ---------------------------------------------------------------- sampling
+
+V = 8
+PROMPT = torch.tensor([[3, 4, 5]])
+TEMPERATURE, TOP_P = 0.8, 0.9
+
+
+def _peaky(seed):
+    """A tiny model whose next-token laws are far from uniform, so draft and target disagree."""
+    model = tiny_causal_lm("llama", vocab_size=V, hidden_size=16, num_layers=1, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(15.0)
+    return model
+
+
+def _target_joint(model):
+    """The target's own processed law of the first two generated tokens [V*V]."""
+    with torch.no_grad():
+        first = logits_to_probs(model(PROMPT).logits[0, -1].double(), TEMPERATURE, 0, TOP_P)
+        second = torch.stack(
+            [
+                logits_to_probs(model(torch.cat([PROMPT, torch.tensor([[x]])], 1)).logits[0, -1].double(), TEMPERATURE, 0, TOP_P)
+                for x in range(V)
+            ]
+        )
+    return (first.unsqueeze(1) * second).flatten()
+
+
+def _speculative_joint_p_value(n, seed):
+    target_model, draft_model = _peaky(0), _peaky(1)
+    target = FrozenTarget(target_model)
+    drafter = StandaloneDrafter(draft_model, TreeSpec.from_choices([(0,), (1,), (0, 0), (1, 0)]))
+    gen = torch.Generator().manual_seed(seed)
+    cells = []
+    for _ in range(n):
+        out, _ = speculative_generate(target, drafter, PROMPT, 2, mode="sample", temperature=TEMPERATURE, top_p=TOP_P, generator=gen)
+        cells.append(int(out[0, 3]) * V + int(out[0, 4]))
+    observed = torch.bincount(torch.tensor(cells), minlength=V * V).double()
+    expected = _target_joint(target_model) * n
+    if observed[expected == 0].sum() > 0:
+        return 0.0  # a token top-p removed from the target's law
+    # Pool the rare cells so every chi-square cell expects at least 5.
+    common = expected >= 5
+    obs = torch.cat([observed[common], observed[~common].sum().view(1)])
+    exp = torch.cat([expected[common], expected[~common].sum().view(1)])
+    return float(stats.chisquare(obs.numpy(), (exp / exp.sum() * n).numpy()).pvalue)
+
+
+def test_sampled_speculative_tokens_follow_the_target():
+    assert _speculative_joint_p_value(500, seed=0) > 1e-3
+
+
+def test_the_sampling_check_rejects_a_verifier_that_always_accepts(monkeypatch):
+    monkeypatch.setattr(verify_module, "_accepts", lambda u, p_x, q_x: torch.ones_like(p_x, dtype=torch.bool))
+    assert _speculative_joint_p_value(200, seed=0) < 1e-6
