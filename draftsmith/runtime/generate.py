@@ -161,7 +161,9 @@ def speculative_generate(
     tokens, stats). Stops after the first EOS (emitted, as in HF ``generate``) or after
     ``max_new_tokens``; never emits past either. eos_token_id: an id, several, or None (no EOS).
     mode "greedy" or "sample" with temperature / top_k / top_p (``logits_to_probs``); ``generator``
-    drives the drafter's draws and the verification. ``verify_fn`` defaults to the torch reference;
+    (on the target's device, or None for the global RNG) drives the drafter's draws and the
+    verification. The target needs an attention implementation that takes a custom 4D mask
+    (eager or SDPA; not flash-attention). ``verify_fn`` defaults to the torch reference;
     ``draftsmith.runtime.kernels.fused_verify`` takes the same arguments.
     """
     _check_prompt(input_ids, max_new_tokens)

@@ -140,11 +140,13 @@ def test_padding_must_be_detached():
         tree.validate()
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tree_mask_on_a_kv_cache_reproduces_each_paths_own_forward(arch):
+def test_tree_mask_on_a_kv_cache_reproduces_each_paths_own_forward(arch, attention):
     """One tree forward over a cached prefix gives, at every node, the logits of a plain forward
     over prefix + that node's path: the mask and positions are what an HF model needs."""
     model = tiny_causal_lm(arch, vocab_size=50, hidden_size=32, num_layers=2, seed=3)
+    model.set_attn_implementation(attention)
     prefix = torch.randint(0, 50, (1, 7), generator=torch.Generator().manual_seed(0))
     tree = DraftTree.from_lists([11, 12, 13, 14, 15, 16], HAND_PARENTS)
     cache = DynamicCache(config=model.config)
