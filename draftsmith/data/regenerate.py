@@ -224,11 +224,13 @@ def regenerate_conversations(
     sampling = cfg.temperature > 0
 
     plans = {i: _split(c, cfg.max_turns) for i, c in enumerate(conversations)}
-    # Similar prompt lengths share a batch, so little compute goes to padding.
+
     def first_prompt_chars(i: int) -> int:
         system, users = plans[i]
         return sum(len(m["content"]) for m in system) + (len(users[0]) if users else 0)
 
+    # Similar prompt lengths share a batch, so little compute goes to left padding. The order
+    # depends only on the conversations, so a resumed run forms the same batches.
     todo = sorted((i for i in range(len(conversations)) if i not in done), key=lambda i: (first_prompt_chars(i), i))
 
     from tqdm.auto import tqdm
