@@ -56,16 +56,24 @@ class AcceptanceStats:
 
     # ---- feeding -------------------------------------------------------------------------------
 
-    def add_step(self, accepted: int, max_depth: int) -> None:
-        """One speculative step that accepted `accepted` of a path drafted `max_depth` deep."""
+    def add_step(self, accepted: int, max_depth: int, attempted: int | None = None) -> None:
+        """One speculative step that accepted `accepted` of a path drafted `max_depth` deep.
+
+        `attempted`: depths the step judged, when the caller knows it exactly. In a tree the node
+        where acceptance stopped may be a leaf (a side branch), so depth accepted+1 was never
+        judged; by default a chain is assumed: min(accepted + 1, max_depth).
+        """
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
         if not 0 <= accepted <= max_depth:
             raise ValueError(f"accepted must be in [0, max_depth={max_depth}], got {accepted}")
+        attempted = min(accepted + 1, max_depth) if attempted is None else attempted
+        if not accepted <= attempted <= min(accepted + 1, max_depth):
+            raise ValueError(f"attempted must be accepted or accepted + 1 (<= max_depth), got {attempted}")
         _grow(self.depth_attempts, max_depth)
         _grow(self.depth_accepts, max_depth)
         _grow(self.accepted_counts, max_depth + 1)
-        for d in range(min(accepted + 1, max_depth)):
+        for d in range(attempted):
             self.depth_attempts[d] += 1
         for d in range(accepted):
             self.depth_accepts[d] += 1

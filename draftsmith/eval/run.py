@@ -218,8 +218,8 @@ def evaluate(
         ids = encode_prompt(tok, messages, target.device)
         gen = torch.Generator(device=target.device).manual_seed(seed + i)
         out, g = speculative_generate(target, loaded.drafter, ids, max_new_tokens, eos_token_id=eos, generator=gen, **sampling)
-        for accepted, depth in zip(g.accept_lens, g.draft_depths):
-            stats.add_step(accepted, max(depth, 1))
+        for accepted, attempted, depth in zip(g.accept_lens, g.attempted_depths, g.draft_depths):
+            stats.add_step(accepted, max(depth, 1), attempted=min(attempted, max(depth, 1)))
         stats.add_generation(g.new_tokens, g.wall_time, g.target_forwards)
         draft_time += g.draft_time
         if baseline:

@@ -23,7 +23,7 @@ from draftsmith.runtime.drafters import Drafter, DrafterError, DraftState, compa
 from draftsmith.runtime.tree import DraftTree, tree_attention_mask, tree_positions
 from draftsmith.runtime.verify import SamplingParams, VerifyResult, logits_to_probs, verify
 
-__all__ = ["GenerationStats", "TargetSession", "speculative_generate", "autoregressive_generate"]
+__all__ = ["GenerationStats", "TargetSession", "autoregressive_generate", "default_verify_fn", "speculative_generate"]
 
 
 @dataclass
@@ -31,7 +31,8 @@ class GenerationStats:
     """What one generation did.
 
     accept_lens[s]: drafted tokens accepted at step s (the step emitted accept_lens[s] + 1 tokens,
-        fewer only when EOS or max_new_tokens cut it short). draft_depths[s]: the deepest node of
+        fewer only when EOS or max_new_tokens cut it short). attempted_depths[s]: how many depths
+        step s judged (accepted, plus one when the node it stopped at had children). draft_depths[s]: the deepest node of
         step s's tree. depth_attempts[d-1] / depth_accepts[d-1]: steps in which a drafted token at
         depth d was judged (the step reached depth d-1 and the node reached there had children) /
         accepted. target_forwards: target forward passes, the prefill included. new_tokens: tokens
@@ -40,6 +41,7 @@ class GenerationStats:
     """
 
     accept_lens: list[int] = field(default_factory=list)
+    attempted_depths: list[int] = field(default_factory=list)
     draft_depths: list[int] = field(default_factory=list)
     depth_attempts: list[int] = field(default_factory=list)
     depth_accepts: list[int] = field(default_factory=list)
@@ -65,6 +67,7 @@ class GenerationStats:
         # Depth d is judged when the node reached at depth d-1 had children: depths 1..a always
         # (the path continued), depth a+1 when the best node has children.
         attempted = a + int(int(result.best_node[0]) in has_children)
+        self.attempted_depths.append(attempted)
         for counts, n in ((self.depth_attempts, attempted), (self.depth_accepts, a)):
             counts.extend([0] * max(0, n - len(counts)))
             for d in range(n):
@@ -126,6 +129,18 @@ class TargetSession:
         self._tree_base = None
 
 
+def default_verify_fn(device) -> Callable[..., VerifyResult]:
+    """The fused kernel where it compiles for the device (CUDA with triton), else the reference.
+
+    The Triton interpreter also runs the kernel on CPU, but far slower than the torch reference, so
+    it is used only when a caller passes ``verify_fn=fused_verify`` explicitly (tests).
+    """
+    from draftsmith.runtime.kernels import fused_verify, kernel_available
+
+    device = torch.device(device)
+    return fused_verify if device.type == "cuda" and kernel_available(device) else verify
+
+
 def _eos_set(eos_token_id: Union[int, Iterable[int], None]) -> set[int]:
     if eos_token_id is None:
         return set()
@@ -153,7 +168,7 @@ def speculative_generate(
     top_p: float = 1.0,
     eos_token_id: Union[int, Iterable[int], None] = None,
     generator: Optional[torch.Generator] = None,
-    verify_fn: Callable[..., VerifyResult] = verify,
+    verify_fn: Optional[Callable[..., VerifyResult]] = None,
 ) -> tuple[Tensor, GenerationStats]:
     """Speculative decoding with ``drafter`` against ``target`` (a FrozenTarget), batch size 1.
 
@@ -163,10 +178,11 @@ def speculative_generate(
     mode "greedy" or "sample" with temperature / top_k / top_p (``logits_to_probs``); ``generator``
     (on the target's device, or None for the global RNG) drives the drafter's draws and the
     verification. The target needs an attention implementation that takes a custom 4D mask
-    (eager or SDPA; not flash-attention). ``verify_fn`` defaults to the torch reference;
-    ``draftsmith.runtime.kernels.fused_verify`` takes the same arguments.
+    (eager or SDPA; not flash-attention). ``verify_fn`` defaults to ``default_verify_fn`` for the
+    target's device: the fused Triton kernel on a GPU, the torch reference elsewhere.
     """
     _check_prompt(input_ids, max_new_tokens)
+    verify_fn = verify_fn or default_verify_fn(input_ids.device)
     sampling = SamplingParams(mode, temperature, top_k, top_p)
     eos = _eos_set(eos_token_id)
     stats = GenerationStats()

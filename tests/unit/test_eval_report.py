@@ -170,3 +170,14 @@ def test_exact_fractions_survive_accumulation():
             stats.add_step(accepted, 3)
     assert Fraction(stats.acceptance_rate).limit_denominator(100) == Fraction(2, 3)
     assert stats.per_depth_acceptance == _hand_stats().per_depth_acceptance
+
+
+def test_tree_steps_count_only_judged_depths():
+    """A tree step that stops on a leaf side branch judged no deeper token: attempted = accepted."""
+    stats = AcceptanceStats()
+    stats.add_step(1, 3, attempted=1)  # accepted a rank-1 sibling with no children
+    stats.add_step(1, 3)  # a chain: depth 2 was judged and rejected
+    assert stats.depth_attempts == [2, 1, 0] and stats.depth_accepts == [2, 0, 0]
+    assert stats.acceptance_rate == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="attempted"):
+        stats.add_step(1, 3, attempted=3)
