@@ -52,6 +52,14 @@ def cmd_prepare(args) -> int:
     from draftsmith.target import FrozenTarget
 
     recipe = _load(args.recipe)
+    if recipe.trainer == "heads" and recipe.data.features.mode == "cache":
+        # Also precompute the target's hidden states the head trains on (data.features).
+        from draftsmith.trainers.heads import prepare_features
+
+        stats = prepare_features(recipe)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(stats, indent=2))
+        return 0
     target = FrozenTarget.from_config(recipe.target)
     cache_dir = Path(recipe.data.cache_dir) if recipe.data.cache_dir else Path(recipe.output_dir) / "data"
     data = prepare_data(recipe.data, target.tokenizer, cache_dir, target_model=target.model)
@@ -240,8 +248,17 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # The deepspeed launcher injects --local_rank=N; the rank also lives in the environment.
-    argv = [a for a in argv if not a.startswith(("--local_rank", "--local-rank"))]
+    # The deepspeed launcher injects --local_rank=N (older launchers: --local_rank N); the rank
+    # also lives in the environment.
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--local_rank", "--local-rank"):
+            skip = True
+        elif not arg.startswith(("--local_rank=", "--local-rank=")):
+            kept.append(arg)
+    argv = kept
     args = build_parser().parse_args(argv)
     from draftsmith.recipe import RecipeError
 

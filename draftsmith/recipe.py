@@ -50,6 +50,29 @@ class RegenerateConfig:
 
 
 @dataclass
+class FeaturesConfig:
+    """Where the head trainer gets the target's hidden states (see draftsmith/data/features.py)."""
+
+    # online: run the target on every batch. cache: read features precomputed by `draftsmith
+    # prepare` (built by `train` when missing). hybrid: run the target during the first epoch,
+    # caching what it computes, and read the cache afterwards.
+    mode: Literal["online", "cache", "hybrid"] = "online"
+    # The cache folder; default <data cache_dir>/features.
+    dir: Optional[str] = None
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # int8: each token's vector as int8 plus one float32 scale (absmax); half of bf16, lossy.
+    compress: Literal["none", "int8"] = "none"
+    # Also store the target's k largest logits per token (values and indices); 0 stores none.
+    top_k_logits: int = 0
+    # Tokens per shard file (a shard closes at the first example that reaches this many).
+    shard_tokens: int = 65536
+    # Examples per target forward while precomputing.
+    batch_size: int = 8
+    # Disk space (GB) that must stay free after the cache is written; the build refuses otherwise.
+    reserve_gb: float = 1.0
+
+
+@dataclass
 class DataConfig:
     """Where conversations come from and how they become token batches."""
 
@@ -67,6 +90,7 @@ class DataConfig:
     # Where tokenized and regenerated data is cached; default <output_dir>/data.
     cache_dir: Optional[str] = None
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
 
 
 @dataclass
@@ -75,6 +99,9 @@ class TrainConfig:
 
     micro_batch_size: int = 4
     grad_accum_steps: int = 1
+    # Examples per optimizer step over all ranks. When set, grad_accum_steps is derived per run:
+    # global_batch_size / (micro_batch_size * world size), which must come out a whole number.
+    global_batch_size: Optional[int] = None
     max_steps: int = 1000
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -159,6 +186,44 @@ class OnlineConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    """DeepSpeed ZeRO (merge recipes/deepspeed/zero{1,2,3}.yaml). Batch sizes, accumulation,
+    precision, clipping, optimizer and schedule come from train:, never from here."""
+
+    # None: no DeepSpeed (one process or DDP).
+    zero_stage: Optional[int] = None
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
+    # ZeRO-3 only.
+    offload_param: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: Optional[str] = None
+    # ZeRO-3 only: partition the frozen target across ranks (loaded with zero.Init) instead of a
+    # full copy per rank, for targets that do not fit on one device.
+    shard_target: bool = False
+    # Further DeepSpeed config keys, merged last (e.g. {zero_optimization: {overlap_comm: true}}).
+    config: Optional[dict[str, Any]] = None
+
+
+# DeepSpeed config keys that other recipe keys decide: one source for every setting.
+DEEPSPEED_OWNED_KEYS = {
+    "train_batch_size": "train.micro_batch_size, train.grad_accum_steps (or train.global_batch_size) and the world size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.grad_accum_steps or train.global_batch_size",
+    "gradient_clipping": "train.max_grad_norm",
+    "fp16": "train.mixed_precision",
+    "bf16": "train.mixed_precision",
+    "bfloat16": "train.mixed_precision",
+    "amp": "train.mixed_precision",
+    "torch_autocast": "train.mixed_precision",
+    "optimizer": "train.lr, train.weight_decay and train.adam_beta1/2 (draftsmith builds a torch AdamW)",
+    "scheduler": "train.lr_schedule and train.warmup_steps",
+    "zero_optimization.stage": "deepspeed.zero_stage",
+    "zero_optimization.offload_optimizer": "deepspeed.offload_optimizer",
+    "zero_optimization.offload_param": "deepspeed.offload_param",
+    "checkpoint.load_universal": "draftsmith (it converts a checkpoint when the world size changes)",
+}
+
+
+@dataclass
 class Recipe:
     """One experiment. `head` is checked against HEADS[head.kind].config_class."""
 
@@ -171,6 +236,7 @@ class Recipe:
     draft: DraftConfig = field(default_factory=DraftConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     description: str = ""
 
 
@@ -325,6 +391,7 @@ def _check_values(recipe: Recipe) -> None:
     if recipe.data.regenerate.temperature < 0:
         raise RecipeError(f"recipe key 'data.regenerate.temperature' must be >= 0, got {recipe.data.regenerate.temperature}")
     _check_draft_values(recipe)
+    _check_scale_values(recipe)
     if not 0.0 < recipe.data.regenerate.top_p <= 1.0:
         raise RecipeError(f"recipe key 'data.regenerate.top_p' must be in (0, 1], got {recipe.data.regenerate.top_p}")
 
@@ -363,6 +430,46 @@ def _check_draft_values(recipe: Recipe) -> None:
         raise RecipeError(f"recipe key 'online.temperature' must be >= 0, got {o.temperature}")
 
 
+def _check_scale_values(recipe: Recipe) -> None:
+    """Checks of train.global_batch_size, data.features and deepspeed."""
+    t, f, ds = recipe.train, recipe.data.features, recipe.deepspeed
+    if t.global_batch_size is not None:
+        if t.global_batch_size <= 0:
+            raise RecipeError(f"recipe key 'train.global_batch_size' must be positive, got {t.global_batch_size}")
+        if t.grad_accum_steps != 1:
+            raise RecipeError("recipe keys 'train.global_batch_size' and 'train.grad_accum_steps' both set: set one (accumulation is derived from the global batch)")
+        if t.global_batch_size % t.micro_batch_size:
+            raise RecipeError(f"recipe key 'train.global_batch_size'={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
+    for key, value in {"data.features.shard_tokens": f.shard_tokens, "data.features.batch_size": f.batch_size}.items():
+        if value <= 0:
+            raise RecipeError(f"recipe key '{key}' must be positive, got {value}")
+    if f.top_k_logits < 0:
+        raise RecipeError(f"recipe key 'data.features.top_k_logits' must be >= 0, got {f.top_k_logits}")
+    if f.reserve_gb < 0:
+        raise RecipeError(f"recipe key 'data.features.reserve_gb' must be >= 0, got {f.reserve_gb}")
+    if f.mode != "online" and recipe.trainer != "heads":
+        raise RecipeError(f"recipe key 'data.features.mode'={f.mode}: the feature cache serves trainer 'heads' only, this recipe's trainer is '{recipe.trainer}'")
+    if ds.zero_stage is None:
+        if ds.shard_target or ds.config or ds.offload_optimizer != "none" or ds.offload_param != "none":
+            raise RecipeError("recipe section 'deepspeed' sets options but not 'deepspeed.zero_stage' (merge recipes/deepspeed/zero2.yaml or set deepspeed.zero_stage)")
+        return
+    if ds.zero_stage not in (0, 1, 2, 3):
+        raise RecipeError(f"recipe key 'deepspeed.zero_stage' must be 0, 1, 2 or 3, got {ds.zero_stage}")
+    if ds.zero_stage != 3 and (ds.shard_target or ds.offload_param != "none"):
+        key = "deepspeed.shard_target" if ds.shard_target else "deepspeed.offload_param"
+        raise RecipeError(f"recipe key '{key}' needs deepspeed.zero_stage=3 (parameters are partitioned only in ZeRO-3), got zero_stage={ds.zero_stage}")
+    if ds.offload_optimizer != "none" and ds.zero_stage == 0:
+        raise RecipeError("recipe key 'deepspeed.offload_optimizer' needs deepspeed.zero_stage >= 1")
+    if "nvme" in (ds.offload_optimizer, ds.offload_param) and not ds.nvme_path:
+        raise RecipeError("recipe key 'deepspeed.nvme_path' is missing: NVMe offload needs a folder on a fast local disk")
+    for key, owner in DEEPSPEED_OWNED_KEYS.items():
+        node: Any = ds.config or {}
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            raise RecipeError(f"recipe key 'deepspeed.config.{key}' repeats what {owner} decide(s); remove it from the DeepSpeed block")
+
+
 def recipe_to_yaml(recipe: Recipe) -> str:
     """The resolved recipe as YAML, loadable again with load_recipe."""
     data = dataclasses.asdict(recipe)
@@ -391,8 +498,10 @@ def as_dict(obj: Any) -> dict:
 
 __all__ = [
     "DataConfig",
+    "DeepSpeedConfig",
     "DistillConfig",
     "DraftConfig",
+    "FeaturesConfig",
     "LoraConfig",
     "OnlineConfig",
     "Recipe",

@@ -2,16 +2,27 @@
 
 Only the head's parameters reach the optimizer; the target runs under no_grad and never enters a
 checkpoint. Heads hide their differences behind DraftHead.loss, so nothing here branches on kind.
+
+Where features come from (data.features.mode): the target on every batch (online), a cache built
+once by `draftsmith prepare` (cache: the target's decoder layers are dropped, only its embedding
+and LM head stay, as callables), or the target during the first epoch and the cache after (hybrid).
+
+At scale: the target is a full frozen copy per rank, outside the engine (DDP never broadcasts it,
+DeepSpeed never partitions or saves it), or with deepspeed.shard_target a ZeRO-3 partitioned module
+inside the engine, excluded from checkpoints as a frozen parameter. Each micro-batch's loss is
+weighted by its share of the trained positions of the whole optimizer step, so DDP, DeepSpeed and
+gradient accumulation all give the loss (and gradient) of one big batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -19,19 +30,53 @@ from torch import Tensor, nn
 from draftsmith.heads import HEADS, DraftHead
 from draftsmith.heads.base import depth_labels
 from draftsmith.recipe import Recipe, save_resolved
-from draftsmith.target import FrozenTarget, TargetFeatures
+from draftsmith.target import FrozenTarget, TargetFeatures, load_causal_lm
 from draftsmith.trainers import loop
 
 
 class HeadTrainStep(nn.Module):
-    """The module the engine wraps: its forward is the head's loss, so DDP/DeepSpeed see one call."""
+    """The module the engine wraps: its forward is the head's loss (or, without a loss mask, its
+    logits [B,T,K,V]), so DDP and DeepSpeed see one call.
 
-    def __init__(self, head: DraftHead) -> None:
+    `features` may be a zero-argument callable: the target then runs inside the engine's forward,
+    where ZeRO-3 gathers a partitioned target's weights. `target_model` (deepspeed.shard_target
+    only) registers the target here so ZeRO-3 partitions it; otherwise it stays outside the engine.
+    """
+
+    def __init__(self, head: DraftHead, target_model: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.head = head
+        if target_model is not None:
+            self.target = target_model
 
-    def forward(self, features: TargetFeatures, loss_mask: Tensor, segment_ids: Optional[Tensor] = None):
+    def forward(
+        self,
+        features: Union[TargetFeatures, Callable[[], TargetFeatures]],
+        loss_mask: Optional[Tensor] = None,
+        segment_ids: Optional[Tensor] = None,
+    ):
+        if callable(features):
+            features = features()
+        if loss_mask is None:
+            return self.head(features)
         return self.head.loss(features, loss_mask, segment_ids)
+
+
+class _DroppedDecoderLayer(nn.Module):
+    """Stands in for a target decoder layer when training from the feature cache (frees its memory)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"target decoder layer {self.index} was dropped: this run trains from the feature cache")
+
+
+def trained_positions(batch: dict) -> int:
+    """Positions of a collated batch that carry a depth-1 label (the unit the loss averages over)."""
+    _, valid = depth_labels(batch["input_ids"], batch["loss_mask"], 1, batch.get("segment_ids"))
+    return int(valid.sum())
 
 
 def simulated_accept_length(top1: list[float]) -> float:
@@ -61,7 +106,13 @@ class HeadTrainer:
         from draftsmith.data import BatchStream, Collator, prepare_data
 
         r = self.recipe
-        self.accelerator = acc = loop.make_accelerator(r.train)
+        self.accelerator = acc = loop.make_accelerator(r.train, r.deepspeed)
+        self.shard_target = bool(r.deepspeed.shard_target and loop.uses_deepspeed(acc))
+        if self.shard_target and r.data.regenerate.enabled:
+            raise loop.TrainingError(
+                "deepspeed.shard_target cannot regenerate answers (a partitioned target cannot generate before training "
+                "starts): regenerate in a run without shard_target, then train on that data with data.regenerate.enabled=false"
+            )
         torch.manual_seed(r.train.seed)
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -69,26 +120,30 @@ class HeadTrainer:
             loop.clear_partial_checkpoints(self.output_dir)
         self.resume_from = loop.find_resume_checkpoint(self.output_dir, r.train.resume)
 
-        self.target = FrozenTarget.from_config(r.target).to(acc.device)
+        self.target = load_target(r, acc, self.shard_target)
         tokenizer = self.target.tokenizer
-        cache_dir = Path(r.data.cache_dir) if r.data.cache_dir else self.output_dir / "data"
+        self.cache_dir = Path(r.data.cache_dir) if r.data.cache_dir else self.output_dir / "data"
         # The main process prepares (and regenerates) the data; the others then read its cache.
         with acc.main_process_first():
             self.data = prepare_data(
-                r.data, tokenizer, cache_dir, target_model=self.target.model, progress=acc.is_main_process
+                r.data, tokenizer, self.cache_dir, target_model=None if self.shard_target else self.target.model,
+                progress=acc.is_main_process,
             )
 
         head_cls = HEADS[r.head.kind]
         self.head = head_cls(r.head, self.target.dims)
-        self.head.init_from_target(self.target)
-        self.step_module = HeadTrainStep(self.head)
-        optimizer = loop.build_optimizer(self.head.parameters(), r.train)
-        self.scheduler = loop.build_scheduler(optimizer, r.train)
-        self.model, self.optimizer = acc.prepare(self.step_module, optimizer)
-        acc.register_for_checkpointing(self.scheduler)
-
+        with self._target_io_weights():
+            self.head.init_from_target(self.target)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.collator = Collator(pad_token_id=pad, max_length=r.data.max_length, packing=r.data.packing)
+        self.cache = self._setup_feature_cache(Collator(pad_token_id=pad, max_length=r.data.max_length))
+
+        self.step_module = HeadTrainStep(self.head, self.target.model if self.shard_target else None)
+        optimizer = loop.build_optimizer(self.head.parameters(), r.train)
+        self.scheduler = loop.build_scheduler(optimizer, r.train)
+        load_from = loop.prepare_resume(acc, self.resume_from) if self.resume_from is not None else None
+        self.model, self.optimizer = acc.prepare(self.step_module, optimizer)
+        acc.register_for_checkpointing(self.scheduler)
         self.stream = BatchStream(
             self.data.train,
             batch_size=r.train.micro_batch_size,
@@ -101,58 +156,154 @@ class HeadTrainer:
         self.metrics = loop.MetricsLog(self.output_dir, enabled=acc.is_main_process)
         self.step = 0
         if self.resume_from is not None:
-            state = loop.load_checkpoint(acc, self.resume_from)
+            state = loop.load_checkpoint(acc, self.resume_from, load_from)
             self.step = state["step"]
             self.stream.load_state_dict(state["data"])
             self.metrics.truncate_after(self.step)
             loop.log(f"resumed from {self.resume_from} at step {self.step}")
-        n_params = sum(p.numel() for p in self.head.parameters() if p.requires_grad)
+        n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in self.head.parameters() if p.requires_grad)
         loop.log(
             f"target {r.target.path}: {self.target.dims.num_layers} layers, hidden {self.target.dims.hidden_size}, "
             f"vocab {self.target.dims.vocab_size}; head {r.head.kind} with {n_params:,} trainable parameters; "
-            f"{len(self.data.train)} train / {len(self.data.eval)} eval examples"
+            f"{len(self.data.train)} train / {len(self.data.eval)} eval examples; "
+            f"{acc.num_processes} process(es) x micro-batch {r.train.micro_batch_size} x {r.train.grad_accum_steps} accumulation; "
+            f"engine {loop.engine_info(acc)['kind']}" + (f" ZeRO-{r.deepspeed.zero_stage}" if loop.uses_deepspeed(acc) else "")
+            + f"; features {r.data.features.mode}"
         )
         return self
 
+    def _target_io_weights(self):
+        """The target's embedding and LM head weights in full inside the block (ZeRO-3 shard_target)."""
+        if not self.shard_target:
+            return contextlib.nullcontext()
+        from draftsmith.data.features import _gathered
+
+        model = self.target.model
+        return _gathered([model.get_input_embeddings().weight, model.get_output_embeddings().weight])
+
+    def _setup_feature_cache(self, padding_collator):
+        """Open (and in cache mode build or complete) the feature cache; None when features are online."""
+        from draftsmith.data import features as fc
+
+        r, acc = self.recipe, self.accelerator
+        cfg = r.data.features
+        if cfg.mode == "online":
+            return None
+        folder = Path(cfg.dir) if cfg.dir else self.cache_dir / "features"
+        spec = fc.make_spec(self.target, self.head.required_layers(), cfg, self.data.train, self.data.eval, r.data.max_length)
+        splits = {"train": self.data.train, "eval": self.data.eval}
+        if cfg.mode == "cache":
+            if self.shard_target:
+                probe = fc.FeatureCache(folder, spec) if fc.read_spec(folder) is not None else None
+                if probe is None or any(probe.count(s) < len(splits[s]) for s in splits):
+                    raise loop.TrainingError(
+                        f"the feature cache {folder} is missing or incomplete and a partitioned target (deepspeed.shard_target) "
+                        "cannot build it before training: run `draftsmith prepare` on this recipe with deepspeed.shard_target=false first"
+                    )
+            else:
+                fc.build_cache(
+                    self.target, spec, splits, padding_collator, folder, cfg.shard_tokens, cfg.batch_size, cfg.reserve_gb,
+                    rank=acc.process_index, world_size=acc.num_processes, barrier=acc.wait_for_everyone, say=loop.log,
+                    progress=acc.is_main_process,
+                )
+        else:
+            if acc.is_main_process:
+                fc.open_cache(folder, spec, create=True)
+                tokens = sum(min(len(e["input_ids"]), r.data.max_length) for e in self.data.train + self.data.eval)
+                fc.check_disk(folder, spec, tokens, sum(p.stat().st_size for p in folder.glob("*.safetensors")), cfg.reserve_gb, loop.log)
+            acc.wait_for_everyone()
+            fc.open_cache(folder, spec, create=False)
+        cache = fc.FeatureCache(folder, spec, rank=acc.process_index, shard_tokens=cfg.shard_tokens)
+        if cfg.mode == "cache":
+            for split, examples in splits.items():
+                if cache.count(split) < len(examples):
+                    raise fc.FeatureCacheError(f"feature cache {folder} holds {cache.count(split)} of {len(examples)} {split} examples after building")
+            if not self.shard_target:
+                layers = self.target.layers
+                for i in range(len(layers)):
+                    layers[i] = _DroppedDecoderLayer(i)
+        self.cache_spec = spec
+        return cache
+
     # ------------------------------------------------------------------ steps
 
-    def _features(self, batch: dict) -> TargetFeatures:
+    def _features(self, split: str, ids: list[int], batch: dict) -> TargetFeatures:
+        """The target's features of a collated batch of examples `ids` of `split`: from the cache when
+        it holds them all, else from the target (and, in hybrid mode, added to the cache)."""
         device = self.accelerator.device
+        head_dtype = next(self.head.parameters()).dtype
+        cached = self.cache is not None and self.cache.has(split, ids)
+        if self.cache is not None and self.shard_target:
+            # The partitioned target runs as a collective: every rank takes the same branch.
+            cached = not loop.any_rank(self.accelerator, not cached)
+        if cached:
+            examples = self.data.train if split == "train" else self.data.eval
+            lengths = [min(len(examples[i]["input_ids"]), self.recipe.data.max_length) for i in ids]
+            rows = self.cache.batch(split, ids, batch["segment_ids"], lengths, head_dtype)
+            return TargetFeatures(
+                input_ids=batch["input_ids"].to(device),
+                attention_mask=batch["attention_mask"].to(device),
+                logits=None,
+                hidden={i: rows[f"layer_{i}"].to(device) for i in self.cache_spec.layers},
+                final_hidden=rows["final_hidden"].to(device),
+                embed=self.target.embed,
+                lm_head=self.target.lm_head,
+            )
         features = self.target.features(
             batch["input_ids"].to(device),
             attention_mask=batch["attention_mask"].to(device),
             position_ids=batch["position_ids"].to(device) if "position_ids" in batch else None,
-            layers=self.head.required_layers(),
+            layers=self.cache_spec.layers if self.cache is not None else self.head.required_layers(),
             need_logits=False,
         )
+        if self.cache is not None:
+            from draftsmith.data.features import rows_from_features
+
+            examples = self.data.train if split == "train" else self.data.eval
+            lengths = [min(len(examples[i]["input_ids"]), self.recipe.data.max_length) for i in ids]
+            self.cache.add(split, ids, rows_from_features(self.target, self.cache_spec, features, batch["segment_ids"], lengths))
         # The head trains in fp32 (or under autocast) whatever precision the target runs in.
-        head_dtype = next(self.head.parameters()).dtype
         features.final_hidden = features.final_hidden.to(head_dtype)
         features.hidden = {i: h.to(head_dtype) for i, h in features.hidden.items()}
         return features
 
     def train_step(self) -> dict:
-        """One optimizer step over grad_accum_steps micro-batches. Returns logged values."""
+        """One optimizer step over grad_accum_steps micro-batches. Returns logged values.
+
+        Every micro-batch's loss is a mean over its own trained positions; it is weighted by its
+        share of the step's trained positions over all ranks, so the step's gradient and logged loss
+        are those of one batch holding all of them, whatever the world size and accumulation.
+        """
         acc, r = self.accelerator, self.recipe
-        losses = []
+        micro = []
         for _ in range(r.train.grad_accum_steps):
-            batch = self.stream.next_batch()
-            features = self._features(batch)
+            ids = self.stream.next_indices()
+            batch = self.collator([self.data.train[i] for i in ids])
+            micro.append((ids, batch, trained_positions(batch)))
+        local = torch.tensor([float(sum(m[2] for m in micro))], device=acc.device, dtype=torch.float64)
+        total = float(acc.reduce(local, reduction="sum").item()) if acc.num_processes > 1 else float(local.item())
+        # DDP/DeepSpeed average gradients over ranks and accelerate divides by the accumulation.
+        unit = acc.num_processes * r.train.grad_accum_steps / max(total, 1.0)
+        weighted = torch.zeros((), dtype=torch.float64, device=acc.device)
+        grad_norm = None
+        for ids, batch, count in micro:
             with acc.accumulate(self.model):
                 loss, _stats = self.model(
-                    features, batch["loss_mask"].to(acc.device), batch.get("segment_ids", None)
+                    lambda ids=ids, batch=batch: self._features("train", ids, batch),
+                    batch["loss_mask"].to(acc.device),
+                    batch["segment_ids"].to(acc.device),
                 )
-                acc.backward(loss)
+                acc.backward(loss * (count * unit))
                 if acc.sync_gradients:
                     grad_norm = acc.clip_grad_norm_(self.head.parameters(), r.train.max_grad_norm)
                     self.optimizer.step()
                     self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-        mean = torch.stack(losses).mean()
-        mean = acc.reduce(mean, reduction="mean") if acc.num_processes > 1 else mean
+            weighted += loss.detach().double() * count
+        if acc.num_processes > 1:
+            weighted = acc.reduce(weighted.reshape(1), reduction="sum")[0]
         return {
-            "loss": float(mean),
+            "loss": float(weighted) / max(total, 1.0),
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         }
@@ -165,13 +316,27 @@ class HeadTrainer:
         K = self.head.depth
         hits = torch.zeros(2, K, dtype=torch.float64, device=acc.device)
         counts = torch.zeros(K, dtype=torch.float64, device=acc.device)
-        examples = self.data.eval[acc.process_index :: acc.num_processes]
-        for start in range(0, len(examples), r.train.micro_batch_size):
-            batch = self.collator(examples[start : start + r.train.micro_batch_size])
-            features = self._features(batch)
-            logits = self.head(features)  # [B,T,K,V]
+        mine = list(range(len(self.data.eval)))[acc.process_index :: acc.num_processes]
+        mbs = r.train.micro_batch_size
+        # Every rank runs the same number of batches (ZeRO-3 gathers weights collectively); a rank
+        # short of examples runs a stand-in batch and does not count it.
+        rounds = math.ceil(math.ceil(len(self.data.eval) / acc.num_processes) / mbs)
+        for b in range(rounds):
+            ids = mine[b * mbs : (b + 1) * mbs]
+            stand_in = not ids
+            ids = ids or [0]
+            batch = self.collator([self.data.eval[i] for i in ids])
+            captured: dict = {}
+
+            def features(ids=ids, batch=batch):
+                captured["f"] = self._features("eval", ids, batch)
+                return captured["f"]
+
+            logits = self.model(features)  # [B,T,K,V]
+            if stand_in:
+                continue
             labels, valid = depth_labels(
-                features.input_ids, batch["loss_mask"].to(acc.device), K, batch.get("segment_ids")
+                captured["f"].input_ids, batch["loss_mask"].to(acc.device), K, batch["segment_ids"].to(acc.device)
             )
             top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # [B,T,K,5]
             hit1 = (top5[..., 0] == labels) & valid
@@ -206,9 +371,11 @@ class HeadTrainer:
             },
             "last_eval": getattr(self, "last_eval", None),
         }
-        path = loop.save_checkpoint(
-            self.accelerator, self.output_dir, self.step, state, self.recipe, self.recipe.train.keep_last
-        )
+        acc = self.accelerator
+        if self.cache is not None:
+            self.cache.flush()  # features computed so far survive an interruption
+        weights = loop.full_state_dict(acc, self.head, "head.") if loop.uses_deepspeed(acc) else None
+        path = loop.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, self.recipe.train.keep_last, weights)
         self.last_checkpoint = path
         return path
 
@@ -221,6 +388,7 @@ class HeadTrainer:
         self.last_checkpoint = loop.list_checkpoints(self.output_dir)[-1] if self.resume_from else None
         stop = loop.StopFlag()
         restore = loop.install_stop_handlers(stop)
+        self._first_epoch_flushed = False
         self.head.train()
         bar = tqdm(total=r.train.max_steps, initial=self.step, desc="train", disable=not acc.is_main_process, dynamic_ncols=True)
         started, result = time.time(), {}
@@ -229,6 +397,10 @@ class HeadTrainer:
                 values = self.train_step()
                 self.step += 1
                 bar.update(1)
+                if self.cache is not None and self.stream.epoch >= 1 and not self._first_epoch_flushed:
+                    # Hybrid mode: the first epoch is cached; later epochs read it on every rank.
+                    self.cache.flush()
+                    self._first_epoch_flushed = True
                 if not math.isfinite(values["loss"]):
                     where = f"; the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else ""
                     raise loop.TrainingError(f"loss became {values['loss']} at step {self.step}{where}")
@@ -259,8 +431,54 @@ class HeadTrainer:
     def close(self) -> None:
         """Release the engine and the process group so every rank exits cleanly."""
         acc = self.accelerator
+        if getattr(self, "cache", None) is not None:
+            self.cache.flush()
+            self.cache.close()
         self.model = self.optimizer = self.step_module = None
         self.metrics.close()
+        loop.teardown(acc)
+
+
+def load_target(recipe: Recipe, accelerator, shard: bool) -> FrozenTarget:
+    """The frozen target: a full copy on this rank's device, or (shard) loaded straight into ZeRO-3
+    partitions with zero.Init, so no rank ever holds all of it."""
+    cfg = recipe.target
+    if not shard:
+        return FrozenTarget.from_config(cfg).to(accelerator.device)
+    from draftsmith.data.features import _gathered
+
+    model, tokenizer = load_causal_lm(cfg.path, cfg.dtype, cfg.gguf_file)
+    # FrozenTarget reads the vocabulary size off the LM head's weight, which is partitioned.
+    with _gathered([model.get_output_embeddings().weight]):
+        return FrozenTarget(model, tokenizer, source=cfg.path)
+
+
+def prepare_features(recipe: Recipe, argv: Optional[list[str]] = None) -> dict:
+    """`draftsmith prepare` for a head recipe with data.features.mode=cache: the tokenized data, then
+    the feature cache. Under a launcher the ranks split the shards. Returns summary counts."""
+    from draftsmith.data import Collator, prepare_data
+    from draftsmith.data import features as fc
+
+    acc = loop.make_accelerator(recipe.train)
+    try:
+        target = FrozenTarget.from_config(recipe.target).to(acc.device)
+        tokenizer = target.tokenizer
+        cache_dir = Path(recipe.data.cache_dir) if recipe.data.cache_dir else Path(recipe.output_dir) / "data"
+        with acc.main_process_first():
+            data = prepare_data(recipe.data, tokenizer, cache_dir, target_model=target.model, progress=acc.is_main_process)
+        cfg = recipe.data.features
+        head = HEADS[recipe.head.kind](recipe.head, target.dims)
+        spec = fc.make_spec(target, head.required_layers(), cfg, data.train, data.eval, recipe.data.max_length)
+        folder = Path(cfg.dir) if cfg.dir else cache_dir / "features"
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        fc.build_cache(
+            target, spec, {"train": data.train, "eval": data.eval}, Collator(pad_token_id=pad, max_length=recipe.data.max_length),
+            folder, cfg.shard_tokens, cfg.batch_size, cfg.reserve_gb, rank=acc.process_index, world_size=acc.num_processes,
+            barrier=acc.wait_for_everyone, say=loop.log, progress=acc.is_main_process,
+        )
+        size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        return {**data.stats, "features_dir": str(folder), "feature_bytes": size, "bytes_per_token": spec.bytes_per_token()}
+    finally:
         loop.teardown(acc)
 
 

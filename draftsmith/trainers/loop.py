@@ -2,15 +2,24 @@
 
 Functions, not a base class: a trainer reads top to bottom and calls what it needs.
 
+Engines: one plain process, DDP under torchrun / accelerate launch, or DeepSpeed ZeRO 0-3 when the
+recipe has a ``deepspeed:`` section (under any of those launchers or the ``deepspeed`` launcher).
+Batch sizes, accumulation and precision always come from the recipe's ``train:`` section.
+
 Checkpoint layout (one folder per optimizer step, written atomically)::
 
     <output_dir>/checkpoints/step-000200/
-        model.safetensors, optimizer.bin, scheduler.bin, random_states_*.pkl   (accelerate)
-        trainer_state.json   step, data position, last metrics; written last
+        model.safetensors      the drafter's trainable weights (full, float32 under DeepSpeed)
+        optimizer.bin, random_states_*.pkl, custom_checkpoint_*.pkl      (accelerate), or
+        pytorch_model/ + latest                                          (DeepSpeed, per-rank shards)
+        trainer_state.json     step, data position, engine, last metrics, and a manifest of every
+                               file with its size; written last
         recipe.yaml, command.txt
 
 A checkpoint is written into a hidden temporary folder and renamed into place, so a folder named
-step-N is always complete; a crash mid-write leaves only a temporary folder, removed on the next start.
+step-N is always complete; a crash mid-write leaves only a temporary folder, removed on the next
+start. A folder whose files no longer match its manifest (truncated, deleted) is skipped with a
+warning, and the previous complete one is used.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from draftsmith.recipe import Recipe, TrainConfig, save_resolved
+from draftsmith.recipe import DeepSpeedConfig, Recipe, RecipeError, TrainConfig, save_resolved
 
 CHECKPOINT_PREFIX = "step-"
 STATE_FILE = "trainer_state.json"
@@ -45,22 +54,209 @@ def log(message: str) -> None:
         print(message, flush=True)
 
 
-def make_accelerator(train: TrainConfig):
-    """An accelerate engine for one CPU process, DDP, or DeepSpeed, as the launcher set it up."""
-    from accelerate import Accelerator
+def world_size() -> int:
+    """Processes in this run, from the launcher's environment (1 without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def configure_threads() -> Optional[int]:
+    """Split the cores between the ranks on this machine when the launcher did not.
+
+    torchrun sets OMP_NUM_THREADS=1; the deepspeed launcher sets nothing, and every rank then
+    spreads over all cores (about 70x slower training on 2 cores). Returns the threads set, if any.
+    """
+    if world_size() <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size())
+    threads = max(1, (os.cpu_count() or 1) // max(1, local))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def resolve_grad_accum(train: TrainConfig, world: int) -> int:
+    """Micro-batches per optimizer step. With train.global_batch_size it is derived for this world
+    size (and written back into `train`, so every trainer and the saved recipe see it)."""
+    if train.global_batch_size is None:
+        return train.grad_accum_steps
+    per_pass = train.micro_batch_size * world
+    if train.global_batch_size % per_pass:
+        raise RecipeError(
+            f"recipe key 'train.global_batch_size'={train.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={train.micro_batch_size} x {world} processes; change one of them"
+        )
+    train.grad_accum_steps = train.global_batch_size // per_pass
+    return train.grad_accum_steps
+
+
+def deepspeed_config(train: TrainConfig, ds: DeepSpeedConfig, world: int) -> dict:
+    """The DeepSpeed config dict of a recipe: batch sizes, accumulation and clipping from train:,
+    ZeRO settings from deepspeed:, then deepspeed.config merged over it. Precision is added by
+    accelerate from train.mixed_precision."""
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": ds.offload_optimizer, **({"nvme_path": ds.nvme_path} if ds.offload_optimizer == "nvme" else {})}
+    if ds.offload_param != "none":
+        zero["offload_param"] = {"device": ds.offload_param, **({"nvme_path": ds.nvme_path} if ds.offload_param == "nvme" else {})}
+    config = {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.grad_accum_steps,
+        "train_batch_size": train.micro_batch_size * train.grad_accum_steps * world,
+        "gradient_clipping": train.max_grad_norm,
+        "zero_optimization": zero,
+        # The optimizer is a torch AdamW built from train:, not DeepSpeed's fused Adam (which
+        # compiles for minutes on first use).
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+    }
+    return _merge(config, ds.config or {})
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _check_launcher(ds: Optional[DeepSpeedConfig]) -> None:
+    """Refuse DeepSpeed settings that come from the launcher instead of the recipe."""
+    env_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    use_ds = ds is not None and ds.zero_stage is not None
+    if env_ds and not use_ds:
+        raise RecipeError(
+            "the launcher asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true) but the recipe has no deepspeed.zero_stage: "
+            "merge recipes/deepspeed/zero2.yaml (or zero1/zero3) into the recipe instead"
+        )
+    if not use_ds:
+        return
+    if os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none") not in ("", "none"):
+        raise RecipeError(
+            f"the launcher passes a DeepSpeed config file ({os.environ['ACCELERATE_DEEPSPEED_CONFIG_FILE']}); "
+            "draftsmith takes DeepSpeed settings from the recipe's deepspeed: section only"
+        )
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    if stage not in (None, "") and int(stage) != ds.zero_stage:
+        raise RecipeError(f"the launcher asks for ZeRO stage {stage} but the recipe has deepspeed.zero_stage={ds.zero_stage}; drop the launcher's setting")
+
+
+def _single_process_env() -> None:
+    """DeepSpeed always runs in a process group: give a plain process a group of one."""
+    if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _skip_cpu_shm_op() -> None:
+    """Keep DeepSpeed's CPU backend from compiling its shared-memory all-reduce (23-52 s and a C++
+    compiler on first use): only inference_all_reduce uses it, and training never calls that."""
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__
+    if "deepspeed_shm_comm" in compatible:
+        compatible["deepspeed_shm_comm"] = False
+
+
+def make_accelerator(train: TrainConfig, deepspeed: Optional[DeepSpeedConfig] = None):
+    """An accelerate engine for one process, DDP, or DeepSpeed ZeRO (when `deepspeed.zero_stage` is
+    set), under whichever launcher started this process.
+
+    Derives train.grad_accum_steps from train.global_batch_size when that is set, and raises
+    RecipeError (before anything is written) when the world size does not divide the global batch
+    or the launcher's DeepSpeed settings contradict the recipe.
+    """
+    threads = configure_threads()
+    if threads:
+        log(f"OMP_NUM_THREADS was not set by the launcher: {threads} thread(s) per process")
+    _check_launcher(deepspeed)
+    world = world_size()
+    accum = resolve_grad_accum(train, world)
     from accelerate.utils import InitProcessGroupKwargs
 
     handlers = []
-    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    cpu = not torch.cuda.is_available()
+    if deepspeed is not None and deepspeed.zero_stage is not None:
+        if cpu:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            # accelerate ignores DeepSpeed when told to use the CPU, but DeepSpeed runs on CPU.
+            os.environ["ACCELERATE_USE_CPU"] = "false"
+            handlers.append(InitProcessGroupKwargs(backend="gloo"))
+            _skip_cpu_shm_op()
+        _single_process_env()
+        from accelerate import Accelerator
+        from accelerate.utils import DeepSpeedPlugin
+
+        plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(train, deepspeed, world), zero3_init_flag=deepspeed.shard_target)
+        accelerator = Accelerator(
+            mixed_precision=train.mixed_precision,
+            gradient_accumulation_steps=accum,
+            deepspeed_plugin=plugin,
+            kwargs_handlers=handlers,
+        )
+        if not deepspeed.shard_target:
+            # transformers reads a global ZeRO-3 config to load models with zero.Init and to sync
+            # generate() across ranks; a replicated target must be neither.
+            from transformers.integrations import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+        return accelerator
+
+    from accelerate import Accelerator
+
+    if cpu and world > 1:
         # Several CPU processes talk over gloo. In one process, naming a backend would make
         # accelerate believe it is distributed, so it is set only under a launcher.
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
     return Accelerator(
         mixed_precision=train.mixed_precision,
-        gradient_accumulation_steps=train.grad_accum_steps,
+        gradient_accumulation_steps=accum,
         kwargs_handlers=handlers,
-        cpu=not torch.cuda.is_available(),
+        cpu=cpu,
     )
+
+
+def uses_deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def engine_info(accelerator) -> dict:
+    """What wrote a checkpoint: {"kind": "deepspeed" | "accelerate", "zero_stage", "world_size"}."""
+    if uses_deepspeed(accelerator):
+        stage = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]["stage"]
+        return {"kind": "deepspeed", "zero_stage": int(stage), "world_size": accelerator.num_processes}
+    return {"kind": "accelerate", "zero_stage": None, "world_size": accelerator.num_processes}
+
+
+def full_state_dict(accelerator, module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """`module`'s complete weights on every rank (a collective under DeepSpeed: all ranks call it).
+
+    Under DeepSpeed the trainable parameters come from the optimizer's float32 master copy, gathered
+    from the ranks' partitions; elsewhere they are the module's own tensors.
+    """
+    if not uses_deepspeed(accelerator):
+        return {prefix + k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for name, param in module.named_parameters():
+        full = safe_get_full_fp32_param(param) if param.requires_grad else None
+        if full is None:
+            from draftsmith.data.features import _gathered
+
+            with _gathered([param]):
+                full = param.detach().to(torch.float32).clone()
+        out[prefix + name] = full.detach().cpu().contiguous()
+    for name, buffer in module.named_buffers():
+        out[prefix + name] = buffer.detach().cpu().contiguous()
+    return out
 
 
 def build_optimizer(params: Iterable[nn.Parameter], train: TrainConfig) -> torch.optim.Optimizer:
@@ -101,8 +297,25 @@ def checkpoint_step(path: Path) -> int:
     return int(path.name[len(CHECKPOINT_PREFIX) :])
 
 
+def checkpoint_problem(path: Path) -> Optional[str]:
+    """Why `path` is not a complete checkpoint, or None when it is: trainer_state.json must be
+    readable and every file of its manifest present with the recorded size (either format)."""
+    try:
+        checkpoint_step(path)
+        state = json.loads((path / STATE_FILE).read_text())
+    except (ValueError, OSError):
+        return f"no readable {STATE_FILE}"
+    for rel, size in state.get("files", {}).items():
+        file = path / rel
+        if not file.is_file():
+            return f"{rel} is missing"
+        if file.stat().st_size != size:
+            return f"{rel} has {file.stat().st_size} bytes, {size} were written"
+    return None
+
+
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first. Folders without a readable trainer_state.json are skipped."""
+    """Complete checkpoints, oldest first. Incomplete or corrupt ones are skipped with a warning."""
     root = checkpoint_root(output_dir)
     if not root.is_dir():
         return []
@@ -110,11 +323,9 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     for path in root.iterdir():
         if not (path.is_dir() and path.name.startswith(CHECKPOINT_PREFIX)):
             continue
-        try:
-            checkpoint_step(path)
-            json.loads((path / STATE_FILE).read_text())
-        except (ValueError, OSError):
-            log(f"warning: skipping incomplete or corrupt checkpoint {path}")
+        problem = checkpoint_problem(path)
+        if problem:
+            log(f"warning: skipping incomplete or corrupt checkpoint {path} ({problem})")
             continue
         found.append(path)
     return sorted(found, key=checkpoint_step)
@@ -135,6 +346,9 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str) -> Optional[Path
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise TrainingError(f"train.resume: {path} is not a complete checkpoint (no {STATE_FILE})")
+    problem = checkpoint_problem(path)
+    if problem:
+        raise TrainingError(f"train.resume: {path} is not a complete checkpoint ({problem})")
     return path
 
 
@@ -145,21 +359,43 @@ def clear_partial_checkpoints(output_dir: str | Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict, recipe: Recipe, keep_last: int) -> Path:
-    """Write checkpoint step-N atomically (every rank calls this) and prune old ones. Returns its path."""
+def save_checkpoint(
+    accelerator,
+    output_dir: str | Path,
+    step: int,
+    state: dict,
+    recipe: Recipe,
+    keep_last: int,
+    weights: Optional[dict[str, torch.Tensor]] = None,
+) -> Path:
+    """Write checkpoint step-N atomically (every rank calls this) and prune old ones. Returns its path.
+
+    Under DeepSpeed the engine's shards never hold frozen parameters (the target), and `weights`
+    (the drafter's full weights, from full_state_dict) become model.safetensors, so exports read
+    every checkpoint the same way.
+    """
+    from safetensors.torch import save_file
+
     root = checkpoint_root(output_dir)
     final = root / f"{CHECKPOINT_PREFIX}{step:06d}"
     tmp = root / f".tmp-{CHECKPOINT_PREFIX}{step:06d}"
+    deepspeed = uses_deepspeed(accelerator)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
+    if deepspeed:
+        accelerator.save_state(str(tmp), exclude_frozen_parameters=True)
+    else:
+        accelerator.save_state(str(tmp), safe_serialization=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if deepspeed and weights is not None:
+            save_file(weights, str(tmp / "model.safetensors"))
         save_resolved(recipe, tmp)
+        manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         # trainer_state.json goes last: its presence marks the folder complete.
-        payload = json.dumps({"step": step, **state}, indent=2)
+        payload = json.dumps({"step": step, "engine": engine_info(accelerator), **state, "files": manifest}, indent=2)
         with open(tmp / STATE_FILE, "w") as fh:
             fh.write(payload)
             fh.flush()
@@ -173,10 +409,80 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict,
     return final
 
 
-def load_checkpoint(accelerator, path: Path) -> dict:
-    """Restore model, optimizer, scheduler and RNG states; return trainer_state.json."""
-    accelerator.load_state(str(path))
-    return json.loads((path / STATE_FILE).read_text())
+def prepare_resume(accelerator, path: Path) -> Path:
+    """Check that checkpoint `path` fits this run's engine; return the folder load_checkpoint reads.
+
+    Call before accelerator.prepare(). A DeepSpeed checkpoint written by another world size or ZeRO
+    stage is converted once into DeepSpeed's universal format (in <path>/universal) and the engine
+    is configured to load it, so a 2-process run resumes in 1 process and vice versa. A DDP or
+    single-process checkpoint loads at any world size as it is.
+    """
+    state = json.loads((path / STATE_FILE).read_text())
+    saved = state.get("engine", {"kind": "accelerate", "zero_stage": None, "world_size": 1})
+    now = engine_info(accelerator)
+    if saved["kind"] != now["kind"]:
+        how = f"DeepSpeed ZeRO-{saved['zero_stage']}" if saved["kind"] == "deepspeed" else "one process or DDP (no deepspeed: section)"
+        raise TrainingError(
+            f"checkpoint {path} was written with {how}; resume it with the same engine, or start a new output_dir "
+            f"(its drafter weights are in {path / 'model.safetensors'})"
+        )
+    if now["kind"] != "deepspeed" or (saved["world_size"], saved["zero_stage"]) == (now["world_size"], now["zero_stage"]):
+        return path
+    universal = path / "universal"
+    with accelerator.main_process_first():
+        if accelerator.is_main_process and not (universal / STATE_FILE).is_file():
+            log(f"converting {path} (ZeRO-{saved['zero_stage']}, {saved['world_size']} processes) for ZeRO-{now['zero_stage']} on {now['world_size']}")
+            _to_universal(path, universal)
+    accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+    return universal
+
+
+def _to_universal(path: Path, out: Path) -> None:
+    import contextlib
+    import io
+    import types
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    args = types.SimpleNamespace(
+        input_folder=str(path / "pytorch_model"),
+        output_folder=str(tmp / "pytorch_model"),
+        num_extract_workers=1,  # in this process: no worker pool to leak on a failure
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        ds_to_universal.main(args)
+    # accelerate's own states (scheduler, RNG) travel with it; the marker file goes last.
+    for file in path.iterdir():
+        if file.is_file() and file.suffix == ".pkl":
+            shutil.copy2(file, tmp / file.name)
+    shutil.copy2(path / STATE_FILE, tmp / STATE_FILE)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def load_checkpoint(accelerator, path: Path, load_from: Optional[Path] = None) -> dict:
+    """Restore model, optimizer, scheduler and RNG states; return trainer_state.json of `path`.
+
+    `load_from` is what prepare_resume returned (default: `path` itself).
+    """
+    source = load_from or path
+    if uses_deepspeed(accelerator):
+        # The target is frozen and never saved, so the engine must not insist on finding it.
+        accelerator.load_state(str(source), load_module_strict=False)
+    else:
+        accelerator.load_state(str(source))
+    state = json.loads((path / STATE_FILE).read_text())
+    # accelerate restores its micro-batch counter, which decides where accumulation windows end;
+    # a run with another world size accumulates differently, so align it with the optimizer step.
+    accelerator.step = int(state["step"]) * accelerator.gradient_accumulation_steps
+    return state
 
 
 # ----------------------------------------------------------------------------- logging
