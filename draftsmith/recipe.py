@@ -99,7 +99,8 @@ class TrainConfig:
 
     micro_batch_size: int = 4
     grad_accum_steps: int = 1
-    # Examples per optimizer step over all ranks. When set, grad_accum_steps is derived per run:
+    # Examples per optimizer step over all ranks. When set, grad_accum_steps is derived per run
+    # (replacing its value here; the saved recipe records the derived one):
     # global_batch_size / (micro_batch_size * world size), which must come out a whole number.
     global_batch_size: Optional[int] = None
     max_steps: int = 1000
@@ -436,8 +437,6 @@ def _check_scale_values(recipe: Recipe) -> None:
     if t.global_batch_size is not None:
         if t.global_batch_size <= 0:
             raise RecipeError(f"recipe key 'train.global_batch_size' must be positive, got {t.global_batch_size}")
-        if t.grad_accum_steps != 1:
-            raise RecipeError("recipe keys 'train.global_batch_size' and 'train.grad_accum_steps' both set: set one (accumulation is derived from the global batch)")
         if t.global_batch_size % t.micro_batch_size:
             raise RecipeError(f"recipe key 'train.global_batch_size'={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
     for key, value in {"data.features.shard_tokens": f.shard_tokens, "data.features.batch_size": f.batch_size}.items():

@@ -155,6 +155,7 @@ class HeadTrainer:
         )
         self.metrics = loop.MetricsLog(self.output_dir, enabled=acc.is_main_process)
         self.step = 0
+        self._first_epoch_flushed = False
         if self.resume_from is not None:
             state = loop.load_checkpoint(acc, self.resume_from, load_from)
             self.step = state["step"]
@@ -280,8 +281,16 @@ class HeadTrainer:
             ids = self.stream.next_indices()
             batch = self.collator([self.data.train[i] for i in ids])
             micro.append((ids, batch, trained_positions(batch)))
-        local = torch.tensor([float(sum(m[2] for m in micro))], device=acc.device, dtype=torch.float64)
-        total = float(acc.reduce(local, reduction="sum").item()) if acc.num_processes > 1 else float(local.item())
+        if self.cache is not None and self.stream.epoch >= 1 and not self._first_epoch_flushed:
+            # Hybrid mode: the first epoch is computed; write it out on every rank (all cross the
+            # epoch boundary at the same step) so later epochs read it instead of the target.
+            self.cache.flush()
+            acc.wait_for_everyone()
+            self._first_epoch_flushed = True
+        tokens = sum(int((batch["segment_ids"] > 0).sum()) for _, batch, _ in micro)
+        local = torch.tensor([float(sum(m[2] for m in micro)), float(tokens)], device=acc.device, dtype=torch.float64)
+        counts = acc.reduce(local, reduction="sum") if acc.num_processes > 1 else local
+        total, tokens = float(counts[0]), int(counts[1])
         # DDP/DeepSpeed average gradients over ranks and accelerate divides by the accumulation.
         unit = acc.num_processes * r.train.grad_accum_steps / max(total, 1.0)
         weighted = torch.zeros((), dtype=torch.float64, device=acc.device)
@@ -306,6 +315,7 @@ class HeadTrainer:
             "loss": float(weighted) / max(total, 1.0),
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "tokens": tokens,  # real (non-padding) tokens of the step over all ranks
         }
 
     @torch.no_grad()
@@ -388,7 +398,6 @@ class HeadTrainer:
         self.last_checkpoint = loop.list_checkpoints(self.output_dir)[-1] if self.resume_from else None
         stop = loop.StopFlag()
         restore = loop.install_stop_handlers(stop)
-        self._first_epoch_flushed = False
         self.head.train()
         bar = tqdm(total=r.train.max_steps, initial=self.step, desc="train", disable=not acc.is_main_process, dynamic_ncols=True)
         started, result = time.time(), {}
@@ -397,10 +406,6 @@ class HeadTrainer:
                 values = self.train_step()
                 self.step += 1
                 bar.update(1)
-                if self.cache is not None and self.stream.epoch >= 1 and not self._first_epoch_flushed:
-                    # Hybrid mode: the first epoch is cached; later epochs read it on every rank.
-                    self.cache.flush()
-                    self._first_epoch_flushed = True
                 if not math.isfinite(values["loss"]):
                     where = f"; the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else ""
                     raise loop.TrainingError(f"loss became {values['loss']} at step {self.step}{where}")
@@ -423,7 +428,7 @@ class HeadTrainer:
         elapsed = time.time() - started
         if self.step >= r.train.max_steps and not result:
             result = self.evaluate()
-        summary = {"step": self.step, "seconds": round(elapsed, 1), **result, "checkpoint": str(self.last_checkpoint)}
+        summary = {"step": self.step, "seconds": round(elapsed, 1), **result, **loop.peak_memory(acc), "checkpoint": str(self.last_checkpoint)}
         if acc.is_main_process:
             (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
         return summary

@@ -551,7 +551,9 @@ def install_stop_handlers(flag: StopFlag):
             raise KeyboardInterrupt
         flag.requested = True
         flag.signal_name = signal.Signals(signum).name
-        log(f"\n{flag.signal_name} received: saving a checkpoint after this step (Ctrl-C again to abort)")
+        # Printed by the rank that got the signal, which need not be the main one.
+        rank = f"[rank {os.environ['RANK']}] " if world_size() > 1 else ""
+        print(f"\n{rank}{flag.signal_name} received: saving a checkpoint after this step (Ctrl-C again to abort)", flush=True)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
@@ -587,6 +589,23 @@ def teardown(accelerator) -> None:
     gc.collect()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def peak_memory(accelerator) -> dict:
+    """Peak memory of the busiest rank in MB: host RSS, and device memory on CUDA."""
+    import resource
+
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
+    values = [rss_kb / 1024]
+    if torch.cuda.is_available():
+        values.append(torch.cuda.max_memory_allocated() / 2**20)
+    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1 and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    out = {"peak_rss_mb": round(float(t[0]), 1)}
+    if len(values) > 1:
+        out["peak_device_mb"] = round(float(t[1]), 1)
+    return out
 
 
 def command_line() -> list[str]:
