@@ -2,6 +2,7 @@
 
     python scripts/bench_train.py --target smollm2-135m --steps 12 --out runs/bench-train      # CPU, SmolLM2
     python scripts/bench_train.py --tiny --steps 20 --out runs/bench-train-tiny                # CPU, seconds
+    python scripts/bench_train.py --nproc 1 --threads 1 --global-batch 8 --out runs/bench-train-1t  # one process, one core
     python scripts/bench_train.py --gpu --target Qwen/Qwen2.5-7B-Instruct --nproc 8 --steps 30 --out runs/bench-gpu
 
 Each configuration is a real `draftsmith train` run (one plain process, or torchrun) on the same
@@ -50,7 +51,7 @@ def tiny_setup(out: Path) -> tuple[str, str]:
 
 
 def recipe_text(args, name: str, out: Path, target: str, data: str, features: str, nproc_max: int, deepspeed: str = "") -> str:
-    global_batch = args.micro_batch * nproc_max
+    global_batch = args.global_batch or args.micro_batch * nproc_max
     return f"""
 trainer: heads
 output_dir: {out / name}
@@ -119,12 +120,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     parser.add_argument("--micro-batch", type=int, default=4, help="per process; the global batch is this x the largest --nproc")
+    parser.add_argument("--global-batch", type=int, default=None, help="examples per optimizer step (default: --micro-batch x the largest --nproc)")
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--heads", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"], help="target precision")
     parser.add_argument("--mixed-precision", default=None, choices=["no", "bf16", "fp16"], help="default: no on CPU, bf16 with --gpu")
     parser.add_argument("--nproc", type=int, nargs="+", default=None, help="process counts (default: 1 2 on CPU, 8 with --gpu)")
     parser.add_argument("--modes", nargs="+", default=["online", "cache"], choices=["online", "cache"])
+    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for one-process runs (torchrun sets 1 per rank; default: torch's own choice)")
     parser.add_argument("--gpu", action="store_true", help="DeepSpeed ZeRO-2 vs ZeRO-3 (replicated and sharded target) on GPUs")
     parser.add_argument("--out", default="runs/bench-train")
     args = parser.parse_args()
@@ -176,7 +179,8 @@ def main() -> int:
                 shutil.rmtree(out / name, ignore_errors=True)
                 recipe = out / f"{name}.yaml"
                 recipe.write_text(recipe_text(args, name, out, target, data, features, max(nprocs)))
-                wall = launch("train", recipe, nproc, out / f"{name}.log", env)
+                run_env = {**env, "OMP_NUM_THREADS": str(args.threads)} if args.threads and nproc == 1 else env
+                wall = launch("train", recipe, nproc, out / f"{name}.log", run_env)
                 results.append({"config": name, "features": mode, "nproc": nproc, "wall_s": round(wall, 1), **throughput(out / name, args.warmup)})
                 print(json.dumps(results[-1]), flush=True)
 

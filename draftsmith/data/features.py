@@ -124,7 +124,7 @@ def _param_sample(param: Tensor) -> bytes:
 
 
 @contextlib.contextmanager
-def _gathered(params: Sequence[Tensor]):
+def gathered_parameters(params: Sequence[Tensor]):
     """Full values of ZeRO-3 partitioned parameters inside the block (collective); a no-op otherwise."""
     if any(hasattr(p, "ds_id") for p in params):
         import deepspeed
@@ -141,7 +141,7 @@ def target_fingerprint(model: torch.nn.Module) -> str:
     params = list(model.parameters())
     sampled = [params[0], params[len(params) // 2], params[-1]]
     digest = hashlib.sha256()
-    with _gathered(sampled):
+    with gathered_parameters(sampled):
         for param in sampled:
             digest.update(_param_sample(param))
     config = model.config
@@ -424,8 +424,10 @@ def check_disk(folder: Path, spec: FeatureSpec, tokens: int, written: int, reser
     hold what is left to write plus reserve_gb. Returns the projected total in bytes."""
     per_token = spec.bytes_per_token()
     total = per_token * tokens
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
+    probe = folder
+    while not probe.exists() and probe != probe.parent:  # the disk the folder will be on
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
     needed = max(0, total - written)
     layers = ", ".join(f"layer {i}" for i in spec.layers)
     what = "final_hidden" + (f" + {layers}" if layers else "") + (f" + top-{spec.top_k} logits" if spec.top_k else "")
@@ -450,6 +452,11 @@ def _folder_bytes(folder: Path) -> int:
 
 def open_cache(folder: Path, spec: FeatureSpec, create: bool) -> None:
     """Check an existing index against `spec` (FeatureCacheError on mismatch); write it if absent and `create`."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        if create:
+            write_spec(folder, spec)
+        return
     stored = read_spec(folder)
     if stored is not None:
         stored.check_serves(spec, folder)
@@ -512,10 +519,6 @@ def build_cache(
 
     folder = Path(folder)
     max_length = spec.data["max_length"]
-    if rank == 0:
-        open_cache(folder, spec, create=True)
-    barrier()
-    open_cache(folder, spec, create=False)
     jobs = []
     tokens = 0
     for split, examples in splits.items():
@@ -523,14 +526,20 @@ def build_cache(
         tokens += sum(lengths)
         for number, (start, end) in enumerate(plan_shards(lengths, shard_tokens)):
             jobs.append((split, number, start, end, sum(lengths[start:end])))
+    if rank == 0:
+        # Refuse a foreign cache or a disk too small before writing anything.
+        open_cache(folder, spec, create=False)
+        check_disk(folder, spec, tokens, _folder_bytes(folder) if folder.is_dir() else 0, reserve_gb, say)
+        open_cache(folder, spec, create=True)
+    barrier()
+    open_cache(folder, spec, create=False)
     existing = FeatureCache(folder, spec, rank)
     covered = {s: existing.count(s) == len(splits[s]) for s in splits}
     existing.close()
     todo = [j for j in jobs if not covered[j[0]] and not (folder / f"{j[0]}-{j[1]:05d}.safetensors").is_file()]
-    if rank == 0:
-        check_disk(folder, spec, tokens, _folder_bytes(folder), reserve_gb, say)
-        if not todo:
-            say(f"feature cache {folder} is complete")
+    barrier()  # every rank has listed what is missing before any rank writes: they split the same list
+    if rank == 0 and not todo:
+        say(f"feature cache {folder} is complete")
     mine = [j for k, j in enumerate(todo) if k % world_size == rank]
     device = target.device
     bar = tqdm(total=sum(j[4] for j in mine), desc="features", unit="tok", disable=not (progress and mine), dynamic_ncols=True)
@@ -561,6 +570,7 @@ __all__ = [
     "compute_rows",
     "dequantize_int8",
     "examples_digest",
+    "gathered_parameters",
     "make_spec",
     "open_cache",
     "plan_shards",

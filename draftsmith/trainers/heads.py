@@ -177,10 +177,10 @@ class HeadTrainer:
         """The target's embedding and LM head weights in full inside the block (ZeRO-3 shard_target)."""
         if not self.shard_target:
             return contextlib.nullcontext()
-        from draftsmith.data.features import _gathered
+        from draftsmith.data.features import gathered_parameters
 
         model = self.target.model
-        return _gathered([model.get_input_embeddings().weight, model.get_output_embeddings().weight])
+        return gathered_parameters([model.get_input_embeddings().weight, model.get_output_embeddings().weight])
 
     def _setup_feature_cache(self, padding_collator):
         """Open (and in cache mode build or complete) the feature cache; None when features are online."""
@@ -195,6 +195,7 @@ class HeadTrainer:
         splits = {"train": self.data.train, "eval": self.data.eval}
         if cfg.mode == "cache":
             if self.shard_target:
+                fc.open_cache(folder, spec, create=False)  # a cache of another target or layer set: one line
                 probe = fc.FeatureCache(folder, spec) if fc.read_spec(folder) is not None else None
                 if probe is None or any(probe.count(s) < len(splits[s]) for s in splits):
                     raise loop.TrainingError(
@@ -209,9 +210,10 @@ class HeadTrainer:
                 )
         else:
             if acc.is_main_process:
-                fc.open_cache(folder, spec, create=True)
+                fc.open_cache(folder, spec, create=False)
                 tokens = sum(min(len(e["input_ids"]), r.data.max_length) for e in self.data.train + self.data.eval)
                 fc.check_disk(folder, spec, tokens, sum(p.stat().st_size for p in folder.glob("*.safetensors")), cfg.reserve_gb, loop.log)
+                fc.open_cache(folder, spec, create=True)
             acc.wait_for_everyone()
             fc.open_cache(folder, spec, create=False)
         cache = fc.FeatureCache(folder, spec, rank=acc.process_index, shard_tokens=cfg.shard_tokens)
@@ -450,11 +452,11 @@ def load_target(recipe: Recipe, accelerator, shard: bool) -> FrozenTarget:
     cfg = recipe.target
     if not shard:
         return FrozenTarget.from_config(cfg).to(accelerator.device)
-    from draftsmith.data.features import _gathered
+    from draftsmith.data.features import gathered_parameters
 
     model, tokenizer = load_causal_lm(cfg.path, cfg.dtype, cfg.gguf_file)
     # FrozenTarget reads the vocabulary size off the LM head's weight, which is partitioned.
-    with _gathered([model.get_output_embeddings().weight]):
+    with gathered_parameters([model.get_output_embeddings().weight]):
         return FrozenTarget(model, tokenizer, source=cfg.path)
 
 

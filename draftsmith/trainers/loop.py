@@ -249,9 +249,9 @@ def full_state_dict(accelerator, module: nn.Module, prefix: str = "") -> dict[st
     for name, param in module.named_parameters():
         full = safe_get_full_fp32_param(param) if param.requires_grad else None
         if full is None:
-            from draftsmith.data.features import _gathered
+            from draftsmith.data.features import gathered_parameters
 
-            with _gathered([param]):
+            with gathered_parameters([param]):
                 full = param.detach().to(torch.float32).clone()
         out[prefix + name] = full.detach().cpu().contiguous()
     for name, buffer in module.named_buffers():
@@ -540,16 +540,25 @@ class StopFlag:
 
     requested: bool = False
     signal_name: str = ""
+    since: float = 0.0
+
+
+# A launcher forwards the Ctrl-C its workers already got from the terminal (torchrun sends the
+# same signal to every worker): a second SIGINT this soon is that copy, not a second keypress.
+SECOND_CTRL_C_AFTER_S = 2.0
 
 
 def install_stop_handlers(flag: StopFlag):
-    """First Ctrl-C or SIGTERM asks for a clean stop; a second Ctrl-C interrupts at once."""
+    """First Ctrl-C or SIGTERM asks for a clean stop; a second Ctrl-C (seconds later) interrupts at once."""
     previous = {}
 
     def handler(signum, _frame):
-        if flag.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        if flag.requested:
+            if signum == signal.SIGINT and time.monotonic() - flag.since > SECOND_CTRL_C_AFTER_S:
+                raise KeyboardInterrupt
+            return
         flag.requested = True
+        flag.since = time.monotonic()
         flag.signal_name = signal.Signals(signum).name
         # Printed by the rank that got the signal, which need not be the main one.
         rank = f"[rank {os.environ['RANK']}] " if world_size() > 1 else ""

@@ -116,11 +116,18 @@ def test_ddp_two_processes_give_the_one_process_curve(setup):
         assert torch.allclose(one[key], two[key], atol=1e-5), key
 
 
-def test_zero2_trains_saves_and_a_two_process_checkpoint_resumes_in_one_process(setup):
+def test_zero2_from_a_feature_cache_trains_saves_and_a_two_process_checkpoint_resumes_in_one_process(setup):
+    """ZeRO-2 training from a float32 feature cache that the two ranks build together."""
     from draftsmith.export.hf import load_head
 
     out = setup["root"] / "z2"
-    launch(str(setup["base"]), str(REPO / "recipes/deepspeed/zero2.yaml"), f"output_dir={out}")
+    features = setup["root"] / "z2-features"
+    args = [
+        str(setup["base"]), str(REPO / "recipes/deepspeed/zero2.yaml"),
+        "data.features.mode=cache", "data.features.dtype=float32", "data.features.shard_tokens=300", f"data.features.dir={features}",
+    ]
+    launch(*args, f"output_dir={out}")
+    assert len(list(features.glob("train-*.safetensors"))) > 4  # split between the ranks
     assert_same_curve(out, setup["reference"])
     ckpt = out / "checkpoints" / "step-000006"
     state = json.loads((ckpt / loop.STATE_FILE).read_text())
@@ -139,7 +146,7 @@ def test_zero2_trains_saves_and_a_two_process_checkpoint_resumes_in_one_process(
     shutil.copytree(out, resumed)
     for late in ("step-000006",):
         shutil.rmtree(resumed / "checkpoints" / late)
-    done = launch(str(setup["base"]), str(REPO / "recipes/deepspeed/zero2.yaml"), f"output_dir={resumed}", nproc=1)
+    done = launch(*args, f"output_dir={resumed}", nproc=1)
     assert "resumed from" in done.stdout and "step-000003" in done.stdout
     assert_same_curve(resumed, setup["reference"], steps=range(4, 7))
 

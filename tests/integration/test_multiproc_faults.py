@@ -143,3 +143,22 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_the_last_good_checkpoint(t
     # Nothing is lost: the good checkpoint is intact and nothing was written for the broken step.
     assert [p.name for p in loop.list_checkpoints(tmp_path / "run")] == ["step-000004"]
     assert max(logged_steps(tmp_path / "run")) == 5
+
+
+def test_a_launchers_forwarded_ctrl_c_is_not_a_second_keypress(monkeypatch, capsys):
+    """torchrun forwards the terminal's SIGINT to workers that already got it; only a Ctrl-C that
+    comes later aborts without a checkpoint."""
+    monkeypatch.setattr(loop, "SECOND_CTRL_C_AFTER_S", 0.2)
+    flag = loop.StopFlag()
+    restore = loop.install_stop_handlers(flag)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # the launcher's copy, moments later
+        assert flag.requested and flag.signal_name == "SIGINT"
+        time.sleep(0.3)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)  # the handler runs between bytecodes
+    finally:
+        restore()
+    assert capsys.readouterr().out.count("SIGINT received") == 1
