@@ -452,6 +452,10 @@ def _check_scale_values(recipe: Recipe) -> None:
         if ds.shard_target or ds.config or ds.offload_optimizer != "none" or ds.offload_param != "none":
             raise RecipeError("recipe section 'deepspeed' sets options but not 'deepspeed.zero_stage' (merge recipes/deepspeed/zero2.yaml or set deepspeed.zero_stage)")
         return
+    from draftsmith.trainers import TRAINERS
+
+    if not getattr(TRAINERS[recipe.trainer], "supports_deepspeed", False):
+        raise RecipeError(f"recipe key 'deepspeed.zero_stage': trainer '{recipe.trainer}' does not run under DeepSpeed yet (trainer heads does); drop the deepspeed: section")
     if ds.zero_stage not in (0, 1, 2, 3):
         raise RecipeError(f"recipe key 'deepspeed.zero_stage' must be 0, 1, 2 or 3, got {ds.zero_stage}")
     if ds.zero_stage != 3 and (ds.shard_target or ds.offload_param != "none"):

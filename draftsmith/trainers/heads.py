@@ -94,6 +94,8 @@ def simulated_accept_length(top1: list[float]) -> float:
 
 class HeadTrainer:
     needs_head = True
+    # Runs under DeepSpeed ZeRO when the recipe has a deepspeed: section (checked at load time).
+    supports_deepspeed = True
 
     def __init__(self, recipe: Recipe, argv: Optional[list[str]] = None) -> None:
         self.recipe = recipe
@@ -200,7 +202,7 @@ class HeadTrainer:
                 if probe is None or any(probe.count(s) < len(splits[s]) for s in splits):
                     raise loop.TrainingError(
                         f"the feature cache {folder} is missing or incomplete and a partitioned target (deepspeed.shard_target) "
-                        "cannot build it before training: run `draftsmith prepare` on this recipe with deepspeed.shard_target=false first"
+                        "cannot build it: build it first with `draftsmith prepare` on this recipe (it loads the whole target on each rank)"
                     )
             else:
                 fc.build_cache(

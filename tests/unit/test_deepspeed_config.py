@@ -181,3 +181,11 @@ def test_a_checkpoint_of_another_engine_is_refused_with_the_way_out(tmp_path):
     plain = _fake_checkpoint(tmp_path / "b", 5, {"model.safetensors": b"x"}, {"kind": "accelerate", "zero_stage": None, "world_size": 2})
     one = types.SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1)
     assert loop.prepare_resume(one, plain) == plain  # DDP checkpoints load at any world size
+
+
+def test_a_trainer_without_deepspeed_support_refuses_the_section_instead_of_ignoring_it():
+    distill = sorted((REPO / "recipes" / "distill").glob("*.yaml"))
+    if not distill:
+        pytest.skip("no distill recipe in this checkout")
+    with pytest.raises(RecipeError, match="trainer 'distill' does not run under DeepSpeed yet"):
+        load_recipe(distill[0], REPO / "recipes" / "deepspeed" / "zero2.yaml")
