@@ -7,6 +7,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Triton fixes interpreted vs compiled per process, when it is first imported (torch and
+# transformers import it while test modules are collected). Without CUDA the kernel tests need the
+# interpreter, so it is switched on here, before any of that; with CUDA the session stays compiled
+# for tests/gpu and the interpreter tests skip (run them alone with TRITON_INTERPRET=1).
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():

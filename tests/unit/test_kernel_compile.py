@@ -8,8 +8,8 @@ use, including the specializations triton makes at run time (unit strides become
 16-divisible sizes and pointers get alignment hints). It also checks that pass 1 streams the
 logits with 16-byte vector loads and that nothing spills registers to local memory.
 
-Runs in a subprocess: the interpreter test module sets TRITON_INTERPRET=1 for this process, and
-triton.jit would then hand back interpreted functions that cannot be compiled.
+Runs in a subprocess: tests/conftest.py sets TRITON_INTERPRET=1 for this process on a machine
+without CUDA, and triton.jit would then hand back interpreted functions that cannot be compiled.
 """
 
 import json

@@ -7,9 +7,9 @@
 `fused_verify` matches the torch reference exactly in greedy mode and in distribution in sampling
 mode (given the same `uniforms` it makes the same decisions, up to float rounding at a CDF or
 acceptance boundary). On a CUDA device it runs compiled Triton kernels; on CPU tensors only under
-`TRITON_INTERPRET=1` (set before this package first imports triton, i.e. before the first
-`fused_verify` call) - that is how the tests run them. Without either, `kernel_available` is False
-and callers use the reference. Triton is imported lazily, so importing this package never needs it.
+`TRITON_INTERPRET=1`, set before anything in the process imports triton (torch and transformers
+do, early): that is how the tests run them (tests/conftest.py). Without either, `kernel_available`
+is False and callers use the reference. Triton is imported lazily, so importing this package never needs it.
 
 Shapes: B trees, N nodes per tree, V vocabulary, D = the deepest node's depth in the batch.
 
@@ -36,7 +36,7 @@ from torch import Tensor
 from draftsmith.runtime.tree import DraftTree
 from draftsmith.runtime.verify import MODES, VerifyResult, logits_to_probs
 
-__all__ = ["fused_verify", "kernel_available"]
+__all__ = ["fused_verify", "kernel_available", "mode_conflict"]
 
 _KERNEL_MODULE = "draftsmith.runtime.kernels.verify_kernels"
 
@@ -46,7 +46,8 @@ def kernel_available(device: torch.device | str) -> bool:
 
     CUDA: triton is installed and CUDA is up. CPU: triton is installed and the Triton interpreter is
     on (TRITON_INTERPRET=1) - and was on when the kernel module was imported, since `triton.jit`
-    decides compiled vs interpreted at decoration time.
+    decides compiled vs interpreted at decoration time. Either way the kernels and triton's own
+    library must be in the same mode (see `mode_conflict`).
     """
     device = torch.device(device)
     try:
@@ -54,14 +55,44 @@ def kernel_available(device: torch.device | str) -> bool:
             return False
     except (ImportError, ValueError):  # a triton stub without a spec (e.g. blocked in sys.modules)
         return False
+    if mode_conflict() is not None:
+        return False
     if device.type == "cuda":
         return torch.cuda.is_available()
     if device.type == "cpu":
         loaded = sys.modules.get(_KERNEL_MODULE)
         if loaded is not None:
             return bool(loaded.INTERPRETED)
-        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+        return _interpret_requested()
     return False
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def mode_conflict() -> Optional[str]:
+    """Why the kernels cannot run in this process, if the reason is the interpreter switch; else None.
+
+    triton.jit picks interpreted or compiled when a function is decorated: triton's library
+    (tl.max, tl.sum, ...) when triton is first imported - torch and transformers import it early -
+    and our kernels when their module is imported. Mixed modes fail inside the first launch.
+    """
+    loaded = sys.modules.get(_KERNEL_MODULE)
+    if loaded is not None:
+        kernels, library = loaded.INTERPRETED, loaded.LIBRARY_INTERPRETED
+    else:
+        language = sys.modules.get("triton.language")
+        if language is None:
+            return None
+        kernels, library = _interpret_requested(), type(language.max).__name__ == "InterpretedFunction"
+    if kernels == library:
+        return None
+    return (
+        f"triton was imported with TRITON_INTERPRET={'1' if library else 'unset'} but the verification "
+        f"kernels with TRITON_INTERPRET={'1' if kernels else 'unset'}; set it before anything imports "
+        "triton (torch and transformers do), e.g. in the environment of the process"
+    )
 
 
 def _kernels():
@@ -125,9 +156,11 @@ def fused_verify(
         raise ValueError(f"target_logits has shape {tuple(target_logits.shape)}; the trees need [{B},{N},V]")
     device = target_logits.device
     if not kernel_available(device):
+        conflict = mode_conflict()
         raise RuntimeError(
-            f"the fused verification kernel cannot run on {device} (needs CUDA and triton, or "
-            "TRITON_INTERPRET=1 for CPU tensors); use draftsmith.runtime.verify.verify"
+            f"the fused verification kernel cannot run on {device}: "
+            + (conflict or "it needs CUDA and triton, or TRITON_INTERPRET=1 for CPU tensors")
+            + "; use draftsmith.runtime.verify.verify"
         )
     vk = _kernels()
     path_len = tree.max_depth + 1

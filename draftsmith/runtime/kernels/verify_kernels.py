@@ -36,6 +36,11 @@ import triton.language as tl
 
 # Whether the kernels below were decorated in interpreter mode (TRITON_INTERPRET=1 at import).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# triton.jit decides at decoration time, and triton's own library (tl.max, tl.sum, ...) is decorated
+# when triton is first imported - which torch and transformers do early. Interpreted kernels can
+# only call an interpreted library, and compiled kernels a compiled one.
+LIBRARY_INTERPRETED = type(tl.max).__name__ == "InterpretedFunction"
+CONSISTENT = INTERPRETED == LIBRARY_INTERPRETED
 
 # Partial kinds written by `_node_partials_kernel`.
 _GREEDY = 0
