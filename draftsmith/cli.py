@@ -36,8 +36,9 @@ def cmd_train(args) -> int:
     from draftsmith.trainers import TRAINERS
 
     recipe = _load(args.recipe)
-    trainer = TRAINERS[recipe.trainer](recipe).setup()
+    trainer = TRAINERS[recipe.trainer](recipe)
     try:
+        trainer.setup()
         summary = trainer.train()
     finally:
         trainer.close()
@@ -120,14 +121,27 @@ def cmd_push(args) -> int:
     return 0
 
 
+def _bounded(kind, low, high=None, low_open=False):
+    """An argparse type: `kind` within [low, high] ((low, high] when low_open), checked before any model loads."""
+
+    def parse(text: str):
+        value = kind(text)
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            span = f"in {'(' if low_open else '['}{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
+        return value
+
+    return parse
+
+
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help="an export folder, a run/checkpoint folder, or an HF causal-LM folder")
     p.add_argument("--target", default=None, help="override the target the drafter recorded")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="target precision (default: as recorded)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=_bounded(int, 1), default=128)
+    p.add_argument("--temperature", type=_bounded(float, 0.0), default=0.0, help="0 decodes greedily")
+    p.add_argument("--top-k", type=_bounded(int, 0), default=0, help="0 keeps the whole vocabulary")
+    p.add_argument("--top-p", type=_bounded(float, 0.0, 1.0, low_open=True), default=1.0)
     p.add_argument("--tree", default=None, help='widths per depth "4,2,2,1", a JSON choice list, or "dynamic:DEPTH,TOPK,BUDGET"')
     p.add_argument("--seed", type=int, default=0)
 

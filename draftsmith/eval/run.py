@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.eval.acceptance import AcceptanceStats
-from draftsmith.runtime.drafters import DrafterError, MedusaDrafter, StandaloneDrafter
+from draftsmith.runtime.drafters import HEAD_DRAFTERS, DrafterError, StandaloneDrafter
 from draftsmith.runtime.generate import autoregressive_generate, speculative_generate
 from draftsmith.runtime.tree import DynamicTreeSpec, TreeSpec, default_tree, parse_tree
 from draftsmith.target import FrozenTarget, load_causal_lm
@@ -58,6 +58,23 @@ def _check_vocab(draft_tokenizer, target_tokenizer, folder: Path, target_path: s
         )
 
 
+def _standalone(model, tokenizer, folder: Path, recorded: dict, target: Optional[str], target_dtype: str, spec) -> LoadedDrafter:
+    """A standalone draft LM with its target (the recorded one unless `target` overrides it)."""
+    target_path = target or recorded.get("path")
+    if not target_path:
+        raise DrafterError(f"{folder} does not record its target (no recipe.yaml): pass --target")
+    tgt = FrozenTarget.load(target_path, target_dtype, recorded.get("gguf_file") if not target else None)
+    _check_vocab(tokenizer, tgt.tokenizer, folder, target_path)
+    if model.get_output_embeddings().weight.shape[0] != tgt.dims.vocab_size:
+        raise DrafterError(
+            f"drafter {folder} has a vocabulary of {model.get_output_embeddings().weight.shape[0]}, "
+            f"target {target_path} of {tgt.dims.vocab_size}"
+        )
+    model = model.to(tgt.device).eval()
+    drafter = StandaloneDrafter(model, spec or TreeSpec.chain(4))
+    return LoadedDrafter("standalone", drafter, tgt, folder, target_path, draft_model=model)
+
+
 def load_drafter(
     folder: str | Path,
     target: Optional[str] = None,
@@ -65,32 +82,27 @@ def load_drafter(
     dtype: Optional[str] = None,
 ) -> LoadedDrafter:
     """Load a drafter folder and its target. `tree` is a spec for parse_tree (default per drafter)."""
-    from draftsmith.export import ExportError, load_head
+    from draftsmith.export import ExportError, is_lm_checkpoint, load_head, load_lm_drafter
 
     folder = Path(folder)
     if not folder.exists():
         raise DrafterError(f"drafter folder not found: {folder}")
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    is_lm = bool(config) and "draftsmith" not in config and "model_type" in config
     spec = parse_tree(tree) if tree else None
 
-    if is_lm:
-        recorded = _recorded_target(folder)
-        target_path = target or (recorded or {}).get("path")
-        if not target_path:
-            raise DrafterError(f"{folder} does not record its target (no recipe.yaml): pass --target")
-        target_dtype = dtype or (recorded or {}).get("dtype", "float32")
-        tgt = FrozenTarget.load(target_path, target_dtype, (recorded or {}).get("gguf_file") if not target else None)
+    if config and "draftsmith" not in config and "model_type" in config:
+        # A plain HF causal-LM folder: an exported distilled drafter or any small sibling model.
+        recorded = _recorded_target(folder) or {}
+        target_dtype = dtype or recorded.get("dtype", "float32")
         model, tokenizer = load_causal_lm(str(folder), target_dtype)
-        _check_vocab(tokenizer, tgt.tokenizer, folder, target_path)
-        if model.get_output_embeddings().weight.shape[0] != tgt.dims.vocab_size:
-            raise DrafterError(
-                f"drafter {folder} has a vocabulary of {model.get_output_embeddings().weight.shape[0]}, "
-                f"target {target_path} of {tgt.dims.vocab_size}"
-            )
-        drafter = StandaloneDrafter(model.eval(), spec or TreeSpec.chain(4))
-        return LoadedDrafter("standalone", drafter, tgt, folder, target_path, draft_model=model)
+        return _standalone(model, tokenizer, folder, recorded, target, target_dtype, spec)
+    if is_lm_checkpoint(folder):
+        # A distill / online run folder or checkpoint: its draft with the trained weights (LoRA merged).
+        model, tokenizer, recipe, _, _ = load_lm_drafter(folder)
+        recorded = {"path": str(recipe.target.path), "dtype": recipe.target.dtype, "gguf_file": recipe.target.gguf_file}
+        target_dtype = dtype or recipe.target.dtype
+        return _standalone(model.to(getattr(torch, target_dtype)), tokenizer, folder, recorded, target, target_dtype, spec)
 
     try:
         loaded = load_head(folder)
@@ -108,12 +120,14 @@ def load_drafter(
         )
     head = loaded.head.to(tgt.device)
     kind = head.cfg.kind
+    if kind not in HEAD_DRAFTERS:
+        raise DrafterError(f"the runtime has no drafter for {kind} heads yet (it runs: {', '.join(HEAD_DRAFTERS)})")
     if isinstance(spec, DynamicTreeSpec):
         raise DrafterError(f"{kind} heads draft a static tree; give --tree as widths per depth (e.g. 4,2,2)")
     spec = spec or default_tree(depth=head.depth)
     if spec.max_depth > head.depth:
         raise DrafterError(f"--tree is {spec.max_depth} deep but the {kind} head drafts only {head.depth} tokens")
-    drafter = MedusaDrafter(head, tgt, spec)
+    drafter = HEAD_DRAFTERS[kind](head, tgt, spec)
     return LoadedDrafter(kind, drafter, tgt, folder, target_path, meta={"head": loaded.metrics})
 
 

@@ -7,7 +7,7 @@
     kernels/     the fused Triton verification kernel
 """
 
-from draftsmith.runtime.drafters import DrafterError, Drafter, DraftState, MedusaDrafter, StandaloneDrafter
+from draftsmith.runtime.drafters import HEAD_DRAFTERS, DrafterError, Drafter, DraftState, MedusaDrafter, StandaloneDrafter
 from draftsmith.runtime.generate import GenerationStats, TargetSession, autoregressive_generate, speculative_generate
 from draftsmith.runtime.tree import DraftTree, DynamicTreeSpec, TreeError, TreeSpec, default_tree, parse_tree
 # The function verify stays in its module: re-exported here it would shadow the submodule
@@ -21,6 +21,7 @@ __all__ = [
     "DrafterError",
     "DynamicTreeSpec",
     "GenerationStats",
+    "HEAD_DRAFTERS",
     "MedusaDrafter",
     "SamplingParams",
     "StandaloneDrafter",

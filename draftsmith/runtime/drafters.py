@@ -42,6 +42,7 @@ __all__ = [
     "DrafterError",
     "DraftState",
     "Drafter",
+    "HEAD_DRAFTERS",
     "MedusaDrafter",
     "StandaloneDrafter",
     "grow_static_tree",
@@ -244,6 +245,12 @@ class MedusaDrafter:
 
     def accept(self, result: VerifyResult) -> None:
         """Nothing to roll back."""
+
+
+# The drafter that runs each head kind of draftsmith.heads.HEADS: (head, target, tree) -> Drafter.
+HEAD_DRAFTERS: dict[str, Callable[..., Drafter]] = {
+    "medusa": MedusaDrafter,
+}
 
 
 class StandaloneDrafter:

@@ -78,3 +78,13 @@ train: {{micro_batch_size: 4, max_steps: 3, lr: 0.05, log_every: 1, eval_every: 
     spec_out, _ = speculative_generate(target, StandaloneDrafter(draft, TreeSpec.chain(3)), prompt, 24)
     base_out, _ = autoregressive_generate(target, prompt, 24)
     assert torch.equal(spec_out, base_out) and torch.equal(spec_out, plain)
+
+    # The run folder itself is a drafter as well (`draftsmith eval --drafter RUN`): the trained
+    # draft with LoRA merged, drafting for the target its recipe names.
+    from draftsmith.eval.run import load_drafter
+
+    loaded = load_drafter(tmp_path / "run")
+    assert loaded.kind == "standalone" and loaded.target_path == str(target_dir)
+    assert torch.allclose(loaded.draft_model(input_ids=probe).logits, trained_logits, atol=1e-5)
+    run_out, _ = speculative_generate(loaded.target, loaded.drafter, prompt, 24)
+    assert torch.equal(run_out, plain)

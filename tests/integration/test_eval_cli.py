@@ -86,3 +86,41 @@ def test_mismatched_target_bad_prompts_bad_tree(head_export, prompts, tmp_path):
 
     proc = cli("generate", "--drafter", export, "--prompt", "hi", "--tree", "[[0],[0,0],[1,0]]")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "tree" in proc.stderr.lower(), proc.stderr[-2000:]
+
+
+def test_standalone_drafter_that_does_not_fit_the_target(tiny_llama_dir, tmp_path):
+    from draftsmith.testing import tiny_causal_lm, tiny_tokenizer
+
+    other_tokens = tmp_path / "other-tokens"
+    save_tiny_model(other_tokens, "llama", num_layers=1)
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(other_tokens)
+    proc = cli("generate", "--drafter", other_tokens, "--target", tiny_llama_dir, "--prompt", "hi")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "different tokenizer" in proc.stderr and "105 vs 104" in proc.stderr, proc.stderr[-2000:]
+
+    wider = tmp_path / "wider-vocab"
+    tiny_causal_lm("llama", vocab_size=128, num_layers=1).save_pretrained(wider)
+    tiny_tokenizer().save_pretrained(wider)
+    proc = cli("generate", "--drafter", wider, "--target", tiny_llama_dir, "--prompt", "hi")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "vocabulary of 128" in proc.stderr and "of 104" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_sampling_flags_are_checked_before_anything_loads(head_export):
+    export, _ = head_export
+    for flag, value, words in (("--top-p", "1.5", "(0.0, 1.0]"), ("--temperature", "-0.5", ">= 0.0"), ("--top-k", "-1", ">= 0")):
+        proc = cli("generate", "--drafter", export, "--prompt", "hi", flag, value)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert f"argument {flag}: must be" in proc.stderr and words in proc.stderr, proc.stderr
+
+
+def test_head_kind_without_a_runtime_drafter_is_refused(head_export, monkeypatch):
+    from draftsmith.eval import run as eval_run
+    from draftsmith.runtime.drafters import DrafterError
+
+    export, _ = head_export
+    monkeypatch.setattr(eval_run, "HEAD_DRAFTERS", {})
+    with pytest.raises(DrafterError, match="no drafter for medusa heads"):
+        eval_run.load_drafter(export)
