@@ -205,13 +205,15 @@ def prepare_data(
         )
     counts.update(dropped_no_answer=0, dropped_no_trained_tokens=0, truncated=0)
     train = _tokenize_all(conversations[:n_train], tokenizer, cfg.max_length, counts, progress, "tokenize")
+    # The error below reports the training split's own drops, before the eval split adds to them.
+    train_drops = counts["dropped_no_answer"], counts["dropped_no_trained_tokens"]
     evaluation = _tokenize_all(conversations[n_train:], tokenizer, cfg.max_length, counts, progress, "tokenize eval")
     if not train:
         raise DataError(
             f"no usable examples after filtering {cfg.path}: {n_train} training conversations, "
-            f"{counts['dropped_no_answer']} without an assistant answer, {counts['dropped_no_trained_tokens']} with no "
+            f"{train_drops[0]} without an assistant answer, {train_drops[1]} with no "
             f"assistant token within data.max_length={cfg.max_length}"
-            + (" (prompt-only data needs data.regenerate.enabled=true)" if counts["dropped_no_answer"] and not regen.enabled else "")
+            + (" (prompt-only data needs data.regenerate.enabled=true)" if train_drops[0] and not regen.enabled else "")
         )
     counts.update(
         train_examples=len(train),

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from draftsmith.distill import DIVERGENCES, distillation_loss, masked_mean, sample_draft_tokens
-from draftsmith.recipe import Recipe, save_resolved
+from draftsmith.recipe import Recipe
 from draftsmith.target import FrozenTarget, load_causal_lm
 from draftsmith.trainers import loop
 
@@ -137,11 +137,7 @@ class DistillTrainer:
         r = self.recipe
         self.accelerator = acc = loop.make_accelerator(r.train)
         torch.manual_seed(r.train.seed)
-        if acc.is_main_process:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            save_resolved(r, self.output_dir, self.argv)
-            loop.clear_partial_checkpoints(self.output_dir)
-        self.resume_from = loop.find_resume_checkpoint(self.output_dir, r.train.resume)
+        self.resume_from = loop.open_run(acc, self.output_dir, r.train.resume)
 
         self.target = FrozenTarget.from_config(r.target).to(acc.device)
         tokenizer = self.target.tokenizer
@@ -181,6 +177,7 @@ class DistillTrainer:
             self.onpolicy_counts = list(state.get("onpolicy_counts", [0, 0]))
             self.metrics.truncate_after(self.step)
             loop.log(f"resumed from {self.resume_from} at step {self.step}")
+        loop.record_run(acc, r, self.output_dir, self.argv)
         n_params = sum(p.numel() for p in self.draft.parameters() if p.requires_grad)
         loop.log(
             f"target {r.target.path}, draft {r.draft.path} ({n_params:,} trainable parameters"
@@ -292,7 +289,7 @@ class DistillTrainer:
         from tqdm.auto import tqdm
 
         acc, r = self.accelerator, self.recipe
-        self.last_checkpoint = loop.list_checkpoints(self.output_dir)[-1] if self.resume_from else None
+        self.last_checkpoint = self.resume_from
         stop = loop.StopFlag()
         restore = loop.install_stop_handlers(stop)
         self.draft.train()
@@ -333,11 +330,13 @@ class DistillTrainer:
         return summary
 
     def close(self) -> None:
-        """Release the engine and the process group so every rank exits cleanly."""
-        acc = self.accelerator
+        """Release the engine and the process group so every rank exits cleanly (also after a failed setup)."""
+        acc = getattr(self, "accelerator", None)
         self.model = self.optimizer = self.step_module = None
-        self.metrics.close()
-        loop.teardown(acc)
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
+        if acc is not None:
+            loop.teardown(acc)
 
 
 def format_eval(step: int, result: dict) -> str:

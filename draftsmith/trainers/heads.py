@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from draftsmith.heads import HEADS, DraftHead
 from draftsmith.heads.base import depth_labels
-from draftsmith.recipe import Recipe, save_resolved
+from draftsmith.recipe import Recipe
 from draftsmith.target import FrozenTarget, TargetFeatures, load_causal_lm
 from draftsmith.trainers import loop
 
@@ -116,11 +116,7 @@ class HeadTrainer:
                 "starts): regenerate in a run without shard_target, then train on that data with data.regenerate.enabled=false"
             )
         torch.manual_seed(r.train.seed)
-        if acc.is_main_process:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            save_resolved(r, self.output_dir, self.argv)
-            loop.clear_partial_checkpoints(self.output_dir)
-        self.resume_from = loop.find_resume_checkpoint(self.output_dir, r.train.resume)
+        self.resume_from = loop.open_run(acc, self.output_dir, r.train.resume)
 
         self.target = load_target(r, acc, self.shard_target)
         tokenizer = self.target.tokenizer
@@ -164,6 +160,7 @@ class HeadTrainer:
             self.stream.load_state_dict(state["data"])
             self.metrics.truncate_after(self.step)
             loop.log(f"resumed from {self.resume_from} at step {self.step}")
+        loop.record_run(acc, r, self.output_dir, self.argv)
         n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in self.head.parameters() if p.requires_grad)
         loop.log(
             f"target {r.target.path}: {self.target.dims.num_layers} layers, hidden {self.target.dims.hidden_size}, "
@@ -211,8 +208,10 @@ class HeadTrainer:
                     progress=acc.is_main_process,
                 )
         else:
+            # Every rank checks an existing index, so a cache of another target or layer set stops
+            # them all with the same line (none is left waiting at the barrier below).
+            fc.open_cache(folder, spec, create=False)
             if acc.is_main_process:
-                fc.open_cache(folder, spec, create=False)
                 tokens = sum(min(len(e["input_ids"]), r.data.max_length) for e in self.data.train + self.data.eval)
                 fc.check_disk(folder, spec, tokens, sum(p.stat().st_size for p in folder.glob("*.safetensors")), cfg.reserve_gb, loop.log)
                 fc.open_cache(folder, spec, create=True)
@@ -399,7 +398,7 @@ class HeadTrainer:
         from tqdm.auto import tqdm
 
         acc, r = self.accelerator, self.recipe
-        self.last_checkpoint = loop.list_checkpoints(self.output_dir)[-1] if self.resume_from else None
+        self.last_checkpoint = self.resume_from
         stop = loop.StopFlag()
         restore = loop.install_stop_handlers(stop)
         self.head.train()
@@ -438,14 +437,16 @@ class HeadTrainer:
         return summary
 
     def close(self) -> None:
-        """Release the engine and the process group so every rank exits cleanly."""
-        acc = self.accelerator
+        """Release the engine and the process group so every rank exits cleanly (also after a failed setup)."""
+        acc = getattr(self, "accelerator", None)
         if getattr(self, "cache", None) is not None:
             self.cache.flush()
             self.cache.close()
         self.model = self.optimizer = self.step_module = None
-        self.metrics.close()
-        loop.teardown(acc)
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
+        if acc is not None:
+            loop.teardown(acc)
 
 
 def load_target(recipe: Recipe, accelerator, shard: bool) -> FrozenTarget:

@@ -13,17 +13,18 @@ Checkpoint layout (one folder per optimizer step, written atomically)::
         optimizer.bin, random_states_*.pkl, custom_checkpoint_*.pkl      (accelerate), or
         pytorch_model/ + latest                                          (DeepSpeed, per-rank shards)
         trainer_state.json     step, data position, engine, last metrics, and a manifest of every
-                               file with its size; written last
+                               file with its size and sha256; written last
         recipe.yaml, command.txt
 
 A checkpoint is written into a hidden temporary folder and renamed into place, so a folder named
 step-N is always complete; a crash mid-write leaves only a temporary folder, removed on the next
-start. A folder whose files no longer match its manifest (truncated, deleted) is skipped with a
-warning, and the previous complete one is used.
+start. A folder whose files no longer match its manifest (truncated, deleted; when resuming, also
+a sha256 that differs) is skipped with a warning, and the previous complete one is used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -297,9 +298,19 @@ def checkpoint_step(path: Path) -> int:
     return int(path.name[len(CHECKPOINT_PREFIX) :])
 
 
-def checkpoint_problem(path: Path) -> Optional[str]:
+def file_digest(path: Path) -> str:
+    """sha256 of a file, read in 8 MB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(8 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checkpoint_problem(path: Path, verify_contents: bool = False) -> Optional[str]:
     """Why `path` is not a complete checkpoint, or None when it is: trainer_state.json must be
-    readable and every file of its manifest present with the recorded size (either format)."""
+    readable and every file of its manifest present with the recorded size (either format) and,
+    with `verify_contents`, the recorded sha256 (a file damaged in place keeps its size)."""
     try:
         checkpoint_step(path)
         state = json.loads((path / STATE_FILE).read_text())
@@ -311,6 +322,10 @@ def checkpoint_problem(path: Path) -> Optional[str]:
             return f"{rel} is missing"
         if file.stat().st_size != size:
             return f"{rel} has {file.stat().st_size} bytes, {size} were written"
+    if verify_contents:
+        for rel, digest in state.get("sha256", {}).items():
+            if file_digest(path / rel) != digest:
+                return f"{rel} does not match the sha256 recorded when it was written"
     return None
 
 
@@ -341,15 +356,37 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str) -> Optional[Path
             )
         return None
     if resume == "auto":
-        found = list_checkpoints(output_dir)
-        return found[-1] if found else None
+        # Newest first; only the one resumed from is read in full, to check its contents.
+        for path in reversed(list_checkpoints(output_dir)):
+            problem = checkpoint_problem(path, verify_contents=True)
+            if problem is None:
+                return path
+            log(f"warning: skipping corrupt checkpoint {path} ({problem}); trying the one before it")
+        return None
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise TrainingError(f"train.resume: {path} is not a complete checkpoint (no {STATE_FILE})")
-    problem = checkpoint_problem(path)
+    problem = checkpoint_problem(path, verify_contents=True)
     if problem:
         raise TrainingError(f"train.resume: {path} is not a complete checkpoint ({problem})")
     return path
+
+
+def open_run(accelerator, output_dir: Path, resume: str) -> Optional[Path]:
+    """Start or continue a run in `output_dir`: drop half-written checkpoints, return the one to
+    resume from (per train.resume). Writes nothing else: what an earlier run left there stays as it
+    was until `record_run`, so a run that fails while setting up loses nothing."""
+    if accelerator.is_main_process:
+        clear_partial_checkpoints(output_dir)
+    accelerator.wait_for_everyone()
+    return find_resume_checkpoint(output_dir, resume)
+
+
+def record_run(accelerator, recipe: Recipe, output_dir: Path, argv: list[str]) -> None:
+    """Save the resolved recipe and the command line beside the run, once setup has succeeded."""
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        save_resolved(recipe, output_dir, argv)
 
 
 def clear_partial_checkpoints(output_dir: str | Path) -> None:
@@ -393,9 +430,13 @@ def save_checkpoint(
         if deepspeed and weights is not None:
             save_file(weights, str(tmp / "model.safetensors"))
         save_resolved(recipe, tmp)
-        manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
+        manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in files}
+        digests = {str(p.relative_to(tmp)): file_digest(p) for p in files}
         # trainer_state.json goes last: its presence marks the folder complete.
-        payload = json.dumps({"step": step, "engine": engine_info(accelerator), **state, "files": manifest}, indent=2)
+        payload = json.dumps(
+            {"step": step, "engine": engine_info(accelerator), **state, "files": manifest, "sha256": digests}, indent=2
+        )
         with open(tmp / STATE_FILE, "w") as fh:
             fh.write(payload)
             fh.flush()
@@ -523,7 +564,14 @@ class MetricsLog:
         """Drop records past `step`: a resumed run rewrites them, so the log stays one run's history."""
         if not (self.enabled and self.path.is_file()):
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut short by the crash being resumed from
+                continue
+            if record.get("step", step + 1) <= step:
+                kept.append(line)
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from draftsmith.recipe import Recipe, save_resolved
+from draftsmith.recipe import Recipe
 from draftsmith.target import FrozenTarget
 from draftsmith.trainers import loop
 from draftsmith.trainers.distill import (
@@ -94,10 +94,7 @@ class OnlineTrainer:
         if acc.num_processes > 1:
             raise loop.TrainingError("the online trainer serves one request at a time: run it in one process")
         torch.manual_seed(r.train.seed)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        save_resolved(r, self.output_dir, self.argv)
-        loop.clear_partial_checkpoints(self.output_dir)
-        self.resume_from = loop.find_resume_checkpoint(self.output_dir, r.train.resume)
+        self.resume_from = loop.open_run(acc, self.output_dir, r.train.resume)
 
         self.target = FrozenTarget.from_config(r.target).to(acc.device)
         self.tokenizer = tokenizer = self.target.tokenizer
@@ -126,6 +123,7 @@ class OnlineTrainer:
             self.buffer.load_state_dict(state["buffer"])
             self.metrics.truncate_after(self.served)
             loop.log(f"resumed from {self.resume_from} after {self.served} requests")
+        loop.record_run(acc, r, self.output_dir, self.argv)
         self.swap_drafter()
         sources = ", ".join(dict.fromkeys(p["source"] for p in self.stream))
         loop.log(
@@ -222,7 +220,7 @@ class OnlineTrainer:
         r, o = self.recipe, self.recipe.online
         stop = loop.StopFlag()
         restore = loop.install_stop_handlers(stop)
-        self.last_checkpoint = loop.list_checkpoints(self.output_dir)[-1] if self.resume_from else None
+        self.last_checkpoint = self.resume_from
         bar = tqdm(total=len(self.stream), initial=self.served, desc="serve", dynamic_ncols=True)
         started = time.time()
         window: list[tuple[int, int]] = []
@@ -252,10 +250,12 @@ class OnlineTrainer:
         return summary
 
     def close(self) -> None:
-        acc = self.accelerator
+        acc = getattr(self, "accelerator", None)
         self.model = self.optimizer = self.step_module = None
-        self.metrics.close()
-        loop.teardown(acc)
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
+        if acc is not None:
+            loop.teardown(acc)
 
 
 def serve_records(output_dir: str | Path) -> list[dict]:

@@ -128,3 +128,50 @@ def test_resume_never_refuses_to_overwrite(tmp_path, tiny_llama_dir):
     again = make_recipe(tmp_path, tiny_llama_dir, "once", "train.max_steps=2", "train.resume=never")
     with pytest.raises(loop.TrainingError, match="already holds checkpoints"):
         TRAINERS["heads"](again).setup()
+
+
+def test_damaged_checkpoint_is_skipped_and_explicit_resume_works(tmp_path, tiny_llama_dir, capsys):
+    first = make_recipe(tmp_path, tiny_llama_dir, "first", "train.max_steps=4", "train.save_every=2")
+    run(first)
+    reference = losses(Path(first.output_dir))
+    step2, step4 = loop.list_checkpoints(first.output_dir)
+
+    # Continue from an explicit checkpoint of another run, into a fresh output_dir.
+    fork = make_recipe(tmp_path, tiny_llama_dir, "fork", "train.max_steps=4", f"train.resume={step2}")
+    _, summary, _ = run(fork)
+    forked = losses(Path(fork.output_dir))
+    assert sorted(forked) == [3, 4] and summary["step"] == 4
+    for step in (3, 4):
+        assert forked[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6)
+
+    # Damage the newest checkpoint in place (same size): resuming warns and takes the one before it.
+    weights = step4 / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    capsys.readouterr()
+    again = make_recipe(tmp_path, tiny_llama_dir, "first", "train.max_steps=4", "train.save_every=2")
+    trainer = TRAINERS["heads"](again, argv=["test"]).setup()
+    try:
+        assert trainer.resume_from == step2 and trainer.step == 2
+    finally:
+        trainer.close()
+    out = capsys.readouterr().out
+    assert f"skipping corrupt checkpoint {step4}" in out and "sha256" in out
+
+
+def test_a_run_that_fails_to_set_up_keeps_what_was_there(tmp_path, tiny_llama_dir):
+    from draftsmith.data import DataError
+
+    recipe = make_recipe(tmp_path, tiny_llama_dir, "keep", "train.max_steps=1")
+    run(recipe)
+    out = Path(recipe.output_dir)
+    before = {name: (out / name).read_bytes() for name in ("recipe.yaml", "command.txt", "metrics.jsonl")}
+    broken = make_recipe(tmp_path, tiny_llama_dir, "keep", "train.max_steps=2", f"data.path={tmp_path / 'missing.jsonl'}")
+    trainer = TRAINERS["heads"](broken, argv=["other", "command"])
+    with pytest.raises(DataError, match="missing.jsonl"):
+        try:
+            trainer.setup()
+        finally:
+            trainer.close()
+    assert {name: (out / name).read_bytes() for name in before} == before

@@ -157,5 +157,9 @@ def test_errors_name_the_recipe_key_or_file(tiny_tokenizer, tmp_path):
     prompts.write_text(json.dumps({"prompt": "hello"}) + "\n" + json.dumps({"prompt": "again"}) + "\n")
     with pytest.raises(DataError, match="prompt-only data needs data.regenerate.enabled=true"):
         prepare_data(config(prompts, eval_size=0), tiny_tokenizer, tmp_path / "c", progress=False)
+    # The counts describe the training split alone, not the held-out conversation too.
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("one", "two", "three")))
+    with pytest.raises(DataError, match="2 training conversations, 2 without an assistant answer"):
+        prepare_data(config(prompts, eval_size=1), tiny_tokenizer, tmp_path / "c", progress=False)
     with pytest.raises(DataError, match="data file not found"):
         prepare_data(config(tmp_path / "missing.jsonl"), tiny_tokenizer, tmp_path / "c", progress=False)

@@ -49,3 +49,29 @@ def test_simulated_accept_length():
     assert simulated_accept_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
     assert simulated_accept_length([1.0, 1.0, 1.0]) == 4.0
     assert math.isclose(simulated_accept_length([0.0, 0.9]), 1.0)
+
+
+def test_contents_check_catches_damage_that_keeps_the_size(tmp_path):
+    ckpt = loop.checkpoint_root(tmp_path) / "step-000003"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(b"0123456789")
+    state = {"step": 3, "files": {"model.safetensors": 10}, "sha256": {"model.safetensors": loop.file_digest(ckpt / "model.safetensors")}}
+    (ckpt / loop.STATE_FILE).write_text(json.dumps(state))
+    assert loop.checkpoint_problem(ckpt, verify_contents=True) is None
+    (ckpt / "model.safetensors").write_bytes(b"0123456780")
+    assert loop.checkpoint_problem(ckpt) is None  # the cheap check sees only sizes
+    assert "sha256" in loop.checkpoint_problem(ckpt, verify_contents=True)
+    assert loop.find_resume_checkpoint(tmp_path, "auto") is None
+    with pytest.raises(loop.TrainingError, match="sha256"):
+        loop.find_resume_checkpoint(tmp_path, str(ckpt))
+
+
+def test_metrics_truncation_survives_a_line_cut_short(tmp_path):
+    log = loop.MetricsLog(tmp_path)
+    for step in (1, 2, 3):
+        log.write(step, "train", {"loss": float(step)})
+    with open(log.path, "a") as fh:
+        fh.write('{"step": 4, "kind": "tr')  # the crash hit mid-write
+    log.truncate_after(2)
+    assert [json.loads(line)["step"] for line in log.path.read_text().splitlines()] == [1, 2]
+    log.close()
