@@ -454,8 +454,10 @@ def _check_scale_values(recipe: Recipe) -> None:
         return
     from draftsmith.trainers import TRAINERS
 
-    if not getattr(TRAINERS[recipe.trainer], "supports_deepspeed", False):
-        raise RecipeError(f"recipe key 'deepspeed.zero_stage': trainer '{recipe.trainer}' does not run under DeepSpeed yet (trainer heads does); drop the deepspeed: section")
+    trainer = TRAINERS[recipe.trainer]
+    if not getattr(trainer, "supports_deepspeed", False):
+        able = ", ".join(name for name, cls in TRAINERS.items() if getattr(cls, "supports_deepspeed", False))
+        raise RecipeError(f"recipe key 'deepspeed.zero_stage': trainer '{recipe.trainer}' does not run under DeepSpeed (trainers {able} do); drop the deepspeed: section")
     if ds.zero_stage not in (0, 1, 2, 3):
         raise RecipeError(f"recipe key 'deepspeed.zero_stage' must be 0, 1, 2 or 3, got {ds.zero_stage}")
     if ds.zero_stage != 3 and (ds.shard_target or ds.offload_param != "none"):
@@ -465,6 +467,8 @@ def _check_scale_values(recipe: Recipe) -> None:
         raise RecipeError("recipe key 'deepspeed.offload_optimizer' needs deepspeed.zero_stage >= 1")
     if "nvme" in (ds.offload_optimizer, ds.offload_param) and not ds.nvme_path:
         raise RecipeError("recipe key 'deepspeed.nvme_path' is missing: NVMe offload needs a folder on a fast local disk")
+    if hasattr(trainer, "check_deepspeed"):
+        trainer.check_deepspeed(recipe)
     for key, owner in DEEPSPEED_OWNED_KEYS.items():
         node: Any = ds.config or {}
         for part in key.split("."):

@@ -1,7 +1,7 @@
 """On-policy training sequences: answers the draft writes itself, regenerated as training proceeds.
 
-DistillSpec trains the draft on a mixture: a fraction ``lambda`` of the sequences keep their
-fixed (or target-written) answer, the rest get an answer sampled from the *current* draft, so the
+DistillSpec trains the draft on a mixture: a fraction ``lambda`` of the sequences get an answer
+sampled from the *current* draft, the rest keep their fixed (or target-written) answer, so the
 draft learns the target's distribution on the prefixes it will actually produce at decoding time.
 The target then scores the whole sequence as usual; only the answer tokens carry loss.
 

@@ -120,6 +120,26 @@ def distill_objective(recipe: Recipe, draft_logits: Tensor, target_logits: Tenso
 class DistillTrainer:
     needs_head = False
     needs_draft = True
+    # Runs under DeepSpeed ZeRO when the recipe has a deepspeed: section (limits: check_deepspeed).
+    supports_deepspeed = True
+
+    @staticmethod
+    def check_deepspeed(recipe: Recipe) -> None:
+        """What this trainer cannot do under DeepSpeed, refused at load time (RecipeError)."""
+        from draftsmith.recipe import RecipeError
+
+        ds = recipe.deepspeed
+        if ds.shard_target:
+            raise RecipeError(
+                "recipe key 'deepspeed.shard_target': the distill trainer keeps a full copy of the target on every rank "
+                "(ZeRO partitions the draft); drop the key"
+            )
+        if ds.zero_stage == 3 and recipe.distill.lambda_onpolicy > 0:
+            raise RecipeError(
+                "recipe key 'distill.lambda_onpolicy' must be 0 under deepspeed.zero_stage=3: ranks sample on-policy "
+                "answers of different lengths, and a partitioned draft cannot generate out of step; use ZeRO-1/2 "
+                "(the draft is the small model) for on-policy distillation"
+            )
 
     def __init__(self, recipe: Recipe, argv: Optional[list[str]] = None) -> None:
         self.recipe = recipe
@@ -135,7 +155,7 @@ class DistillTrainer:
         from draftsmith.data.regenerate import stop_token_ids
 
         r = self.recipe
-        self.accelerator = acc = loop.make_accelerator(r.train)
+        self.accelerator = acc = loop.make_accelerator(r.train, r.deepspeed)
         torch.manual_seed(r.train.seed)
         self.resume_from = loop.open_run(acc, self.output_dir, r.train.resume)
 
@@ -150,6 +170,7 @@ class DistillTrainer:
         self.step_module = DistillStep(self.draft)
         optimizer = loop.build_optimizer(self.draft.parameters(), r.train)
         self.scheduler = loop.build_scheduler(optimizer, r.train)
+        load_from = loop.prepare_resume(acc, self.resume_from) if self.resume_from is not None else None
         self.model, self.optimizer = acc.prepare(self.step_module, optimizer)
         acc.register_for_checkpointing(self.scheduler)
         if r.draft.lora.enabled:
@@ -170,19 +191,20 @@ class DistillTrainer:
         self.step = 0
         if self.resume_from is not None:
             # strict=False: a LoRA checkpoint holds the adapter only (the base is the draft's own files).
-            acc.load_state(str(self.resume_from), strict=False)
-            state = json.loads((self.resume_from / loop.STATE_FILE).read_text())
+            state = loop.load_checkpoint(acc, self.resume_from, load_from, strict=False)
             self.step = state["step"]
             self.stream.load_state_dict(state["data"])
             self.onpolicy_counts = list(state.get("onpolicy_counts", [0, 0]))
             self.metrics.truncate_after(self.step)
             loop.log(f"resumed from {self.resume_from} at step {self.step}")
         loop.record_run(acc, r, self.output_dir, self.argv)
-        n_params = sum(p.numel() for p in self.draft.parameters() if p.requires_grad)
+        n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in self.draft.parameters() if p.requires_grad)
         loop.log(
             f"target {r.target.path}, draft {r.draft.path} ({n_params:,} trainable parameters"
             f"{', LoRA' if r.draft.lora.enabled else ''}); divergence {r.distill.divergence}, "
-            f"on-policy fraction {r.distill.lambda_onpolicy}; {len(self.data.train)} train / {len(self.data.eval)} eval examples"
+            f"on-policy fraction {r.distill.lambda_onpolicy}; {len(self.data.train)} train / {len(self.data.eval)} eval examples; "
+            f"{acc.num_processes} process(es) x micro-batch {r.train.micro_batch_size} x {r.train.grad_accum_steps} accumulation; "
+            f"engine {loop.engine_info(acc)['kind']}" + (f" ZeRO-{r.deepspeed.zero_stage}" if loop.uses_deepspeed(acc) else "")
         )
         return self
 
@@ -250,9 +272,16 @@ class DistillTrainer:
         params = {"beta": r.distill.beta} if name == "jsd" else {}
         sums = torch.zeros(4, dtype=torch.float64, device=acc.device)  # divergence, tvd, agree, positions
         examples = self.data.eval[acc.process_index :: acc.num_processes]
-        for start in range(0, len(examples), r.train.micro_batch_size):
-            batch = self.collator(examples[start : start + r.train.micro_batch_size])
+        mbs = r.train.micro_batch_size
+        # Every rank runs the same number of batches (ZeRO-3 gathers the draft's weights
+        # collectively); a rank short of examples runs a stand-in batch and does not count it.
+        rounds = math.ceil(math.ceil(len(self.data.eval) / acc.num_processes) / mbs)
+        for b in range(rounds):
+            chunk = examples[b * mbs : (b + 1) * mbs]
+            batch = self.collator(chunk or self.data.eval[:1])
             draft_logits, target_logits, mask = self._logits(batch, self.step_module)
+            if not chunk:
+                continue
             n = mask.sum()
             sums[0] += masked_mean(DIVERGENCES[name](draft_logits, target_logits, r.distill.temperature, **params), mask).double() * n
             sums[1] += masked_mean(DIVERGENCES["tvd"](draft_logits, target_logits), mask).double() * n
@@ -279,7 +308,15 @@ class DistillTrainer:
             "onpolicy_counts": self.onpolicy_counts,
             "last_eval": getattr(self, "last_eval", None),
         }
-        path = loop.save_checkpoint(self.accelerator, self.output_dir, self.step, state, self.recipe, self.recipe.train.keep_last)
+        acc = self.accelerator
+        # Under DeepSpeed the engine's shards are per rank; model.safetensors holds the draft's
+        # trainable weights in full (with LoRA: the adapter), as the other engines write it.
+        weights = (
+            loop.full_state_dict(acc, self.step_module, trainable_only=self.recipe.draft.lora.enabled)
+            if loop.uses_deepspeed(acc)
+            else None
+        )
+        path = loop.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, self.recipe.train.keep_last, weights)
         self.last_checkpoint = path
         return path
 

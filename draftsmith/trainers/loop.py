@@ -236,18 +236,28 @@ def engine_info(accelerator) -> dict:
     return {"kind": "accelerate", "zero_stage": None, "world_size": accelerator.num_processes}
 
 
-def full_state_dict(accelerator, module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
-    """`module`'s complete weights on every rank (a collective under DeepSpeed: all ranks call it).
+def full_state_dict(
+    accelerator, module: nn.Module, prefix: str = "", trainable_only: bool = False
+) -> dict[str, torch.Tensor]:
+    """`module`'s complete weights on every rank (a collective under DeepSpeed: all ranks call it):
+    its parameters (only those that train, with `trainable_only`) and persistent buffers.
 
     Under DeepSpeed the trainable parameters come from the optimizer's float32 master copy, gathered
     from the ranks' partitions; elsewhere they are the module's own tensors.
     """
     if not uses_deepspeed(accelerator):
-        return {prefix + k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+        keep = {n for n, p in module.named_parameters() if p.requires_grad} if trainable_only else None
+        return {
+            prefix + k: v.detach().cpu().contiguous()
+            for k, v in module.state_dict().items()
+            if keep is None or k in keep
+        }
     from deepspeed.utils import safe_get_full_fp32_param
 
     out = {}
     for name, param in module.named_parameters():
+        if trainable_only and not param.requires_grad:
+            continue
         full = safe_get_full_fp32_param(param) if param.requires_grad else None
         if full is None:
             from draftsmith.data.features import gathered_parameters
@@ -255,8 +265,11 @@ def full_state_dict(accelerator, module: nn.Module, prefix: str = "") -> dict[st
             with gathered_parameters([param]):
                 full = param.detach().to(torch.float32).clone()
         out[prefix + name] = full.detach().cpu().contiguous()
-    for name, buffer in module.named_buffers():
-        out[prefix + name] = buffer.detach().cpu().contiguous()
+    if not trainable_only:
+        for owner_name, owner in module.named_modules():
+            for name, buffer in owner.named_buffers(recurse=False):
+                if name not in owner._non_persistent_buffers_set:  # state_dict() leaves those out too
+                    out[prefix + (f"{owner_name}.{name}" if owner_name else name)] = buffer.detach().cpu().contiguous()
     return out
 
 
@@ -508,17 +521,19 @@ def _to_universal(path: Path, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def load_checkpoint(accelerator, path: Path, load_from: Optional[Path] = None) -> dict:
+def load_checkpoint(accelerator, path: Path, load_from: Optional[Path] = None, strict: bool = True) -> dict:
     """Restore model, optimizer, scheduler and RNG states; return trainer_state.json of `path`.
 
-    `load_from` is what prepare_resume returned (default: `path` itself).
+    `load_from` is what prepare_resume returned (default: `path` itself). `strict=False` when the
+    checkpoint holds only the trainable part of the wrapped module (a LoRA adapter).
     """
     source = load_from or path
     if uses_deepspeed(accelerator):
-        # The target is frozen and never saved, so the engine must not insist on finding it.
+        # Frozen parameters (the target, a LoRA base) are never saved, so the engine must not
+        # insist on finding them.
         accelerator.load_state(str(source), load_module_strict=False)
     else:
-        accelerator.load_state(str(source))
+        accelerator.load_state(str(source), strict=strict)
     state = json.loads((path / STATE_FILE).read_text())
     # accelerate restores its micro-batch counter, which decides where accumulation windows end;
     # a run with another world size accumulates differently, so align it with the optimizer step.

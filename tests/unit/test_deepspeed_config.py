@@ -184,8 +184,17 @@ def test_a_checkpoint_of_another_engine_is_refused_with_the_way_out(tmp_path):
 
 
 def test_a_trainer_without_deepspeed_support_refuses_the_section_instead_of_ignoring_it():
-    distill = sorted((REPO / "recipes" / "distill").glob("*.yaml"))
-    if not distill:
-        pytest.skip("no distill recipe in this checkout")
-    with pytest.raises(RecipeError, match="trainer 'distill' does not run under DeepSpeed yet"):
-        load_recipe(distill[0], REPO / "recipes" / "deepspeed" / "zero2.yaml")
+    online = REPO / "recipes" / "online" / "qwen2.5-coder-1.5b.yaml"
+    with pytest.raises(RecipeError, match="trainer 'online' does not run under DeepSpeed \\(trainers heads, distill do\\)"):
+        load_recipe(online, REPO / "recipes" / "deepspeed" / "zero2.yaml")
+
+
+def test_distill_under_deepspeed_refuses_what_it_cannot_do():
+    distill = REPO / "recipes" / "distill" / "qwen2.5-coder-1.5b-fkl.yaml"
+    zero = REPO / "recipes" / "deepspeed"
+    assert load_recipe(distill, zero / "zero2.yaml", overrides=["distill.lambda_onpolicy=0.5"]).deepspeed.zero_stage == 2
+    assert load_recipe(distill, zero / "zero3.yaml", overrides=["distill.lambda_onpolicy=0"]).deepspeed.zero_stage == 3
+    with pytest.raises(RecipeError, match="'distill.lambda_onpolicy' must be 0 under deepspeed.zero_stage=3"):
+        load_recipe(distill, zero / "zero3.yaml", overrides=["distill.lambda_onpolicy=0.5"])
+    with pytest.raises(RecipeError, match="'deepspeed.shard_target': the distill trainer keeps a full copy"):
+        load_recipe(distill, zero / "zero3.yaml", overrides=["distill.lambda_onpolicy=0", "deepspeed.shard_target=true"])
