@@ -1,4 +1,5 @@
-"""The head trainer across processes on CPU (gloo): torchrun DDP and DeepSpeed ZeRO-2/3 give the loss
+"""The head trainer across processes on CPU (gloo), under torchrun, accelerate launch and the deepspeed
+launcher: DDP and DeepSpeed ZeRO-1/2/3 give the loss
 curve of one process with the same global batch, save, resume (also a 2-process checkpoint in one
 plain process), keep the frozen target out of checkpoints, and exit cleanly every time.
 
@@ -84,13 +85,28 @@ def env() -> dict:
     return out
 
 
-def launch(*args: str, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node N -m draftsmith.cli train ARGS` (or one plain process)."""
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node={n}", "-m"],
+    # accelerate 1.15 on CPU: --cpu would silently run one process; --multi_gpu with
+    # ACCELERATE_USE_CPU=true runs N (docs/ENVIRONMENT.md).
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes={n}", "-m"],
+    # The deepspeed launcher injects --local_rank=N into the command line and sets no OMP_NUM_THREADS.
+    "deepspeed": [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus={n}", "--module"],
+}
+
+
+def launch(*args: str, nproc: int = 2, timeout: int = 300, launcher: str = "torchrun") -> subprocess.CompletedProcess:
+    """`LAUNCHER ... -m draftsmith.cli train ARGS` with N processes (torchrun by default), or one plain process."""
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "draftsmith.cli", "train", *args]
+        cmd = [part.format(n=nproc) for part in LAUNCHERS[launcher]] + ["draftsmith.cli", "train", *args]
     else:
         cmd = [sys.executable, "-m", "draftsmith.cli", "train", *args]
-    done = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    environment = env()
+    if launcher == "accelerate":
+        environment["ACCELERATE_USE_CPU"] = "true"
+    if launcher == "deepspeed":
+        environment.pop("OMP_NUM_THREADS", None)  # as on a machine where nobody set it
+    done = subprocess.run(cmd, cwd=REPO, env=environment, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert "terminate called" not in done.stderr  # the teardown trap (docs/ENVIRONMENT.md)
     return done
@@ -169,4 +185,34 @@ def test_zero3_with_a_sharded_target_trains_saves_and_resumes(setup):
     shutil.rmtree(resumed / "checkpoints" / "step-000006")
     done = launch(*args, f"output_dir={resumed}")
     assert "resumed from" in done.stdout
+    assert_same_curve(resumed, setup["reference"], steps=range(4, 7))
+
+
+def test_accelerate_launch_gives_the_one_process_curve(setup):
+    out = setup["root"] / "accelerate"
+    done = launch(str(setup["base"]), f"output_dir={out}", launcher="accelerate")
+    assert "2 process(es) x micro-batch 2 x 1 accumulation; engine accelerate" in done.stdout
+    assert_same_curve(out, setup["reference"])
+
+
+def test_deepspeed_launcher_with_zero1_gives_the_one_process_curve(setup):
+    out = setup["root"] / "ds-launcher"
+    done = launch(str(setup["base"]), str(REPO / "recipes/deepspeed/zero1.yaml"), f"output_dir={out}", launcher="deepspeed")
+    assert "engine deepspeed ZeRO-1" in done.stdout
+    # The launcher sets no thread count; draftsmith splits the cores between the ranks itself.
+    assert "OMP_NUM_THREADS was not set by the launcher" in done.stdout
+    assert_same_curve(out, setup["reference"])
+    assert json.loads((out / "checkpoints" / "step-000006" / loop.STATE_FILE).read_text())["engine"]["zero_stage"] == 1
+
+
+def test_zero3_with_a_replicated_target_resumes_a_two_process_checkpoint_in_one_process(setup):
+    out = setup["root"] / "z3-replicated"
+    args = [str(setup["base"]), str(REPO / "recipes/deepspeed/zero3.yaml")]
+    launch(*args, f"output_dir={out}")
+    assert_same_curve(out, setup["reference"])
+    resumed = setup["root"] / "z3-replicated-resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-000006")
+    done = launch(*args, f"output_dir={resumed}", nproc=1)
+    assert "converting" in done.stdout and "resumed from" in done.stdout and "step-000003" in done.stdout
     assert_same_curve(resumed, setup["reference"], steps=range(4, 7))
