@@ -1,7 +1,7 @@
-"""The head trainer across processes on CPU (gloo), under torchrun, accelerate launch and the deepspeed
-launcher: DDP and DeepSpeed ZeRO-1/2/3 give the loss
-curve of one process with the same global batch, save, resume (also a 2-process checkpoint in one
-plain process), keep the frozen target out of checkpoints, and exit cleanly every time.
+"""The head trainer across processes on CPU (gloo), under torchrun, accelerate launch and the
+deepspeed launcher: DDP and DeepSpeed ZeRO-1/2/3 give the loss curve of one process with the same
+global batch, save, resume (also a 2-process checkpoint in one plain process), keep the frozen
+target out of checkpoints, and exit cleanly every time.
 
 Tolerance: losses agree within rel 1e-4 (measured: within 1e-7). The per-micro-batch loss weighting
 makes 2 ranks x micro-batch 2 and 1 rank x micro-batch 2 x 2 accumulation the same computation up
