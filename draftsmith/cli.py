@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -15,11 +16,16 @@ EXIT_BAD_INPUT = 1
 EXIT_BAD_RECIPE = 2
 
 
+_OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+
+
 def _split_recipe_args(items: list[str]) -> tuple[list[str], list[str]]:
-    """Separate recipe files from key=value overrides (files come first, overrides after)."""
+    """Separate recipe files from key=value overrides: an override starts with a dotted key and
+    `=` (`data.path=chats.yaml` is one); anything else is a file."""
     paths, overrides = [], []
     for item in items:
-        (overrides if "=" in item and not item.endswith((".yaml", ".yml")) else paths).append(item)
+        key, sep, _ = item.partition("=")
+        (overrides if sep and _OVERRIDE_KEY.fullmatch(key) else paths).append(item)
     return paths, overrides
 
 
@@ -36,7 +42,7 @@ def cmd_train(args) -> int:
     from draftsmith.trainers import TRAINERS
 
     recipe = _load(args.recipe)
-    trainer = TRAINERS[recipe.trainer](recipe)
+    trainer = TRAINERS[recipe.trainer](recipe, argv=args.argv)
     try:
         trainer.setup()
         summary = trainer.train()
@@ -49,38 +55,65 @@ def cmd_train(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from draftsmith.data import prepare_data
-    from draftsmith.target import FrozenTarget
+    """The data step alone (conversations, target-written answers, tokenization), and for a head
+    recipe with data.features.mode=cache the feature cache too. Under a launcher the ranks share it."""
+    from draftsmith.recipe import save_resolved
+    from draftsmith.trainers import loop
 
     recipe = _load(args.recipe)
     if recipe.trainer == "heads" and recipe.data.features.mode == "cache":
-        # Also precompute the target's hidden states the head trains on (data.features).
         from draftsmith.trainers.heads import prepare_features
 
         stats = prepare_features(recipe)
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(json.dumps(stats, indent=2))
-        return 0
-    target = FrozenTarget.from_config(recipe.target)
-    cache_dir = Path(recipe.data.cache_dir) if recipe.data.cache_dir else Path(recipe.output_dir) / "data"
-    data = prepare_data(recipe.data, target.tokenizer, cache_dir, target_model=target.model)
-    print(json.dumps(data.stats, indent=2))
-    print(f"data cached in {cache_dir.resolve()}")
+    else:
+        from draftsmith.data import prepare_data
+        from draftsmith.target import FrozenTarget
+
+        acc = loop.make_accelerator(recipe.train)
+        try:
+            target = FrozenTarget.from_config(recipe.target).to(acc.device)
+            # The main process regenerates and tokenizes; the others then read its cache.
+            with acc.main_process_first():
+                data = prepare_data(recipe.data, target.tokenizer, recipe.data_dir(), target_model=target.model, progress=acc.is_main_process)
+            stats = {**data.stats, "data_dir": str(recipe.data_dir().resolve())}
+        finally:
+            loop.teardown(acc)
+    if int(os.environ.get("RANK", "0")) == 0:
+        save_resolved(recipe, recipe.data_dir(), args.argv)
+        print(json.dumps(stats, indent=2))
+        print(f"data cached in {recipe.data_dir().resolve()} (recipe.yaml and command.txt beside it)")
     return 0
 
 
 def cmd_validate(args) -> int:
-    from draftsmith.recipe import RecipeError, all_recipe_files, load_recipe
+    """Load recipes strictly. An engine fragment (recipes/deepspeed/*.yaml) is checked merged after
+    every experiment recipe under --root whose trainer runs under DeepSpeed."""
+    from draftsmith.recipe import RecipeError, all_recipe_files, engine_fragments, is_engine_fragment, load_recipe
+    from draftsmith.trainers import TRAINERS
 
-    paths = [Path(p) for p in args.paths] or all_recipe_files(args.root)
+    experiments = all_recipe_files(args.root)
+    paths = [Path(p) for p in args.paths] or experiments + engine_fragments(args.root)
     if not paths:
         print(f"error: no recipes found under {args.root}/", file=sys.stderr)
         return EXIT_BAD_RECIPE
     failed = 0
     for path in paths:
         try:
-            recipe = load_recipe(path)
-            print(f"ok    {path}  (trainer {recipe.trainer})")
+            if not is_engine_fragment(path):
+                recipe = load_recipe(path)
+                print(f"ok    {path}  (trainer {recipe.trainer})")
+                continue
+            if not path.is_file():
+                raise RecipeError(f"recipe file not found: {path}")
+            bases = [b for b in experiments if getattr(TRAINERS.get(load_recipe(b).trainer), "supports_deepspeed", False)]
+            if not bases:
+                raise RecipeError(f"no recipe under {args.root}/ to merge the engine fragment {path} into")
+            for base in bases:
+                try:
+                    load_recipe(base, path)
+                except RecipeError as err:
+                    raise RecipeError(f"merged after {base}: {err}") from None
+            print(f"ok    {path}  (engine fragment, merged after {len(bases)} recipe(s))")
         except RecipeError as err:
             failed += 1
             print(f"FAIL  {path}: {err}")
@@ -274,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             kept.append(arg)
     argv = kept
     args = build_parser().parse_args(argv)
+    # What gets recorded beside outputs: this command as it was given (launcher flags dropped).
+    args.argv = ["draftsmith", *argv]
     from draftsmith.recipe import RecipeError
 
     try:

@@ -240,6 +240,10 @@ class Recipe:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     description: str = ""
 
+    def data_dir(self) -> Path:
+        """Where the data step caches its outputs: data.cache_dir, by default <output_dir>/data."""
+        return Path(self.data.cache_dir) if self.data.cache_dir else Path(self.output_dir) / "data"
+
 
 def _schema_fields(schema: Any) -> dict[str, Any]:
     return {f.name: f for f in dataclasses.fields(schema)}
@@ -492,10 +496,20 @@ def save_resolved(recipe: Recipe, folder: str | Path, argv: list[str] | None = N
     (folder / "command.txt").write_text(" ".join(argv) + "\n")
 
 
+def is_engine_fragment(path: str | Path) -> bool:
+    """True for an engine fragment (recipes/deepspeed/*.yaml): merged after a recipe, never alone."""
+    return "deepspeed" in Path(path).parts
+
+
 def all_recipe_files(root: str | Path = "recipes") -> list[Path]:
     """Every experiment recipe under `root` (engine fragments under recipes/deepspeed excluded)."""
     root = Path(root)
-    return sorted(p for p in root.rglob("*.yaml") if "deepspeed" not in p.parts)
+    return sorted(p for p in root.rglob("*.yaml") if not is_engine_fragment(p))
+
+
+def engine_fragments(root: str | Path = "recipes") -> list[Path]:
+    """Every engine fragment under `root` (recipes/deepspeed/*.yaml)."""
+    return sorted(p for p in Path(root).rglob("*.yaml") if is_engine_fragment(p))
 
 
 def as_dict(obj: Any) -> dict:
@@ -517,6 +531,8 @@ __all__ = [
     "TargetConfig",
     "TrainConfig",
     "all_recipe_files",
+    "engine_fragments",
+    "is_engine_fragment",
     "load_recipe",
     "recipe_to_yaml",
     "save_resolved",

@@ -163,7 +163,7 @@ class DistillTrainer:
         tokenizer = self.target.tokenizer
         self.draft, draft_tokenizer = load_draft(r)
         check_same_tokenizer(draft_tokenizer, tokenizer, r.draft.path, r.target.path)
-        cache_dir = Path(r.data.cache_dir) if r.data.cache_dir else self.output_dir / "data"
+        cache_dir = r.data_dir()
         with acc.main_process_first():
             self.data = prepare_data(r.data, tokenizer, cache_dir, target_model=self.target.model, progress=acc.is_main_process)
 
@@ -316,7 +316,7 @@ class DistillTrainer:
             if loop.uses_deepspeed(acc)
             else None
         )
-        path = loop.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, self.recipe.train.keep_last, weights)
+        path = loop.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, self.recipe.train.keep_last, weights, self.argv)
         self.last_checkpoint = path
         return path
 

@@ -120,7 +120,7 @@ class HeadTrainer:
 
         self.target = load_target(r, acc, self.shard_target)
         tokenizer = self.target.tokenizer
-        self.cache_dir = Path(r.data.cache_dir) if r.data.cache_dir else self.output_dir / "data"
+        self.cache_dir = r.data_dir()
         # The main process prepares (and regenerates) the data; the others then read its cache.
         with acc.main_process_first():
             self.data = prepare_data(
@@ -388,7 +388,7 @@ class HeadTrainer:
         if self.cache is not None:
             self.cache.flush()  # features computed so far survive an interruption
         weights = loop.full_state_dict(acc, self.head, "head.") if loop.uses_deepspeed(acc) else None
-        path = loop.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, self.recipe.train.keep_last, weights)
+        path = loop.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, self.recipe.train.keep_last, weights, self.argv)
         self.last_checkpoint = path
         return path
 
@@ -473,7 +473,7 @@ def prepare_features(recipe: Recipe, argv: Optional[list[str]] = None) -> dict:
     try:
         target = FrozenTarget.from_config(recipe.target).to(acc.device)
         tokenizer = target.tokenizer
-        cache_dir = Path(recipe.data.cache_dir) if recipe.data.cache_dir else Path(recipe.output_dir) / "data"
+        cache_dir = recipe.data_dir()
         with acc.main_process_first():
             data = prepare_data(recipe.data, tokenizer, cache_dir, target_model=target.model, progress=acc.is_main_process)
         cfg = recipe.data.features

@@ -417,6 +417,7 @@ def save_checkpoint(
     recipe: Recipe,
     keep_last: int,
     weights: Optional[dict[str, torch.Tensor]] = None,
+    argv: Optional[list[str]] = None,
 ) -> Path:
     """Write checkpoint step-N atomically (every rank calls this) and prune old ones. Returns its path.
 
@@ -442,7 +443,7 @@ def save_checkpoint(
     if accelerator.is_main_process:
         if deepspeed and weights is not None:
             save_file(weights, str(tmp / "model.safetensors"))
-        save_resolved(recipe, tmp)
+        save_resolved(recipe, tmp, argv or command_line())
         files = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
         manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in files}
         digests = {str(p.relative_to(tmp)): file_digest(p) for p in files}

@@ -208,7 +208,7 @@ class OnlineTrainer:
             "last_eval": getattr(self, "last_eval", None),
         }
         # Checkpoints are numbered by requests served: that is where a resumed stream picks up.
-        path = loop.save_checkpoint(self.accelerator, self.output_dir, self.served, state, self.recipe, self.recipe.train.keep_last)
+        path = loop.save_checkpoint(self.accelerator, self.output_dir, self.served, state, self.recipe, self.recipe.train.keep_last, argv=self.argv)
         self.last_checkpoint = path
         return path
 

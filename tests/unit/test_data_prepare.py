@@ -163,3 +163,34 @@ def test_errors_name_the_recipe_key_or_file(tiny_tokenizer, tmp_path):
         prepare_data(config(prompts, eval_size=1), tiny_tokenizer, tmp_path / "c", progress=False)
     with pytest.raises(DataError, match="data file not found"):
         prepare_data(config(tmp_path / "missing.jsonl"), tiny_tokenizer, tmp_path / "c", progress=False)
+
+
+def test_cli_prepare_regenerates_records_the_recipe_and_training_reuses_it(tmp_path, tiny_llama_dir, tiny_tokenizer, capsys):
+    from draftsmith import cli
+    from draftsmith.recipe import load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        f"""
+trainer: heads
+output_dir: {tmp_path / 'run'}
+target: {{path: {tiny_llama_dir}}}
+data: {{path: {write_chats(tmp_path / 'chats.jsonl')}, eval_size: 3, max_length: 64, regenerate: {{enabled: true, max_new_tokens: 6}}}}
+head: {{kind: medusa, num_heads: 2}}
+"""
+    )
+    assert cli.main(["prepare", str(path)]) == 0
+    out = capsys.readouterr().out
+    data_dir = tmp_path / "run" / "data"
+    assert f"data cached in {data_dir.resolve()}" in out
+    stats = json.loads(out[: out.rindex("}") + 1])
+    assert stats["regenerated"] is True and stats["train_examples"] > 0 and stats["cached"] is False
+    assert len(list(data_dir.glob("regenerated-*.jsonl"))) == 1 and len(list(data_dir.glob("examples-*.pt"))) == 1
+    assert load_recipe(data_dir / "recipe.yaml").data.regenerate.enabled
+    assert (data_dir / "command.txt").read_text().split()[1:3] == ["prepare", str(path)]
+    # The training run of the same recipe finds everything prepared: no second regeneration.
+    from draftsmith.target import FrozenTarget
+
+    recipe = load_recipe(path)
+    again = prepare_data(recipe.data, tiny_tokenizer, recipe.data_dir(), target_model=FrozenTarget.load(str(tiny_llama_dir)).model, progress=False)
+    assert again.stats["cached"] is True and len(again.train) == stats["train_examples"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.recipe import RecipeError, all_recipe_files, load_recipe, recipe_to_yaml
+from draftsmith.recipe import RecipeError, all_recipe_files, engine_fragments, load_recipe, recipe_to_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,6 +32,11 @@ def test_every_recipe_in_the_repo_loads():
     for path in files:
         recipe = load_recipe(path)
         assert recipe.output_dir
+    # Engine fragments load merged after a recipe whose trainer runs under DeepSpeed.
+    fragments = engine_fragments(REPO / "recipes")
+    assert fragments, "no engine fragments found under recipes/deepspeed"
+    for fragment in fragments:
+        assert load_recipe(REPO / "recipes/medusa/smollm2-135m.yaml", fragment).deepspeed.zero_stage in (1, 2, 3)
 
 
 def test_yaml_files_merge_in_order_then_overrides(recipe_file, tmp_path):
@@ -112,6 +117,25 @@ def test_cli_validate_and_ls():
     proc = _cli("validate")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok    recipes/medusa/smollm2-135m.yaml" in proc.stdout
+    assert "ok    recipes/deepspeed/zero3.yaml  (engine fragment, merged after" in proc.stdout
     proc = _cli("ls")
     assert proc.returncode == 0, proc.stderr
     assert "medusa" in proc.stdout and "heads" in proc.stdout and "smollm2-135m.yaml" in proc.stdout
+
+
+def test_validate_reports_a_fragment_that_breaks_a_recipe(tmp_path):
+    (tmp_path / "medusa").mkdir()
+    (tmp_path / "medusa" / "r.yaml").write_text(BASE.format(out=tmp_path / "run"))
+    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed" / "bad.yaml").write_text("deepspeed: {zero_stage: 2, offload_param: cpu}\n")
+    proc = _cli("validate", "--root", str(tmp_path))
+    assert proc.returncode == 2
+    assert f"FAIL  {tmp_path / 'deepspeed' / 'bad.yaml'}: merged after {tmp_path / 'medusa' / 'r.yaml'}: recipe key 'deepspeed.offload_param' needs" in proc.stdout
+
+
+def test_override_values_may_name_yaml_files():
+    from draftsmith.cli import _split_recipe_args
+
+    paths, overrides = _split_recipe_args(["a.yaml", "runs/x=1/b.yaml", "data.path=chats.yaml", "train.lr=0.1"])
+    assert paths == ["a.yaml", "runs/x=1/b.yaml"]
+    assert overrides == ["data.path=chats.yaml", "train.lr=0.1"]
