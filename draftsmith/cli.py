@@ -168,7 +168,7 @@ def _bounded(kind, low, high=None, low_open=False):
 
 
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", required=True, help="an export folder, a run/checkpoint folder, or an HF causal-LM folder")
+    p.add_argument("--drafter", required=True, help="an export folder, a run/checkpoint folder, an HF causal-LM folder, or a built-in model name")
     p.add_argument("--target", default=None, help="override the target the drafter recorded")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="target precision (default: as recorded)")
     p.add_argument("--max-new-tokens", type=_bounded(int, 1), default=128)

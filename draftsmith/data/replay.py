@@ -78,14 +78,16 @@ class ReplayBuffer:
         """Tokens the target verified across the buffer: what an update can train on."""
         return sum(sum(r["loss_mask"]) for r in self.records)
 
-    def sample(self, batch_size: int) -> Optional[list[dict]]:
-        """``batch_size`` records drawn uniformly with replacement, or None when nothing verified is held."""
+    def sample(self, batch_size: int, count: int = 1) -> Optional[list[list[dict]]]:
+        """``count`` batches of ``batch_size`` records drawn uniformly with replacement (one draw,
+        seeded by the buffer's seed and draw counter), or None when nothing verified is held.
+        Processes holding the same buffer draw the same batches and each takes its share."""
         if self.verified_tokens == 0:
             return None
         rng = random.Random(f"draftsmith-replay:{self.seed}:{self.draws}")
         self.draws += 1
         usable = [r for r in self.records if any(r["loss_mask"])]
-        return [rng.choice(usable) for _ in range(batch_size)]
+        return [[rng.choice(usable) for _ in range(batch_size)] for _ in range(count)]
 
     def state_dict(self) -> dict:
         return {"capacity": self.capacity, "seed": self.seed, "draws": self.draws, "records": list(self.records)}

@@ -1,8 +1,9 @@
 """Run a drafter on prompts and measure it: the engine behind `draftsmith generate` and `draftsmith eval`.
 
 A drafter folder is any of: a head export (config.json with a "draftsmith" block), a head-trainer
-checkpoint or run folder, or a plain HF causal-LM folder (a standalone or distilled drafter). The
-target comes from what the drafter recorded (its config or recipe.yaml) unless overridden.
+checkpoint or run folder, a distill/online run folder or checkpoint, or a plain HF causal-LM folder
+(a standalone or distilled drafter); a built-in model name (e.g. qwen2.5-coder-0.5b) drafts as it
+ships. The target comes from what the drafter recorded (its config or recipe.yaml) unless overridden.
 """
 
 from __future__ import annotations
@@ -84,6 +85,13 @@ def load_drafter(
     """Load a drafter folder and its target. `tree` is a spec for parse_tree (default per drafter)."""
     from draftsmith.export import ExportError, is_lm_checkpoint, load_head, load_lm_drafter
 
+    from draftsmith.target import BUILTIN_MODELS
+
+    if str(folder) in BUILTIN_MODELS and not Path(folder).exists():
+        # A built-in model as it ships (e.g. qwen2.5-coder-0.5b): the untrained baseline drafter.
+        target_dtype = dtype or "float32"
+        model, tokenizer = load_causal_lm(str(folder), target_dtype)
+        return _standalone(model, tokenizer, Path(str(folder)), {}, target, target_dtype, parse_tree(tree) if tree else None)
     folder = Path(folder)
     if not folder.exists():
         raise DrafterError(f"drafter folder not found: {folder}")

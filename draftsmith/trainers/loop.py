@@ -649,6 +649,15 @@ def any_rank(accelerator, flag: bool) -> bool:
     return bool(accelerator.reduce(t, reduction="sum").item() > 0)
 
 
+def gather_objects(accelerator, obj: Any) -> list[Any]:
+    """Every rank's `obj` (picklable), in rank order, on every rank."""
+    if accelerator.num_processes == 1:
+        return [obj]
+    out: list[Any] = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def teardown(accelerator) -> None:
     """Free the engine before the process group goes, so ranks exit cleanly.
 

@@ -76,6 +76,20 @@ def encode(tokenizer, messages: list[dict], max_length: int) -> list[int]:
 class OnlineTrainer:
     needs_head = False
     needs_draft = True
+    # Runs under DeepSpeed ZeRO-1/2 when the recipe has a deepspeed: section (limits: check_deepspeed).
+    supports_deepspeed = True
+
+    @staticmethod
+    def check_deepspeed(recipe: Recipe) -> None:
+        """What this trainer cannot do under DeepSpeed, refused at load time (RecipeError)."""
+        from draftsmith.recipe import RecipeError
+
+        ds = recipe.deepspeed
+        if ds.zero_stage == 3 or ds.shard_target:
+            raise RecipeError(
+                "recipe key 'deepspeed.zero_stage': the online trainer serves a different request on every rank, "
+                "so the drafter cannot be partitioned (ZeRO-3); use zero1.yaml or zero2.yaml"
+            )
 
     def __init__(self, recipe: Recipe, argv: Optional[list[str]] = None) -> None:
         self.recipe = recipe
@@ -90,9 +104,7 @@ class OnlineTrainer:
         from draftsmith.data.replay import ReplayBuffer
 
         r = self.recipe
-        self.accelerator = acc = loop.make_accelerator(r.train)
-        if acc.num_processes > 1:
-            raise loop.TrainingError("the online trainer serves one request at a time: run it in one process")
+        self.accelerator = acc = loop.make_accelerator(r.train, r.deepspeed)
         torch.manual_seed(r.train.seed)
         self.resume_from = loop.open_run(acc, self.output_dir, r.train.resume)
 
@@ -106,19 +118,21 @@ class OnlineTrainer:
         self.step_module = DistillStep(self.draft)
         optimizer = loop.build_optimizer(self.draft.parameters(), r.train)
         self.scheduler = loop.build_scheduler(optimizer, r.train)
+        load_from = loop.prepare_resume(acc, self.resume_from) if self.resume_from is not None else None
         self.model, self.optimizer = acc.prepare(self.step_module, optimizer)
         acc.register_for_checkpointing(self.scheduler)
         if r.draft.lora.enabled:
             acc.register_save_state_pre_hook(keep_adapter_weights)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.collator = Collator(pad_token_id=pad, max_length=r.data.max_length)
+        # Every rank keeps the same buffer (all verified records), so an update's batches, a
+        # checkpoint and a resume at another world size do not depend on who served what.
         self.buffer = ReplayBuffer(r.online.buffer_size, seed=r.train.seed)
-        self.metrics = loop.MetricsLog(self.output_dir)
+        self.metrics = loop.MetricsLog(self.output_dir, enabled=acc.is_main_process)
         self.served = 0
         self.step = 0  # optimizer steps
         if self.resume_from is not None:
-            acc.load_state(str(self.resume_from), strict=False)
-            state = json.loads((self.resume_from / loop.STATE_FILE).read_text())
+            state = loop.load_checkpoint(acc, self.resume_from, load_from, strict=False)
             self.step, self.served = state["step"], state["served"]
             self.buffer.load_state_dict(state["buffer"])
             self.metrics.truncate_after(self.served)
@@ -128,7 +142,9 @@ class OnlineTrainer:
         sources = ", ".join(dict.fromkeys(p["source"] for p in self.stream))
         loop.log(
             f"serving {len(self.stream)} requests ({sources}) with draft {r.draft.path} for target {r.target.path}; "
-            f"update every {r.online.update_every} requests ({r.online.steps_per_update} steps, {r.distill.divergence})"
+            f"update every {r.online.update_every} requests ({r.online.steps_per_update} steps, {r.distill.divergence}); "
+            f"{acc.num_processes} process(es) x micro-batch {r.train.micro_batch_size} x {r.train.grad_accum_steps} accumulation; "
+            f"engine {loop.engine_info(acc)['kind']}" + (f" ZeRO-{r.deepspeed.zero_stage}" if loop.uses_deepspeed(acc) else "")
         )
         return self
 
@@ -142,7 +158,7 @@ class OnlineTrainer:
     # ------------------------------------------------------------------ serving and updating
 
     def serve(self, request: dict, seed: int) -> dict:
-        """Answer one request speculatively; its verified tokens go into the buffer. Returns its stats."""
+        """Answer one request speculatively. Returns its stats and, under "record", its verified tokens."""
         from draftsmith.data.replay import verified_record
         from draftsmith.runtime.generate import speculative_generate
 
@@ -156,7 +172,6 @@ class OnlineTrainer:
             self.target, self.drafter, ids, o.max_new_tokens, eos_token_id=self.eos, generator=generator, **mode
         )
         record = verified_record(prompt, out[0, len(prompt) :].tolist(), stats.accept_lens, stats.draft_depths)
-        self.buffer.add(record)
         return {
             "source": request["source"],
             "accepted": record["accepted"],
@@ -165,10 +180,16 @@ class OnlineTrainer:
             "mean_accepted_length": 1.0 + stats.mean_accept_len,
             "new_tokens": stats.new_tokens,
             "steps": stats.steps,
+            "record": record,
         }
 
     def update(self) -> Optional[dict]:
-        """steps_per_update distillation steps on the buffer, then a drafter swap. None when skipped."""
+        """steps_per_update distillation steps on the buffer, then a drafter swap. None when skipped.
+
+        Each optimizer step draws grad_accum_steps x world micro-batches from the (shared) buffer
+        in one draw; rank r takes micro-batches r, r + world, ...: the step's gradient is that of
+        all of them, whatever the world size.
+        """
         acc, r = self.accelerator, self.recipe
         if self.buffer.verified_tokens == 0:
             message = f"replay buffer holds no verified tokens after {self.served} requests: skipping this update"
@@ -176,23 +197,29 @@ class OnlineTrainer:
             loop.log(f"warning: {message}")
             return None
         self.draft.train()
+        world, rank, accum = acc.num_processes, acc.process_index, r.train.grad_accum_steps
         losses = []
         for _ in range(r.online.steps_per_update):
-            batch = self.collator(self.buffer.sample(r.train.micro_batch_size))
-            device = acc.device
-            ids, attention = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-            with acc.accumulate(self.model):
-                target_logits = self.target.features(ids, attention_mask=attention, need_logits=True).logits
-                draft_logits, target_logits = common_vocab(self.model(ids, attention)[:, :-1], target_logits[:, :-1])
-                mask = predicted_mask(batch["loss_mask"].to(device))
-                loss = distill_objective(r, draft_logits, target_logits, mask)
-                acc.backward(loss)
-                if acc.sync_gradients:
-                    acc.clip_grad_norm_(self.draft.parameters(), r.train.max_grad_norm)
-                    self.optimizer.step()
-                    self.scheduler.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
+            batches = self.buffer.sample(r.train.micro_batch_size, count=accum * world)[rank::world]
+            step_losses = []
+            for records in batches:
+                batch = self.collator(records)
+                device = acc.device
+                ids, attention = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+                with acc.accumulate(self.model):
+                    target_logits = self.target.features(ids, attention_mask=attention, need_logits=True).logits
+                    draft_logits, target_logits = common_vocab(self.model(ids, attention)[:, :-1], target_logits[:, :-1])
+                    mask = predicted_mask(batch["loss_mask"].to(device))
+                    loss = distill_objective(r, draft_logits, target_logits, mask)
+                    acc.backward(loss)
+                    if acc.sync_gradients:
+                        acc.clip_grad_norm_(self.draft.parameters(), r.train.max_grad_norm)
+                        self.optimizer.step()
+                        self.scheduler.step()
+                        self.optimizer.zero_grad(set_to_none=True)
+                step_losses.append(loss.detach())
+            mean = torch.stack(step_losses).mean()
+            losses.append(float(acc.reduce(mean, reduction="mean") if world > 1 else mean))
             self.step += 1
         self.swap_drafter()
         mean = sum(losses) / len(losses)
@@ -207,49 +234,69 @@ class OnlineTrainer:
             "buffer": self.buffer.state_dict(),
             "last_eval": getattr(self, "last_eval", None),
         }
+        acc = self.accelerator
+        weights = (
+            loop.full_state_dict(acc, self.step_module, trainable_only=self.recipe.draft.lora.enabled)
+            if loop.uses_deepspeed(acc)
+            else None
+        )
         # Checkpoints are numbered by requests served: that is where a resumed stream picks up.
-        path = loop.save_checkpoint(self.accelerator, self.output_dir, self.served, state, self.recipe, self.recipe.train.keep_last, argv=self.argv)
+        path = loop.save_checkpoint(acc, self.output_dir, self.served, state, self.recipe, self.recipe.train.keep_last, weights, self.argv)
         self.last_checkpoint = path
         return path
 
     # ------------------------------------------------------------------ the stream
 
     def train(self) -> dict:
+        """Serve the stream. With several processes each serves one request of every round of
+        `world` consecutive requests; all ranks then see every result, in stream order."""
         from tqdm.auto import tqdm
 
-        r, o = self.recipe, self.recipe.online
+        acc, r, o = self.accelerator, self.recipe, self.recipe.online
+        world, rank = acc.num_processes, acc.process_index
         stop = loop.StopFlag()
         restore = loop.install_stop_handlers(stop)
         self.last_checkpoint = self.resume_from
-        bar = tqdm(total=len(self.stream), initial=self.served, desc="serve", dynamic_ncols=True)
+        bar = tqdm(total=len(self.stream), initial=self.served, desc="serve", disable=not acc.is_main_process, dynamic_ncols=True)
         started = time.time()
         window: list[tuple[int, int]] = []
         try:
             while self.served < len(self.stream):
-                values = self.serve(self.stream[self.served], seed=r.train.seed + self.served)
-                self.served += 1
-                window = (window + [(values["accepted"], values["judged"])])[-o.window :]
-                values["window_acceptance_rate"] = sum(a for a, _ in window) / max(1, sum(j for _, j in window))
-                self.metrics.write(self.served, "serve", values)
-                bar.update(1)
-                bar.set_postfix(accept=f"{values['window_acceptance_rate']:.3f}", buffer=len(self.buffer))
-                if self.served % o.update_every == 0 and self.served < len(self.stream):
+                index = self.served + rank
+                mine = self.serve(self.stream[index], seed=r.train.seed + index) if index < len(self.stream) else None
+                before = self.served
+                for values in loop.gather_objects(acc, mine):
+                    if values is None:
+                        continue
+                    self.buffer.add(values.pop("record"))
+                    self.served += 1
+                    window = (window + [(values["accepted"], values["judged"])])[-o.window :]
+                    values["window_acceptance_rate"] = sum(a for a, _ in window) / max(1, sum(j for _, j in window))
+                    self.metrics.write(self.served, "serve", values)
+                    bar.update(1)
+                    bar.set_postfix(accept=f"{values['window_acceptance_rate']:.3f}", buffer=len(self.buffer))
+                if self.served // o.update_every > before // o.update_every and self.served < len(self.stream):
                     update = self.update()
                     if update is not None:
                         self.metrics.write(self.served, "update", update)
-                if self.served % r.train.save_every == 0 or self.served == len(self.stream) or stop.requested:
+                stopping = loop.any_rank(acc, stop.requested)
+                done = self.served == len(self.stream)
+                if self.served // r.train.save_every > before // r.train.save_every or done or stopping:
                     self.save()
-                if stop.requested:
+                if stopping:
                     loop.log(f"stopped after {self.served} requests; resume with the same command. Checkpoint: {self.last_checkpoint}")
                     break
         finally:
             bar.close()
             restore()
-        summary = {"served": self.served, "optimizer_steps": self.step, "seconds": round(time.time() - started, 1), **acceptance_by_source(self.output_dir), "checkpoint": str(self.last_checkpoint)}
-        (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
+        summary = {"served": self.served, "optimizer_steps": self.step, "seconds": round(time.time() - started, 1), "checkpoint": str(self.last_checkpoint)}
+        if acc.is_main_process:
+            summary.update(acceptance_by_source(self.output_dir))
+            (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
         return summary
 
     def close(self) -> None:
+        """Release the engine and the process group so every rank exits cleanly (also after a failed setup)."""
         acc = getattr(self, "accelerator", None)
         self.model = self.optimizer = self.step_module = None
         if getattr(self, "metrics", None) is not None:

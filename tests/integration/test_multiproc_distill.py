@@ -1,7 +1,8 @@
-"""The DistillSpec trainer across processes on CPU (gloo): torchrun DDP and DeepSpeed ZeRO-2 (with a
-LoRA draft) and ZeRO-3 give the loss curve of one process with the same global batch, save the
-draft's trainable weights in full beside the engine's shards, export, and resume (ZeRO-2: a
-2-process checkpoint in one plain process). On-policy sampling runs under ZeRO-2.
+"""The draft-LM trainers across processes on CPU (gloo). DistillSpec: torchrun DDP and DeepSpeed
+ZeRO-2 (with a LoRA draft) and ZeRO-3 give the loss curve of one process with the same global batch,
+save the draft's trainable weights in full beside the engine's shards, export, and resume (ZeRO-2:
+a 2-process checkpoint in one plain process); on-policy sampling runs under ZeRO-2. Online: two
+ranks serving alternate requests give the one-process stream.
 
 Tolerance as in test_multiproc.py: rel 1e-4. Every micro-batch loss is a mean over its own answer
 tokens, and 2 ranks x micro-batch 2 average the same two means that 1 rank x 2 accumulation does.
@@ -20,7 +21,7 @@ from safetensors.torch import load_file
 from draftsmith.recipe import load_recipe
 from draftsmith.trainers import TRAINERS, loop
 
-from test_multiproc import REPO, assert_same_curve, launch, losses, write_chats
+from test_multiproc import REL, REPO, assert_same_curve, launch, losses, write_chats
 
 pytestmark = pytest.mark.multiproc
 
@@ -135,3 +136,49 @@ def test_onpolicy_answers_under_zero2(setup):
     assert [r["step"] for r in train] == [1, 2]
     assert 0.0 < train[-1]["onpolicy_fraction"] < 1.0
     assert loop.list_checkpoints(out)[-1].name == "step-000002"
+
+
+def test_online_serving_on_two_ranks_gives_the_one_process_stream(setup):
+    """Two ranks serve alternate requests and update the drafter together: every request's
+    acceptance and every update's loss are those of one process (update_every is even, and the
+    global batch is drawn the same way)."""
+    from draftsmith.trainers.online import serve_records
+
+    root = setup["root"]
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w} {v}"}) + "\n" for w, v in zip("abcdefgh", "hgfedcba")))
+    base = root / "online.yaml"
+    base.write_text(
+        f"""
+trainer: online
+output_dir: {root / 'unused'}
+target: {{path: {root / 'target'}}}
+draft: {{path: {root / 'draft'}}}
+data: {{path: {prompts}, max_length: 64}}
+distill: {{divergence: fkl}}
+online: {{requests_per_source: 8, update_every: 2, steps_per_update: 3, buffer_size: 8, max_new_tokens: 12, draft_length: 3, window: 2}}
+train: {{micro_batch_size: 2, global_batch_size: 4, lr: 0.01, lr_schedule: constant, save_every: 4}}
+"""
+    )
+    one, two = root / "online-one", root / "online-two"
+    launch(str(base), f"output_dir={one}", nproc=1)
+    done = launch(str(base), f"output_dir={two}")
+    assert "2 process(es) x micro-batch 2 x 1 accumulation" in done.stdout
+    a, b = serve_records(one), serve_records(two)
+    assert [r["step"] for r in b] == list(range(1, 9))
+    assert [(r["accepted"], r["judged"]) for r in a] == [(r["accepted"], r["judged"]) for r in b]
+    assert sum(r["accepted"] for r in a) > 0  # the comparison is not one of empty streams
+    updates = lambda run: [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "update"]  # noqa: E731
+    assert len(updates(one)) == len(updates(two)) == 3  # after requests 2, 4, 6
+    for x, y in zip(updates(one), updates(two)):
+        assert y["loss"] == pytest.approx(x["loss"], rel=REL)
+    assert [c.name for c in loop.list_checkpoints(two)] == ["step-000004", "step-000008"]
+    assert json.loads((two / "final_metrics.json").read_text())["served"] == 8
+
+    # The same under DeepSpeed ZeRO-2, which keeps the drafter whole on every rank for serving.
+    z2 = root / "online-z2"
+    done = launch(str(base), str(REPO / "recipes/deepspeed/zero2.yaml"), f"output_dir={z2}")
+    assert "engine deepspeed ZeRO-2" in done.stdout
+    assert [(r["accepted"], r["judged"]) for r in serve_records(z2)] == [(r["accepted"], r["judged"]) for r in a]
+    for x, y in zip(updates(one), updates(z2)):
+        assert y["loss"] == pytest.approx(x["loss"], rel=REL)

@@ -183,10 +183,24 @@ def test_a_checkpoint_of_another_engine_is_refused_with_the_way_out(tmp_path):
     assert loop.prepare_resume(one, plain) == plain  # DDP checkpoints load at any world size
 
 
-def test_a_trainer_without_deepspeed_support_refuses_the_section_instead_of_ignoring_it():
+def test_a_trainer_without_deepspeed_support_refuses_the_section_instead_of_ignoring_it(monkeypatch):
+    from draftsmith.trainers import TRAINERS
+
+    class Sequential:
+        needs_head = True
+
+    monkeypatch.setitem(TRAINERS, "sequential", Sequential)
+    recipe = REPO / "recipes" / "medusa" / "smollm2-135m.yaml"
+    with pytest.raises(RecipeError, match="trainer 'sequential' does not run under DeepSpeed \\(trainers heads, distill, online do\\)"):
+        load_recipe(recipe, REPO / "recipes" / "deepspeed" / "zero2.yaml", overrides=["trainer=sequential", "data.features.mode=online"])
+
+
+def test_online_under_deepspeed_takes_zero_1_and_2_only():
     online = REPO / "recipes" / "online" / "qwen2.5-coder-1.5b.yaml"
-    with pytest.raises(RecipeError, match="trainer 'online' does not run under DeepSpeed \\(trainers heads, distill do\\)"):
-        load_recipe(online, REPO / "recipes" / "deepspeed" / "zero2.yaml")
+    zero = REPO / "recipes" / "deepspeed"
+    assert load_recipe(online, zero / "zero2.yaml").deepspeed.zero_stage == 2
+    with pytest.raises(RecipeError, match="online trainer serves a different request on every rank"):
+        load_recipe(online, zero / "zero3.yaml")
 
 
 def test_distill_under_deepspeed_refuses_what_it_cannot_do():

@@ -24,11 +24,16 @@ def test_buffer_is_bounded_fifo_and_sampling_is_seeded():
     for i in range(5):
         buf.add({"input_ids": [i, i], "loss_mask": [0, 1]})
     assert len(buf) == 3 and [r["input_ids"][0] for r in buf.records] == [2, 3, 4]
-    a = buf.sample(6)
+    (a,) = buf.sample(6)
     other = ReplayBuffer(capacity=3, seed=1)
     other.load_state_dict({**buf.state_dict(), "draws": 0})
-    assert other.sample(6) == a
+    assert other.sample(6) == [a]
     assert {r["input_ids"][0] for r in a} <= {2, 3, 4}
+    # Several batches in one draw: the first is the single draw's batch, so one process taking all
+    # batches and several processes taking one each see the same records.
+    other.load_state_dict({**buf.state_dict(), "draws": 0})
+    many = other.sample(6, count=3)
+    assert len(many) == 3 and many[0] == a and other.draws == 1
 
 
 def test_empty_buffer_samples_nothing():
