@@ -76,9 +76,11 @@ def test_loss_decreases_target_frozen_checkpoint_clean(tmp_path, tiny_llama_dir)
     first, last = sum(curve[s] for s in (1, 2, 3)) / 3, sum(curve[s] for s in (28, 29, 30)) / 3
     assert last < 0.8 * first, curve
 
-    # The frozen target did not move.
+    # The frozen target did not move, and only the head's parameters were ever in the optimizer.
     for key, value in trainer.target.model.state_dict().items():
         assert torch.equal(value, target_before[key]), key
+    in_optimizer = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert in_optimizer == {id(p) for p in trainer.head.parameters()}
 
     # Checkpoints: only complete step-N folders, the newest keep_last of them, no target tensors.
     ckpts = loop.list_checkpoints(recipe.output_dir)
@@ -175,3 +177,22 @@ def test_a_run_that_fails_to_set_up_keeps_what_was_there(tmp_path, tiny_llama_di
         finally:
             trainer.close()
     assert {name: (out / name).read_bytes() for name in before} == before
+
+
+def test_quickstart_settings_bf16_target_and_its_frozen_lm_head(tmp_path, tiny_llama_dir):
+    """The quickstart's choices on a tiny model: a bf16 target whose frozen LM head the heads share,
+    bf16 autocast for the heads, features from the hybrid cache after the first epoch."""
+    recipe = make_recipe(
+        tmp_path, tiny_llama_dir, "bf16", "target.dtype=bfloat16", "head.lm_head=target", "train.mixed_precision=bf16",
+        "data.features.mode=hybrid",
+    )
+    trainer, summary, target_before = run(recipe)
+    assert trainer.target.dtype == torch.bfloat16
+    curve = losses(Path(recipe.output_dir))
+    first, last = sum(curve[s] for s in (1, 2, 3)) / 3, sum(curve[s] for s in (28, 29, 30)) / 3
+    assert last < 0.8 * first, curve
+    for key, value in trainer.target.model.state_dict().items():
+        assert torch.equal(value, target_before[key]), key
+    weights = load_file(str(loop.list_checkpoints(recipe.output_dir)[-1] / "model.safetensors"))
+    assert not any("lm_head" in k for k in weights)  # the shared LM head stays the target's
+    assert summary["top1"][0] > 0.2

@@ -1,0 +1,96 @@
+"""Imports flow one way (../shared/DESIGN.md, section 2).
+
+heads, distill and data import only torch/transformers and the recipe/target types; trainers use
+them; runtime drafts with heads; export and eval use the runtime; cli uses everything. Checked on
+the source: every draftsmith import of every module, at module level or inside a function.
+"""
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "draftsmith"
+
+# What each part may import from draftsmith (any import, lazy ones included).
+ALLOWED = {
+    "recipe": set(),
+    "target": {"recipe"},
+    "heads": {"recipe", "target"},
+    "distill": {"recipe"},
+    "data": {"recipe", "target"},
+}
+# recipe.py checks a recipe against the registries (HEADS[kind].config_class, what a trainer
+# supports), so it reaches up lazily, inside its check functions; nothing else may.
+LAZY_EXCEPTIONS = {("recipe", "heads"), ("recipe", "trainers")}
+
+
+def part_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def imports(path: Path) -> list[tuple[str, bool]]:
+    """(draftsmith part imported, at module level?) for every import in the file."""
+    tree = ast.parse(path.read_text())
+    top = set(map(id, tree.body))
+    found = []
+    for node in ast.walk(tree):
+        names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "draftsmith" and len(parts) > 1:
+                found.append((parts[1], id(node) in top))
+    return found
+
+
+def graph(module_level_only: bool) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for path in PACKAGE.rglob("*.py"):
+        source = part_of(path)
+        for target, at_top in imports(path):
+            if target != source and (at_top or not module_level_only):
+                edges[source].add(target)
+    return edges
+
+
+def test_low_layers_import_only_what_they_may():
+    edges = graph(module_level_only=False)
+    assert edges, "found no imports: the scan is broken"
+    for part, allowed in ALLOWED.items():
+        extra = {t for t in edges.get(part, set()) if t not in allowed and (part, t) not in LAZY_EXCEPTIONS}
+        assert not extra, f"draftsmith.{part} imports {sorted(extra)}"
+
+
+def test_nothing_imports_the_command_line():
+    edges = graph(module_level_only=False)
+    assert not [part for part, targets in edges.items() if "cli" in targets]
+
+
+def test_module_level_imports_have_no_cycle():
+    edges = graph(module_level_only=True)
+    for lazy in LAZY_EXCEPTIONS:
+        assert lazy[1] not in edges.get(lazy[0], set()), f"{lazy} must stay a lazy import"
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in edges.get(node, ()):
+            assert state.get(nxt) != 1, f"import cycle: {' -> '.join(path + [node, nxt])}"
+            if nxt not in state:
+                visit(nxt, path + [node])
+        state[node] = 2
+
+    for node in list(edges):
+        if node not in state:
+            visit(node, [])
+
+
+def test_the_scan_sees_a_forbidden_import(tmp_path, monkeypatch):
+    """The checks above can fail: a heads module importing the trainers is caught."""
+    fake = tmp_path / "draftsmith"
+    (fake / "heads").mkdir(parents=True)
+    (fake / "heads" / "bad.py").write_text("from draftsmith.trainers import loop\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    assert graph(module_level_only=True) == {"heads": {"trainers"}}
