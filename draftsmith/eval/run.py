@@ -20,7 +20,7 @@ from torch import Tensor
 from draftsmith.eval.acceptance import AcceptanceStats
 from draftsmith.runtime.drafters import HEAD_DRAFTERS, DrafterError, StandaloneDrafter
 from draftsmith.runtime.generate import autoregressive_generate, speculative_generate
-from draftsmith.runtime.tree import DynamicTreeSpec, TreeSpec, default_tree, parse_tree
+from draftsmith.runtime.tree import TreeSpec, default_tree, parse_tree
 from draftsmith.target import FrozenTarget, load_causal_lm
 
 
@@ -130,12 +130,8 @@ def load_drafter(
     kind = head.cfg.kind
     if kind not in HEAD_DRAFTERS:
         raise DrafterError(f"the runtime has no drafter for {kind} heads yet (it runs: {', '.join(HEAD_DRAFTERS)})")
-    if isinstance(spec, DynamicTreeSpec):
-        raise DrafterError(f"{kind} heads draft a static tree; give --tree as widths per depth (e.g. 4,2,2)")
-    spec = spec or default_tree(depth=head.depth)
-    if spec.max_depth > head.depth:
-        raise DrafterError(f"--tree is {spec.max_depth} deep but the {kind} head drafts only {head.depth} tokens")
-    drafter = HEAD_DRAFTERS[kind](head, tgt, spec)
+    # Each drafter refuses, in one line, a tree it cannot draft (too deep, or dynamic for Medusa).
+    drafter = HEAD_DRAFTERS[kind](head, tgt, spec or default_tree(depth=head.depth))
     return LoadedDrafter(kind, drafter, tgt, folder, target_path, meta={"head": loaded.metrics})
 
 

@@ -92,6 +92,12 @@ class DraftHead(nn.Module):
         """Teacher-forced logits [B,T,K,V]."""
         raise NotImplementedError
 
+    def top_tokens(self, features: TargetFeatures, k: int) -> Tensor:
+        """The k most likely tokens per position and depth [B,T,K,k], best first (for evaluation).
+        Heads that can override it to avoid holding all depths' logits [B,T,K,V] at once."""
+        logits = self(features)
+        return logits.topk(min(k, logits.shape[-1]), dim=-1).indices
+
     def depth_weights(self) -> Tensor:
         """Loss weight of each depth [K] (default: equal)."""
         return torch.ones(self.depth)

@@ -84,6 +84,16 @@ class MedusaHead(DraftHead):
     def forward(self, features: TargetFeatures) -> Tensor:
         return self.head_logits(features.final_hidden, features.lm_head)
 
+    def top_tokens(self, features: TargetFeatures, k: int) -> Tensor:
+        """[B,T,K,k] one head at a time: never all heads' [B,T,V] logits at once."""
+        hidden = features.final_hidden
+        out = []
+        for i, block in enumerate(self.blocks):
+            h = block(hidden)
+            logits = self.lm_heads[i](h) if self.lm_heads is not None else features.lm_head(h)
+            out.append(logits.topk(min(k, logits.shape[-1]), dim=-1).indices)
+        return torch.stack(out, dim=-2)
+
     def loss(
         self, features: TargetFeatures, loss_mask: Optional[Tensor], segment_ids: Optional[Tensor] = None
     ) -> tuple[Tensor, dict[str, Tensor]]:

@@ -42,6 +42,7 @@ __all__ = [
     "DrafterError",
     "DraftState",
     "Drafter",
+    "EagleDrafter",
     "HEAD_DRAFTERS",
     "MedusaDrafter",
     "StandaloneDrafter",
@@ -247,9 +248,107 @@ class MedusaDrafter:
         """Nothing to roll back."""
 
 
+class EagleDrafter:
+    """An EAGLE head as a drafter: autoregressive over (feature, token) pairs with its own KV cache.
+
+    Each step the head first reads the positions that entered the target's cache since the last
+    step, with the target's real features (on the first step: the prompt); the last of them, whose
+    token is the root, yields the root's children. Tree nodes then go level by level: a node's input
+    is its parent's output and its own token, at rotary position prefix + depth - 1, seeing the
+    decided entries, its ancestors and itself. ``accept`` drops every tree entry: the accepted path
+    comes back next step with the target's real features, as EAGLE does.
+
+    ``tree``: a TreeSpec (static: greedy or sampled) or a DynamicTreeSpec (EAGLE-2: greedy).
+    """
+
+    def __init__(self, head: nn.Module, target, tree: Union[TreeSpec, DynamicTreeSpec]) -> None:
+        depth = tree.max_depth if isinstance(tree, TreeSpec) else tree.depth
+        if depth > head.depth:
+            raise DrafterError(f"the tree is {depth} deep but the EAGLE head was trained to draft {head.depth} tokens")
+        self.head = head.eval()
+        self.target = target
+        self.tree = tree
+        self.reset(None)
+
+    def required_layers(self) -> Sequence[int]:
+        return list(self.head.required_layers())
+
+    def reset(self, prompt: Optional[Tensor]) -> None:
+        self.caches: list[dict] = [{} for _ in self.head.layers]
+        self.decided = 0  # cache entries of decided positions (0 .. decided-1)
+
+    def _truncate(self, length: int) -> None:
+        for cache in self.caches:
+            if cache.get("k") is not None:
+                cache["k"], cache["v"] = cache["k"][:, :, :length], cache["v"][:, :, :length]
+
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> DraftTree:
+        device = state.tokens.device
+        if state.new_hidden is None or state.new_hidden.shape[1] == 0:
+            return _root_only(state.root, device)
+        head, T = self.head, state.tokens.shape[1]
+        M = state.new_hidden.shape[1]
+        start = T - 1 - M  # first new position; decided entries so far: 0 .. start-1
+        if start != self.decided:
+            raise DrafterError(f"the EAGLE drafter holds {self.decided} positions but the state continues at {start}; call reset(prompt) first")
+        feature = head.feature(state.new_hidden, state.new_layers)
+        tokens = state.tokens[:, start + 1 : T]  # x_{j+1} for the new positions j; the last is the root
+        positions = torch.arange(start, T - 1, device=device)
+        visible = torch.ones(M, start + M, dtype=torch.bool, device=device).tril(diagonal=start)
+        out = head.draft_step(feature, tokens, positions, self.caches, visible, self.target.embed)
+        self.decided = T - 1
+        outputs = {0: out[:, -1:]}  # node id -> its output a [1,1,D]; the root's comes from position T-2
+        slots: dict[int, int] = {}  # node id -> cache entry
+
+        def node_logits(frontier: Frontier) -> Tensor:
+            todo = [n for n in frontier.nodes if n not in outputs]
+            if todo:
+                self._forward_nodes(todo, frontier, outputs, slots, device)
+            return head.logits(torch.cat([outputs[n] for n in frontier.nodes], dim=1)[0], self.target.lm_head)
+
+        if isinstance(self.tree, DynamicTreeSpec):
+            if not state.sampling.greedy:
+                raise DrafterError("dynamic trees draft greedily; sample mode needs a static TreeSpec (a chain or a tree)")
+            spec = self.tree
+
+            def expand(frontier: Frontier) -> Tensor:
+                return torch.log_softmax(node_logits(frontier).float(), dim=-1)
+
+            tree, _ = build_dynamic_tree(expand, state.root, spec.depth, spec.topk, spec.budget, device)
+        else:
+            tree, _ = grow_static_tree(self.tree, state.root, node_logits, state.sampling, state.generator, device)
+        return tree
+
+    def _forward_nodes(self, todo: list[int], frontier: Frontier, outputs: dict, slots: dict, device) -> None:
+        """One head step over tree nodes ``todo`` (their parents already have outputs)."""
+        L = self.caches[0]["k"].shape[2]
+        n = len(todo)
+        visible = torch.zeros(n, L + n, dtype=torch.bool, device=device)
+        visible[:, : self.decided] = True
+        for row, node in enumerate(todo):
+            ancestor = frontier.parents[node]
+            while ancestor > 0:
+                visible[row, slots[ancestor]] = True
+                ancestor = frontier.parents[ancestor]
+            visible[row, L + row] = True
+        feature = torch.cat([outputs[frontier.parents[node]] for node in todo], dim=1)
+        tokens = torch.tensor([[frontier.tokens[node] for node in todo]], device=device)
+        positions = torch.tensor([self.decided - 1 + frontier.depths[node] for node in todo], device=device)
+        out = self.head.draft_step(feature, tokens, positions, self.caches, visible, self.target.embed)
+        for row, node in enumerate(todo):
+            outputs[node] = out[:, row : row + 1]
+            slots[node] = L + row
+
+    def accept(self, result: VerifyResult) -> None:
+        """Drop the tree's entries; the accepted path returns with real features next step."""
+        self._truncate(self.decided)
+
+
 # The drafter that runs each head kind of draftsmith.heads.HEADS: (head, target, tree) -> Drafter.
 HEAD_DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "medusa": MedusaDrafter,
+    "eagle": EagleDrafter,
 }
 
 

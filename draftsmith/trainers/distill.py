@@ -107,6 +107,15 @@ def keep_adapter_weights(_models: list, weights: list[dict], _output_dir: str) -
         state.update(adapter)
 
 
+def draft_checkpoint_weights(accelerator, step_module: nn.Module, lora: bool) -> Optional[dict[str, Tensor]]:
+    """What model.safetensors of a checkpoint gets under DeepSpeed (whose own shards are per rank):
+    the draft's trainable weights in full (with LoRA, the adapter), named as the other engines
+    write them. None elsewhere: accelerate writes the file itself. A collective: all ranks call it."""
+    if not loop.uses_deepspeed(accelerator):
+        return None
+    return loop.full_state_dict(accelerator, step_module, trainable_only=lora)
+
+
 def distill_objective(recipe: Recipe, draft_logits: Tensor, target_logits: Tensor, mask: Tensor) -> Tensor:
     """The recipe's distillation loss, a scalar. draft_logits, target_logits [B,T,V]; mask [B,T]."""
     d = recipe.distill
@@ -309,13 +318,7 @@ class DistillTrainer:
             "last_eval": getattr(self, "last_eval", None),
         }
         acc = self.accelerator
-        # Under DeepSpeed the engine's shards are per rank; model.safetensors holds the draft's
-        # trainable weights in full (with LoRA: the adapter), as the other engines write it.
-        weights = (
-            loop.full_state_dict(acc, self.step_module, trainable_only=self.recipe.draft.lora.enabled)
-            if loop.uses_deepspeed(acc)
-            else None
-        )
+        weights = draft_checkpoint_weights(acc, self.step_module, self.recipe.draft.lora.enabled)
         path = loop.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, self.recipe.train.keep_last, weights, self.argv)
         self.last_checkpoint = path
         return path

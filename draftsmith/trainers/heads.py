@@ -36,7 +36,7 @@ from draftsmith.trainers import loop
 
 class HeadTrainStep(nn.Module):
     """The module the engine wraps: its forward is the head's loss (or, without a loss mask, its
-    logits [B,T,K,V]), so DDP and DeepSpeed see one call.
+    top-5 tokens per position and depth [B,T,K,5], for evaluation), so DDP and DeepSpeed see one call.
 
     `features` may be a zero-argument callable: the target then runs inside the engine's forward,
     where ZeRO-3 gathers a partitioned target's weights. `target_model` (deepspeed.shard_target
@@ -58,7 +58,7 @@ class HeadTrainStep(nn.Module):
         if callable(features):
             features = features()
         if loss_mask is None:
-            return self.head(features)
+            return self.head.top_tokens(features, 5)
         return self.head.loss(features, loss_mask, segment_ids)
 
 
@@ -173,13 +173,15 @@ class HeadTrainer:
         return self
 
     def _target_io_weights(self):
-        """The target's embedding and LM head weights in full inside the block (ZeRO-3 shard_target)."""
+        """The target's embedding, LM head and final norm weights in full inside the block (ZeRO-3 shard_target)."""
         if not self.shard_target:
             return contextlib.nullcontext()
         from draftsmith.data.features import gathered_parameters
 
         model = self.target.model
-        return gathered_parameters([model.get_input_embeddings().weight, model.get_output_embeddings().weight])
+        norm = getattr(model.base_model, "norm", None)  # EAGLE-3-style heads start their own norm from it
+        extra = [norm.weight] if getattr(norm, "weight", None) is not None else []
+        return gathered_parameters([model.get_input_embeddings().weight, model.get_output_embeddings().weight, *extra])
 
     def _setup_feature_cache(self, padding_collator):
         """Open (and in cache mode build or complete) the feature cache; None when features are online."""
@@ -345,13 +347,12 @@ class HeadTrainer:
                 captured["f"] = self._features("eval", ids, batch)
                 return captured["f"]
 
-            logits = self.model(features)  # [B,T,K,V]
+            top5 = self.model(features)  # [B,T,K,5]
             if stand_in:
                 continue
             labels, valid = depth_labels(
                 captured["f"].input_ids, batch["loss_mask"].to(acc.device), K, batch["segment_ids"].to(acc.device)
             )
-            top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # [B,T,K,5]
             hit1 = (top5[..., 0] == labels) & valid
             hit5 = (top5 == labels.unsqueeze(-1)).any(-1) & valid
             hits[0] += hit1.sum(dim=(0, 1)).double()

@@ -24,7 +24,6 @@ a sha256 that differs) is skipped with a warning, and the previous complete one 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -40,6 +39,7 @@ import torch
 from torch import nn
 
 from draftsmith.recipe import DeepSpeedConfig, Recipe, RecipeError, TrainConfig, save_resolved
+from draftsmith.target import sha256_file
 
 CHECKPOINT_PREFIX = "step-"
 STATE_FILE = "trainer_state.json"
@@ -311,15 +311,6 @@ def checkpoint_step(path: Path) -> int:
     return int(path.name[len(CHECKPOINT_PREFIX) :])
 
 
-def file_digest(path: Path) -> str:
-    """sha256 of a file, read in 8 MB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(8 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def checkpoint_problem(path: Path, verify_contents: bool = False) -> Optional[str]:
     """Why `path` is not a complete checkpoint, or None when it is: trainer_state.json must be
     readable and every file of its manifest present with the recorded size (either format) and,
@@ -337,7 +328,7 @@ def checkpoint_problem(path: Path, verify_contents: bool = False) -> Optional[st
             return f"{rel} has {file.stat().st_size} bytes, {size} were written"
     if verify_contents:
         for rel, digest in state.get("sha256", {}).items():
-            if file_digest(path / rel) != digest:
+            if sha256_file(path / rel) != digest:
                 return f"{rel} does not match the sha256 recorded when it was written"
     return None
 
@@ -446,7 +437,7 @@ def save_checkpoint(
         save_resolved(recipe, tmp, argv or command_line())
         files = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
         manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in files}
-        digests = {str(p.relative_to(tmp)): file_digest(p) for p in files}
+        digests = {str(p.relative_to(tmp)): sha256_file(p) for p in files}
         # trainer_state.json goes last: its presence marks the folder complete.
         payload = json.dumps(
             {"step": step, "engine": engine_info(accelerator), **state, "files": manifest, "sha256": digests}, indent=2

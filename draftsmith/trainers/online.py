@@ -32,6 +32,7 @@ from draftsmith.trainers.distill import (
     check_same_tokenizer,
     common_vocab,
     distill_objective,
+    draft_checkpoint_weights,
     keep_adapter_weights,
     load_draft,
     predicted_mask,
@@ -235,11 +236,7 @@ class OnlineTrainer:
             "last_eval": getattr(self, "last_eval", None),
         }
         acc = self.accelerator
-        weights = (
-            loop.full_state_dict(acc, self.step_module, trainable_only=self.recipe.draft.lora.enabled)
-            if loop.uses_deepspeed(acc)
-            else None
-        )
+        weights = draft_checkpoint_weights(acc, self.step_module, self.recipe.draft.lora.enabled)
         # Checkpoints are numbered by requests served: that is where a resumed stream picks up.
         path = loop.save_checkpoint(acc, self.output_dir, self.served, state, self.recipe, self.recipe.train.keep_last, weights, self.argv)
         self.last_checkpoint = path

@@ -11,9 +11,10 @@ import pytest
 import torch
 from scipy import stats
 
+from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead
 from draftsmith.runtime import verify as verify_module
-from draftsmith.runtime.drafters import MedusaDrafter, StandaloneDrafter
+from draftsmith.runtime.drafters import EagleDrafter, MedusaDrafter, StandaloneDrafter
 from draftsmith.runtime.generate import speculative_generate
 from draftsmith.runtime.tree import DynamicTreeSpec, TreeSpec, default_tree
 from draftsmith.runtime.verify import logits_to_probs
@@ -60,6 +61,11 @@ def _random_medusa(target, seed):
     return head
 
 
+def _random_eagle(target, seed, **cfg):
+    torch.manual_seed(seed)
+    return EagleHead(EagleConfig(depth=4, **cfg), target.dims)
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def setup(request):
     arch = request.param
@@ -81,6 +87,9 @@ DRAFTERS = {
     # name: (build(target, other, noisy), must everything be accepted?)
     "medusa-chain": (lambda t, o, n: MedusaDrafter(_random_medusa(t, 1), t, TreeSpec.chain(4)), False),
     "medusa-tree": (lambda t, o, n: MedusaDrafter(_random_medusa(t, 2), t, default_tree(4, (4, 2, 2, 1))), False),
+    "eagle-chain": (lambda t, o, n: EagleDrafter(_random_eagle(t, 3), t, TreeSpec.chain(4)), False),
+    "eagle-tree": (lambda t, o, n: EagleDrafter(_random_eagle(t, 4, num_layers=2), t, default_tree(4, (4, 2, 2, 1))), False),
+    "eagle-dynamic": (lambda t, o, n: EagleDrafter(_random_eagle(t, 5, feature_layers=[0, -1], regression_weight=0.0), t, DynamicTreeSpec(depth=4, topk=3, budget=10)), False),
     "other-lm-chain": (lambda t, o, n: StandaloneDrafter(o, TreeSpec.chain(3)), False),
     "noisy-chain": (lambda t, o, n: StandaloneDrafter(n, TreeSpec.chain(4)), False),
     "noisy-tree": (lambda t, o, n: StandaloneDrafter(n, default_tree(4, (3, 2, 2, 1))), False),

@@ -55,7 +55,7 @@ def test_contents_check_catches_damage_that_keeps_the_size(tmp_path):
     ckpt = loop.checkpoint_root(tmp_path) / "step-000003"
     ckpt.mkdir(parents=True)
     (ckpt / "model.safetensors").write_bytes(b"0123456789")
-    state = {"step": 3, "files": {"model.safetensors": 10}, "sha256": {"model.safetensors": loop.file_digest(ckpt / "model.safetensors")}}
+    state = {"step": 3, "files": {"model.safetensors": 10}, "sha256": {"model.safetensors": loop.sha256_file(ckpt / "model.safetensors")}}
     (ckpt / loop.STATE_FILE).write_text(json.dumps(state))
     assert loop.checkpoint_problem(ckpt, verify_contents=True) is None
     (ckpt / "model.safetensors").write_bytes(b"0123456780")

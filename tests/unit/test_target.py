@@ -63,3 +63,31 @@ def test_load_from_folder_and_bad_paths(tiny_qwen2_dir, tmp_path):
         FrozenTarget.load(str(broken))
     with pytest.raises(TargetLoadError, match="model folder not found"):
         FrozenTarget.load(str(tmp_path / "nowhere") + "/")
+
+
+def test_hub_id_loads_offline_from_the_local_hub_cache(tiny_qwen2_dir, tmp_path):
+    """A hub id resolves from the local Hugging Face cache (HF_HUB_OFFLINE=1), never the network."""
+    import shutil
+    import subprocess
+    import sys
+
+    commit = "0" * 40
+    repo = tmp_path / "hub" / "models--some-org--tiny-qwen2"
+    shutil.copytree(tiny_qwen2_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    code = (
+        "from draftsmith.target import FrozenTarget\n"
+        "t = FrozenTarget.load('some-org/tiny-qwen2')\n"
+        "print(t.dims.num_layers, t.dims.hidden_size)\n"
+        "try:\n"
+        "    FrozenTarget.load('some-org/not-cached')\n"
+        "except Exception as err:\n"
+        "    print(type(err).__name__, err)\n"
+    )
+    env = {**__import__("os").environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "3 64"
+    assert lines[1].startswith("TargetLoadError") and "some-org/not-cached" in lines[1], lines[1]
