@@ -47,6 +47,7 @@ __all__ = [
     "MedusaDrafter",
     "StandaloneDrafter",
     "grow_static_tree",
+    "grow_tree",
     "sample_without_replacement",
     "compact_cache",
 ]
@@ -169,6 +170,28 @@ def grow_static_tree(
         for node, q in probs_rows.items():
             draft_probs[node] = q
     return DraftTree.from_lists(tokens, parents, draft_probs=draft_probs, device=device), spec_ids
+
+
+def grow_tree(
+    spec: Union[TreeSpec, DynamicTreeSpec], state: "DraftState", node_logits: Callable[[Frontier], Tensor], device
+) -> tuple[DraftTree, list[int]]:
+    """Draft ``spec`` from the root of ``state`` for a drafter whose nodes condition on their path.
+
+    ``node_logits(frontier) -> [F,V]``: the draft's logits after each frontier node. A TreeSpec
+    grows level by level (greedy or sampled, ``grow_static_tree``); a DynamicTreeSpec grows EAGLE-2
+    style (``build_dynamic_tree``, greedy only). Returns (tree, ids): ids[i] is the frontier id
+    ``node_logits`` saw for tree node i.
+    """
+    if isinstance(spec, DynamicTreeSpec):
+        if not state.sampling.greedy:
+            raise DrafterError("dynamic trees draft greedily; sample mode needs a static TreeSpec (a chain or a tree)")
+
+        def expand(frontier: Frontier) -> Tensor:
+            return torch.log_softmax(node_logits(frontier).float(), dim=-1)
+
+        return build_dynamic_tree(expand, state.root, spec.depth, spec.topk, spec.budget, device)
+    tree, _ = grow_static_tree(spec, state.root, node_logits, state.sampling, state.generator, device)
+    return tree, list(range(tree.size))  # grow_static_tree's frontier ids are tree indices
 
 
 def compact_cache(cache, prefix_len: int, keep: Sequence[int] | Tensor) -> None:
@@ -307,17 +330,7 @@ class EagleDrafter:
                 self._forward_nodes(todo, frontier, outputs, slots, device)
             return head.logits(torch.cat([outputs[n] for n in frontier.nodes], dim=1)[0], self.target.lm_head)
 
-        if isinstance(self.tree, DynamicTreeSpec):
-            if not state.sampling.greedy:
-                raise DrafterError("dynamic trees draft greedily; sample mode needs a static TreeSpec (a chain or a tree)")
-            spec = self.tree
-
-            def expand(frontier: Frontier) -> Tensor:
-                return torch.log_softmax(node_logits(frontier).float(), dim=-1)
-
-            tree, _ = build_dynamic_tree(expand, state.root, spec.depth, spec.topk, spec.budget, device)
-        else:
-            tree, _ = grow_static_tree(self.tree, state.root, node_logits, state.sampling, state.generator, device)
+        tree, _ = grow_tree(self.tree, state, node_logits, device)
         return tree
 
     def _forward_nodes(self, todo: list[int], frontier: Frontier, outputs: dict, slots: dict, device) -> None:
@@ -409,18 +422,7 @@ class StandaloneDrafter:
                 self._forward_nodes(todo, frontier, T, device, logits_of)
             return torch.stack([logits_of[n] for n in frontier.nodes])
 
-        if isinstance(self.tree, DynamicTreeSpec):
-            if not state.sampling.greedy:
-                raise DrafterError("dynamic trees draft greedily; sample mode needs a static TreeSpec (a chain or a tree)")
-            spec = self.tree
-
-            def expand(frontier: Frontier) -> Tensor:
-                return torch.log_softmax(node_logits(frontier).float(), dim=-1)
-
-            tree, self._tree_ids = build_dynamic_tree(expand, state.root, spec.depth, spec.topk, spec.budget, device)
-        else:
-            tree, _ = grow_static_tree(self.tree, state.root, node_logits, state.sampling, state.generator, device)
-            self._tree_ids = list(range(tree.size))  # grow_static_tree's frontier ids are tree indices
+        tree, self._tree_ids = grow_tree(self.tree, state, node_logits, device)
         return tree
 
     def _forward_nodes(self, todo: list[int], frontier: Frontier, T: int, device, logits_of: dict) -> None:
