@@ -87,7 +87,8 @@ def cmd_prepare(args) -> int:
 
 def cmd_validate(args) -> int:
     """Load recipes strictly. An engine fragment (recipes/deepspeed/*.yaml) is checked merged after
-    every experiment recipe under --root whose trainer runs under DeepSpeed."""
+    every experiment recipe under --root whose trainer runs under DeepSpeed; it must load with at
+    least one, and the ones that refuse it are named."""
     from draftsmith.recipe import RecipeError, all_recipe_files, engine_fragments, is_engine_fragment, load_recipe
     from draftsmith.trainers import TRAINERS
 
@@ -108,12 +109,19 @@ def cmd_validate(args) -> int:
             bases = [b for b in experiments if getattr(TRAINERS.get(load_recipe(b).trainer), "supports_deepspeed", False)]
             if not bases:
                 raise RecipeError(f"no recipe under {args.root}/ to merge the engine fragment {path} into")
+            # A fragment serves the recipes whose trainer accepts it (the online trainer refuses
+            # ZeRO-3, say); it is broken when no recipe takes it.
+            refused = {}
             for base in bases:
                 try:
                     load_recipe(base, path)
                 except RecipeError as err:
-                    raise RecipeError(f"merged after {base}: {err}") from None
-            print(f"ok    {path}  (engine fragment, merged after {len(bases)} recipe(s))")
+                    refused[base] = err
+            if len(refused) == len(bases):
+                base, err = next(iter(refused.items()))
+                raise RecipeError(f"merged after {base}: {err}")
+            note = f"; refused by {', '.join(str(b) for b in refused)}" if refused else ""
+            print(f"ok    {path}  (engine fragment, merged after {len(bases) - len(refused)} recipe(s){note})")
         except RecipeError as err:
             failed += 1
             print(f"FAIL  {path}: {err}")

@@ -658,10 +658,16 @@ def teardown(accelerator) -> None:
     """
     import gc
 
+    from accelerate.state import AcceleratorState, GradientState
+
     accelerator.free_memory()
     gc.collect()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # accelerate keeps its settings (mixed precision, DeepSpeed plugin, accumulation) in
+    # process-wide singletons: forget them, so a later run in this process can choose its own.
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
 
 
 def peak_memory(accelerator) -> dict:
