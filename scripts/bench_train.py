@@ -186,7 +186,7 @@ def main() -> int:
 
     meta = {"target": target, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "args": vars(args), "cpus": os.cpu_count(), "load_avg_end": os.getloadavg()}
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    print(f"\n| config | processes | tokens/s | s/step | tokens/step | peak RSS MB | peak GPU MB | wall s |")
+    print("\n| config | processes | tokens/s | s/step | tokens/step | peak RSS MB | peak GPU MB | wall s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -326,45 +325,18 @@ class DistillTrainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> dict:
-        from tqdm.auto import tqdm
-
-        acc, r = self.accelerator, self.recipe
+        acc = self.accelerator
         self.last_checkpoint = self.resume_from
-        stop = loop.StopFlag()
-        restore = loop.install_stop_handlers(stop)
         self.draft.train()
-        bar = tqdm(total=r.train.max_steps, initial=self.step, desc="distill", disable=not acc.is_main_process, dynamic_ncols=True)
-        started, result = time.time(), {}
+        first = {}
         if self.step == 0:
-            result = self.first_eval = self.evaluate()
-            self.metrics.write(0, "eval", result)
-            bar.write(format_eval(0, result)) if acc.is_main_process else None
-        try:
-            while self.step < r.train.max_steps:
-                values = self.train_step()
-                self.step += 1
-                bar.update(1)
-                if not math.isfinite(values["loss"]):
-                    where = f"; the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else ""
-                    raise loop.TrainingError(f"loss became {values['loss']} at step {self.step}{where}")
-                bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
-                if self.step % r.train.log_every == 0 or self.step == 1:
-                    self.metrics.write(self.step, "train", values)
-                if self.step % r.train.eval_every == 0 or self.step == r.train.max_steps:
-                    result = self.last_eval = self.evaluate()
-                    self.metrics.write(self.step, "eval", result)
-                    bar.write(format_eval(self.step, result)) if acc.is_main_process else None
-                stopping = loop.any_rank(acc, stop.requested)
-                if self.step % r.train.save_every == 0 or self.step == r.train.max_steps or stopping:
-                    self.save()
-                if stopping:
-                    loop.log(f"stopped at step {self.step}; resume with the same command. Checkpoint: {self.last_checkpoint}")
-                    break
-        finally:
-            bar.close()
-            restore()
-        elapsed = time.time() - started
-        summary = {"step": self.step, "seconds": round(elapsed, 1), **result, "checkpoint": str(self.last_checkpoint)}
+            # Where the draft starts: the figure every later evaluation compares with.
+            first = self.first_eval = self.evaluate()
+            self.metrics.write(0, "eval", first)
+            if acc.is_main_process:
+                print(format_eval(0, first), flush=True)
+        result, elapsed = loop.run_steps(self, "distill", format_eval)
+        summary = {"step": self.step, "seconds": round(elapsed, 1), **(result or first), "checkpoint": str(self.last_checkpoint)}
         if acc.is_main_process:
             (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
         return summary

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -396,42 +395,12 @@ class HeadTrainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> dict:
-        from tqdm.auto import tqdm
-
         acc, r = self.accelerator, self.recipe
         self.last_checkpoint = self.resume_from
-        stop = loop.StopFlag()
-        restore = loop.install_stop_handlers(stop)
         self.head.train()
-        bar = tqdm(total=r.train.max_steps, initial=self.step, desc="train", disable=not acc.is_main_process, dynamic_ncols=True)
-        started, result = time.time(), {}
-        try:
-            while self.step < r.train.max_steps:
-                values = self.train_step()
-                self.step += 1
-                bar.update(1)
-                if not math.isfinite(values["loss"]):
-                    where = f"; the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else ""
-                    raise loop.TrainingError(f"loss became {values['loss']} at step {self.step}{where}")
-                bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
-                if self.step % r.train.log_every == 0 or self.step == 1:
-                    self.metrics.write(self.step, "train", values)
-                if self.step % r.train.eval_every == 0 or self.step == r.train.max_steps:
-                    result = self.last_eval = self.evaluate()
-                    self.metrics.write(self.step, "eval", result)
-                    bar.write(format_eval(self.step, result)) if acc.is_main_process else None
-                stopping = loop.any_rank(acc, stop.requested)
-                if self.step % r.train.save_every == 0 or self.step == r.train.max_steps or stopping:
-                    self.save()
-                if stopping:
-                    loop.log(f"stopped at step {self.step}; resume with the same command. Checkpoint: {self.last_checkpoint}")
-                    break
-        finally:
-            bar.close()
-            restore()
-        elapsed = time.time() - started
+        result, elapsed = loop.run_steps(self, "train", format_eval)
         if self.step >= r.train.max_steps and not result:
-            result = self.evaluate()
+            result = self.evaluate()  # resumed after the last step: report the final figures anyway
         summary = {"step": self.step, "seconds": round(elapsed, 1), **result, **loop.peak_memory(acc), "checkpoint": str(self.last_checkpoint)}
         if acc.is_main_process:
             (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))

@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -584,6 +584,55 @@ class MetricsLog:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+# ----------------------------------------------------------------------------- the step loop
+
+
+def run_steps(trainer, desc: str, describe: Callable[[int, dict], str]) -> tuple[dict, float]:
+    """Optimizer steps until train.max_steps, for a trainer with accelerator, recipe, step,
+    metrics, last_checkpoint, train_step(), evaluate() and save().
+
+    Logs train_step's values every train.log_every steps (and at step 1), evaluates every
+    train.eval_every steps and at the end (printing `describe(step, result)`), saves every
+    train.save_every steps, at the end and when a SIGINT/SIGTERM reached any rank (then stops,
+    every rank at the same step). A NaN or infinite loss raises TrainingError naming the step and
+    the last good checkpoint. Returns (the last evaluation or {}, seconds spent).
+    """
+    from tqdm.auto import tqdm
+
+    acc, train = trainer.accelerator, trainer.recipe.train
+    stop = StopFlag()
+    restore = install_stop_handlers(stop)
+    bar = tqdm(total=train.max_steps, initial=trainer.step, desc=desc, disable=not acc.is_main_process, dynamic_ncols=True)
+    started, result = time.time(), {}
+    try:
+        while trainer.step < train.max_steps:
+            values = trainer.train_step()
+            trainer.step += 1
+            step = trainer.step
+            bar.update(1)
+            if not math.isfinite(values["loss"]):
+                where = f"; the last good checkpoint is {trainer.last_checkpoint}" if trainer.last_checkpoint else ""
+                raise TrainingError(f"loss became {values['loss']} at step {step}{where}")
+            bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
+            if step % train.log_every == 0 or step == 1:
+                trainer.metrics.write(step, "train", values)
+            if step % train.eval_every == 0 or step == train.max_steps:
+                result = trainer.last_eval = trainer.evaluate()
+                trainer.metrics.write(step, "eval", result)
+                if acc.is_main_process:
+                    bar.write(describe(step, result))
+            stopping = any_rank(acc, stop.requested)
+            if step % train.save_every == 0 or step == train.max_steps or stopping:
+                trainer.save()
+            if stopping:
+                log(f"stopped at step {step}; resume with the same command. Checkpoint: {trainer.last_checkpoint}")
+                break
+    finally:
+        bar.close()
+        restore()
+    return result, time.time() - started
 
 
 # ----------------------------------------------------------------------------- signals

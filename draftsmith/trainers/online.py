@@ -250,7 +250,7 @@ class OnlineTrainer:
         from tqdm.auto import tqdm
 
         acc, r, o = self.accelerator, self.recipe, self.recipe.online
-        world, rank = acc.num_processes, acc.process_index
+        rank = acc.process_index
         stop = loop.StopFlag()
         restore = loop.install_stop_handlers(stop)
         self.last_checkpoint = self.resume_from

@@ -3,7 +3,6 @@ training from the cache giving the losses of online training (fp32 cache)."""
 
 import json
 import random
-import shutil
 from collections import namedtuple
 from pathlib import Path
 
