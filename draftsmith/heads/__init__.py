@@ -2,11 +2,16 @@
 
 from draftsmith.heads.base import DraftHead, TargetDims, TargetFeatures
 from draftsmith.heads.eagle import EagleConfig, EagleHead
+from draftsmith.heads.hydra import HydraConfig, HydraHead
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead
 
 HEADS: dict[str, type[DraftHead]] = {
     "medusa": MedusaHead,
+    "hydra": HydraHead,
     "eagle": EagleHead,
 }
 
-__all__ = ["HEADS", "DraftHead", "EagleConfig", "EagleHead", "MedusaConfig", "MedusaHead", "TargetDims", "TargetFeatures"]
+__all__ = [
+    "HEADS", "DraftHead", "EagleConfig", "EagleHead", "HydraConfig", "HydraHead", "MedusaConfig", "MedusaHead",
+    "TargetDims", "TargetFeatures",
+]  # fmt: skip

@@ -44,6 +44,7 @@ __all__ = [
     "Drafter",
     "EagleDrafter",
     "HEAD_DRAFTERS",
+    "HydraDrafter",
     "MedusaDrafter",
     "StandaloneDrafter",
     "grow_static_tree",
@@ -358,9 +359,72 @@ class EagleDrafter:
         self._truncate(self.decided)
 
 
+class HydraDrafter:
+    """Hydra heads as a drafter: the children of a node at depth d-1 come from head d, which reads
+    the context of the position that predicted the root and the embeddings of the path from the
+    root to the node. Nodes condition on their path, so static trees (greedy or sampled) and
+    dynamic trees (greedy) both work. With Hydra++'s prefix layer the drafter keeps that layer's
+    cache of decided positions (tree nodes never enter it, so ``accept`` has nothing to drop)."""
+
+    def __init__(self, head: nn.Module, target, tree: Union[TreeSpec, DynamicTreeSpec]) -> None:
+        depth = tree.max_depth if isinstance(tree, TreeSpec) else tree.depth
+        if depth > head.depth:
+            raise DrafterError(f"the tree is {depth} deep but the Hydra head drafts {head.depth} tokens")
+        self.head = head.eval()
+        self.target = target
+        self.tree = tree
+        self.reset(None)
+
+    def required_layers(self) -> Sequence[int]:
+        return []
+
+    def reset(self, prompt: Optional[Tensor]) -> None:
+        self.cache: dict = {}
+        self.decided = 0
+
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> DraftTree:
+        device = state.tokens.device
+        if state.new_hidden is None or state.new_hidden.shape[1] == 0:
+            return _root_only(state.root, device)
+        head, M = self.head, state.new_hidden.shape[1]
+        start = state.prefix_len - M
+        if start != self.decided:
+            raise DrafterError(f"the Hydra drafter holds {self.decided} positions but the state continues at {start}; call reset(prompt) first")
+        visible = torch.ones(M, start + M, dtype=torch.bool, device=device).tril(diagonal=start)
+        context = head.draft_context(state.new_hidden, torch.arange(start, start + M, device=device), self.cache, visible)[0, -1]
+        self.decided = state.prefix_len
+
+        def node_logits(frontier: Frontier) -> Tensor:
+            rows = [None] * len(frontier.nodes)
+            by_depth: dict[int, list[int]] = {}
+            for row, node in enumerate(frontier.nodes):
+                by_depth.setdefault(frontier.depths[node] + 1, []).append(row)
+            for k, members in by_depth.items():
+                paths = []
+                for row in members:
+                    node, path = frontier.nodes[row], []
+                    while node >= 0:
+                        path.append(frontier.tokens[node])
+                        node = frontier.parents[node]
+                    paths.append(path[::-1])  # root first: the k tokens x_{t+1} .. x_{t+k}
+                embeddings = self.target.embed(torch.tensor(paths, device=device))  # [n,k,D]
+                logits = head.head_logits(k, context.expand(len(members), -1), embeddings, self.target.lm_head)
+                for i, row in enumerate(members):
+                    rows[row] = logits[i]
+            return torch.stack(rows)
+
+        tree, _ = grow_tree(self.tree, state, node_logits, device)
+        return tree
+
+    def accept(self, result: VerifyResult) -> None:
+        """Nothing to roll back: tree nodes never enter the prefix cache."""
+
+
 # The drafter that runs each head kind of draftsmith.heads.HEADS: (head, target, tree) -> Drafter.
 HEAD_DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "medusa": MedusaDrafter,
+    "hydra": HydraDrafter,
     "eagle": EagleDrafter,
 }
 

@@ -12,9 +12,10 @@ import torch
 from scipy import stats
 
 from draftsmith.heads.eagle import EagleConfig, EagleHead
+from draftsmith.heads.hydra import HydraConfig, HydraHead
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead
 from draftsmith.runtime import verify as verify_module
-from draftsmith.runtime.drafters import EagleDrafter, MedusaDrafter, StandaloneDrafter
+from draftsmith.runtime.drafters import EagleDrafter, HydraDrafter, MedusaDrafter, StandaloneDrafter
 from draftsmith.runtime.generate import speculative_generate
 from draftsmith.runtime.tree import DynamicTreeSpec, TreeSpec, default_tree
 from draftsmith.runtime.verify import logits_to_probs
@@ -66,6 +67,15 @@ def _random_eagle(target, seed, **cfg):
     return EagleHead(EagleConfig(depth=4, **cfg), target.dims)
 
 
+def _random_hydra(target, seed, **cfg):
+    head = HydraHead(HydraConfig(num_heads=4, **cfg), target.dims)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return head
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def setup(request):
     arch = request.param
@@ -87,6 +97,8 @@ DRAFTERS = {
     # name: (build(target, other, noisy), must everything be accepted?)
     "medusa-chain": (lambda t, o, n: MedusaDrafter(_random_medusa(t, 1), t, TreeSpec.chain(4)), False),
     "medusa-tree": (lambda t, o, n: MedusaDrafter(_random_medusa(t, 2), t, default_tree(4, (4, 2, 2, 1))), False),
+    "hydra-tree": (lambda t, o, n: HydraDrafter(_random_hydra(t, 6), t, default_tree(4, (4, 2, 2, 1))), False),
+    "hydra++-dynamic": (lambda t, o, n: HydraDrafter(_random_hydra(t, 7, prefix_attention=True), t, DynamicTreeSpec(depth=4, topk=3, budget=10)), False),
     "eagle-chain": (lambda t, o, n: EagleDrafter(_random_eagle(t, 3), t, TreeSpec.chain(4)), False),
     "eagle-tree": (lambda t, o, n: EagleDrafter(_random_eagle(t, 4, num_layers=2), t, default_tree(4, (4, 2, 2, 1))), False),
     "eagle-dynamic": (lambda t, o, n: EagleDrafter(_random_eagle(t, 5, feature_layers=[0, -1], regression_weight=0.0), t, DynamicTreeSpec(depth=4, topk=3, budget=10)), False),

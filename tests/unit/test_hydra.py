@@ -1,0 +1,84 @@
+"""Hydra heads: a fresh head is Medusa's (the target's own next-token logits), the teacher-forced
+training forward computes what the runtime drafter computes for the same path, and the Hydra++
+teacher loss is the soft cross-entropy against the target's distribution."""
+
+import pytest
+import torch
+
+from draftsmith.heads import HEADS
+from draftsmith.heads.hydra import HydraConfig, HydraHead
+from draftsmith.runtime.drafters import DrafterError, DraftState, HydraDrafter
+from draftsmith.runtime.tree import TreeSpec
+from draftsmith.target import FrozenTarget
+from draftsmith.testing import tiny_causal_lm
+
+
+@pytest.fixture(scope="module")
+def target():
+    return FrozenTarget(tiny_causal_lm("llama", vocab_size=40, hidden_size=32, num_layers=2, seed=0))
+
+
+def random_head(target, **cfg) -> HydraHead:
+    torch.manual_seed(2)
+    head = HydraHead(HydraConfig(**cfg), target.dims)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return head.eval()
+
+
+def test_registered_and_a_fresh_head_is_the_targets_next_token(target):
+    assert HEADS["hydra"] is HydraHead
+    head = HydraHead(HydraConfig(num_heads=3, num_layers=2), target.dims)
+    ids = torch.randint(3, 40, (2, 8), generator=torch.Generator().manual_seed(1))
+    feats = target.features(ids)
+    with torch.no_grad():
+        logits = head(feats)
+    for k in range(3):
+        assert torch.allclose(logits[:, :, k], feats.logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("prefix_attention", [False, True], ids=["hydra", "hydra++"])
+def test_training_forward_equals_runtime_drafting(target, prefix_attention):
+    head = random_head(target, num_heads=3, num_layers=1, prefix_attention=prefix_attention)
+    prefix = torch.randint(3, 40, (1, 8), generator=torch.Generator().manual_seed(3))
+    t = prefix.shape[1] - 2
+    feats = target.features(prefix)
+    drafter = HydraDrafter(head, target, TreeSpec.chain(3))
+    drafter.reset(prefix)
+    recorded = []
+    original = head.head_logits
+    head.head_logits = lambda *a: recorded.append(original(*a)) or recorded[-1]
+    try:
+        tree = drafter.propose(DraftState(tokens=prefix, new_hidden=feats.final_hidden[:, : t + 1]))
+    finally:
+        head.head_logits = original
+    chain = tree.tokens[:, 1:]
+    assert chain.shape[1] == 3 and len(recorded) == 3
+    with torch.no_grad():
+        logits = head(target.features(torch.cat([prefix, chain], dim=1)))
+    for k in range(3):
+        assert torch.allclose(logits[0, t, k], recorded[k][0], atol=1e-4), f"head {k + 1}"
+
+
+def test_teacher_loss_is_the_soft_cross_entropy_against_the_target(target):
+    head = random_head(target, num_heads=2, teacher=True).train()
+    ids = torch.randint(3, 40, (2, 10), generator=torch.Generator().manual_seed(4))
+    feats = target.features(ids)
+    mask = torch.ones_like(ids)
+    loss, stats = head.loss(feats, mask)
+    with torch.no_grad():
+        logits = head(feats)  # [B,T,K,V]
+        expected = []
+        for k in (1, 2):
+            draft = torch.log_softmax(logits[:, : 10 - 1 - k, k - 1], dim=-1)
+            teacher = torch.softmax(feats.logits[:, k : 10 - 1], dim=-1)
+            expected.append(-(teacher * draft).sum(-1).mean())
+    assert torch.allclose(stats["ce"], torch.stack(expected), atol=1e-5)
+    weights = torch.tensor([1.0, 0.8])
+    assert torch.allclose(loss, (weights * torch.stack(expected)).sum() / weights.sum(), atol=1e-5)
+
+
+def test_too_deep_a_tree_is_refused(target):
+    with pytest.raises(DrafterError, match="the Hydra head drafts 2 tokens"):
+        HydraDrafter(random_head(target, num_heads=2), target, TreeSpec.chain(3))
