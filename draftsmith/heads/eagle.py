@@ -156,6 +156,19 @@ class DraftLayer(nn.Module):
         return self.finish(x, attended)
 
 
+def resolve_layer_shape(cfg, dims: TargetDims) -> None:
+    """Fill a head config's draft-layer shape (num_attention_heads, intermediate_size,
+    rms_norm_eps, rope_theta) where it says 0 with the target's values, in place: the resolved
+    config is what checkpoints and exports record, so a head rebuilds without its target."""
+    hf = dims.hf_config or {}
+    D = dims.hidden_size
+    rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    cfg.num_attention_heads = cfg.num_attention_heads or int(hf.get("num_attention_heads", max(1, D // 64)))
+    cfg.intermediate_size = cfg.intermediate_size or int(hf.get("intermediate_size", 4 * D))
+    cfg.rms_norm_eps = cfg.rms_norm_eps or float(hf.get("rms_norm_eps", 1e-6))
+    cfg.rope_theta = cfg.rope_theta or float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+
+
 class EagleHead(DraftHead):
     config_class = EagleConfig
 
@@ -168,18 +181,16 @@ class EagleHead(DraftHead):
             )
         if cfg.feature_layers and cfg.regression_weight != 0:
             raise ValueError("eagle: head.regression_weight must be 0 with head.feature_layers (a fused feature has no fixed regression target)")
-        hf = dims.hf_config or {}
         D = dims.hidden_size
-        rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
-        cfg.num_attention_heads = heads = cfg.num_attention_heads or int(hf.get("num_attention_heads", max(1, D // 64)))
-        cfg.intermediate_size = inter = cfg.intermediate_size or int(hf.get("intermediate_size", 4 * D))
-        cfg.rms_norm_eps = eps = cfg.rms_norm_eps or float(hf.get("rms_norm_eps", 1e-6))
-        cfg.rope_theta = self.rope_theta = cfg.rope_theta or float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        resolve_layer_shape(cfg, dims)
+        self.rope_theta = cfg.rope_theta
         self.fuse = nn.Linear(len(cfg.feature_layers) * D, D, bias=False) if cfg.feature_layers else None
         self.fc = nn.Linear(2 * D, D, bias=False)
         # A comprehension: every layer its own module.
-        self.layers = nn.ModuleList([DraftLayer(D, heads, inter, eps) for _ in range(cfg.num_layers)])
-        self.out_norm = RMSNorm(D, eps) if cfg.feature_layers else None
+        self.layers = nn.ModuleList(
+            [DraftLayer(D, cfg.num_attention_heads, cfg.intermediate_size, cfg.rms_norm_eps) for _ in range(cfg.num_layers)]
+        )
+        self.out_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.feature_layers else None
 
     @property
     def depth(self) -> int:

@@ -22,10 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.heads.base import DraftHead, TargetDims, TargetFeatures, depth_labels
-from draftsmith.heads.eagle import DraftLayer, rotary
-from draftsmith.heads.medusa import ResBlock
-from draftsmith.target import FrozenTarget
+from draftsmith.heads.base import TargetDims, TargetFeatures, depth_labels
+from draftsmith.heads.eagle import DraftLayer, resolve_layer_shape, rotary
+from draftsmith.heads.medusa import MedusaHead
 
 
 @dataclass
@@ -47,45 +46,25 @@ class HydraConfig:
     rope_theta: float = 0.0
 
 
-class HydraHead(DraftHead):
+class HydraHead(MedusaHead):
+    """Medusa's heads, blocks, LM heads, initialisation and depth weights, with path inputs."""
+
     config_class = HydraConfig
 
     def __init__(self, cfg: HydraConfig, dims: TargetDims) -> None:
         super().__init__(cfg, dims)
-        if cfg.num_heads < 1 or cfg.num_layers < 0:
-            raise ValueError(f"hydra needs num_heads >= 1 and num_layers >= 0, got {cfg.num_heads}, {cfg.num_layers}")
-        D, V = dims.hidden_size, dims.vocab_size
-        # Head k reads h and k token embeddings. Comprehensions: every head and block its own module.
+        D = dims.hidden_size
+        # Head k reads h and k token embeddings; it starts at h (Medusa's fresh head).
         self.inputs = nn.ModuleList(nn.Linear((k + 1) * D, D) for k in range(1, cfg.num_heads + 1))
         for proj in self.inputs:
             nn.init.zeros_(proj.weight)
             nn.init.zeros_(proj.bias)
             with torch.no_grad():
                 proj.weight[:, :D].copy_(torch.eye(D))
-        self.blocks = nn.ModuleList(nn.Sequential(*[ResBlock(D) for _ in range(cfg.num_layers)]) for _ in range(cfg.num_heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(D, V, bias=False) for _ in range(cfg.num_heads)) if cfg.lm_head == "own" else None
         self.prefix = None
         if cfg.prefix_attention:
-            hf = dims.hf_config or {}
-            rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
-            cfg.num_attention_heads = cfg.num_attention_heads or int(hf.get("num_attention_heads", max(1, D // 64)))
-            cfg.intermediate_size = cfg.intermediate_size or int(hf.get("intermediate_size", 4 * D))
-            cfg.rms_norm_eps = cfg.rms_norm_eps or float(hf.get("rms_norm_eps", 1e-6))
-            cfg.rope_theta = cfg.rope_theta or float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+            resolve_layer_shape(cfg, dims)
             self.prefix = DraftLayer(D, cfg.num_attention_heads, cfg.intermediate_size, cfg.rms_norm_eps)
-
-    @property
-    def depth(self) -> int:
-        return self.cfg.num_heads
-
-    def init_from_target(self, target: FrozenTarget) -> None:
-        if self.lm_heads is not None:
-            weight = target.lm_head_weight()
-            for lm_head in self.lm_heads:
-                lm_head.weight.data.copy_(weight.to(lm_head.weight.dtype))
-
-    def depth_weights(self) -> Tensor:
-        return torch.tensor([self.cfg.loss_decay**k for k in range(self.depth)])
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -109,7 +88,7 @@ class HydraHead(DraftHead):
         out, _ = self.prefix.forward_unrolled(hidden, cos.unsqueeze(0), sin.unsqueeze(0), None, [], allowed)
         return out
 
-    def head_logits(self, k: int, context: Tensor, path_embeddings: Tensor, lm_head) -> Tensor:
+    def path_logits(self, k: int, context: Tensor, path_embeddings: Tensor, lm_head) -> Tensor:
         """Head k (1-based): context [...,D] and the k path embeddings [...,k,D] -> logits [...,V]."""
         flat = path_embeddings.to(self._dtype).flatten(-2)
         h = self.blocks[k - 1](self.inputs[k - 1](torch.cat([context, flat], dim=-1)))
@@ -131,7 +110,7 @@ class HydraHead(DraftHead):
         context = self.context(features.final_hidden, features.attention_mask)
         paths = self._paths(features)
         return torch.stack(
-            [self.head_logits(k, context, paths[:, :, :k], features.lm_head) for k in range(1, self.depth + 1)], dim=-2
+            [self.path_logits(k, context, paths[:, :, :k], features.lm_head) for k in range(1, self.depth + 1)], dim=-2
         )
 
     def top_tokens(self, features: TargetFeatures, k: int) -> Tensor:
@@ -140,7 +119,7 @@ class HydraHead(DraftHead):
         paths = self._paths(features)
         picks = []
         for head in range(1, self.depth + 1):
-            logits = self.head_logits(head, context, paths[:, :, :head], features.lm_head)
+            logits = self.path_logits(head, context, paths[:, :, :head], features.lm_head)
             picks.append(logits.topk(min(k, logits.shape[-1]), dim=-1).indices)
         return torch.stack(picks, dim=-2)
 
@@ -162,7 +141,7 @@ class HydraHead(DraftHead):
                 ce.append(self.inputs[k - 1].weight.sum().to(dtype) * 0.0)  # keeps the graph connected
                 top1.append(context.new_zeros((), dtype=dtype))
             else:
-                logits = self.head_logits(k, context[rows], paths[:, :, :k][rows], features.lm_head).to(dtype)
+                logits = self.path_logits(k, context[rows], paths[:, :, :k][rows], features.lm_head).to(dtype)
                 target = labels[..., k - 1][rows]
                 if self.cfg.teacher:
                     # The target's distribution over x_{t+1+k}: its own logits at position t + k.

@@ -220,6 +220,12 @@ def compact_cache(cache, prefix_len: int, keep: Sequence[int] | Tensor) -> None:
         layer.values = layer.values[..., : prefix_len + m, :]
 
 
+def _check_depth(tree: Union[TreeSpec, DynamicTreeSpec], head: nn.Module, kind: str) -> None:
+    depth = tree.max_depth if isinstance(tree, TreeSpec) else tree.depth
+    if depth > head.depth:
+        raise DrafterError(f"the tree is {depth} deep but the {kind} head drafts {head.depth} tokens")
+
+
 def _root_only(root: int, device=None) -> DraftTree:
     """A tree without drafted nodes: the target just takes one plain step."""
     return DraftTree.from_lists([root], [-1], device=device)
@@ -286,9 +292,7 @@ class EagleDrafter:
     """
 
     def __init__(self, head: nn.Module, target, tree: Union[TreeSpec, DynamicTreeSpec]) -> None:
-        depth = tree.max_depth if isinstance(tree, TreeSpec) else tree.depth
-        if depth > head.depth:
-            raise DrafterError(f"the tree is {depth} deep but the EAGLE head was trained to draft {head.depth} tokens")
+        _check_depth(tree, head, "EAGLE")
         self.head = head.eval()
         self.target = target
         self.tree = tree
@@ -367,9 +371,7 @@ class HydraDrafter:
     cache of decided positions (tree nodes never enter it, so ``accept`` has nothing to drop)."""
 
     def __init__(self, head: nn.Module, target, tree: Union[TreeSpec, DynamicTreeSpec]) -> None:
-        depth = tree.max_depth if isinstance(tree, TreeSpec) else tree.depth
-        if depth > head.depth:
-            raise DrafterError(f"the tree is {depth} deep but the Hydra head drafts {head.depth} tokens")
+        _check_depth(tree, head, "Hydra")
         self.head = head.eval()
         self.target = target
         self.tree = tree
@@ -409,7 +411,7 @@ class HydraDrafter:
                         node = frontier.parents[node]
                     paths.append(path[::-1])  # root first: the k tokens x_{t+1} .. x_{t+k}
                 embeddings = self.target.embed(torch.tensor(paths, device=device))  # [n,k,D]
-                logits = head.head_logits(k, context.expand(len(members), -1), embeddings, self.target.lm_head)
+                logits = head.path_logits(k, context.expand(len(members), -1), embeddings, self.target.lm_head)
                 for i, row in enumerate(members):
                     rows[row] = logits[i]
             return torch.stack(rows)

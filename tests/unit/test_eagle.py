@@ -103,7 +103,7 @@ def test_bad_configurations_fail_in_one_line(target):
         EagleHead(EagleConfig(depth=2, train_depth=3), target.dims)
     with pytest.raises(ValueError, match="regression_weight must be 0 with head.feature_layers"):
         EagleHead(EagleConfig(feature_layers=[0, 1]), target.dims)
-    with pytest.raises(DrafterError, match="trained to draft 2 tokens"):
+    with pytest.raises(DrafterError, match="the EAGLE head drafts 2 tokens"):
         EagleDrafter(random_head(target, depth=2), target, TreeSpec.chain(3))
 
 

@@ -47,12 +47,12 @@ def test_training_forward_equals_runtime_drafting(target, prefix_attention):
     drafter = HydraDrafter(head, target, TreeSpec.chain(3))
     drafter.reset(prefix)
     recorded = []
-    original = head.head_logits
-    head.head_logits = lambda *a: recorded.append(original(*a)) or recorded[-1]
+    original = head.path_logits
+    head.path_logits = lambda *a: recorded.append(original(*a)) or recorded[-1]
     try:
         tree = drafter.propose(DraftState(tokens=prefix, new_hidden=feats.final_hidden[:, : t + 1]))
     finally:
-        head.head_logits = original
+        head.path_logits = original
     chain = tree.tokens[:, 1:]
     assert chain.shape[1] == 3 and len(recorded) == 3
     with torch.no_grad():
