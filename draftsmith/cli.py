@@ -58,18 +58,18 @@ def cmd_prepare(args) -> int:
     """The data step alone (conversations, target-written answers, tokenization), and for a head
     recipe with data.features.mode=cache the feature cache too. Under a launcher the ranks share it."""
     from draftsmith.recipe import save_resolved
-    from draftsmith.trainers import loop
+    from draftsmith.trainers import engine
 
     recipe = _load(args.recipe)
     if recipe.trainer == "heads" and recipe.data.features.mode == "cache":
-        from draftsmith.trainers.heads import prepare_features
+        from draftsmith.trainers.features import prepare_features
 
         stats = prepare_features(recipe)
     else:
         from draftsmith.data import prepare_data
         from draftsmith.target import FrozenTarget
 
-        acc = loop.make_accelerator(recipe.train)
+        acc = engine.make_accelerator(recipe.train)
         try:
             target = FrozenTarget.from_config(recipe.target).to(acc.device)
             # The main process regenerates and tokenizes; the others then read its cache.
@@ -77,7 +77,7 @@ def cmd_prepare(args) -> int:
                 data = prepare_data(recipe.data, target.tokenizer, recipe.data_dir(), target_model=target.model, progress=acc.is_main_process)
             stats = {**data.stats, "data_dir": str(recipe.data_dir().resolve())}
         finally:
-            loop.teardown(acc)
+            engine.teardown(acc)
     if int(os.environ.get("RANK", "0")) == 0:
         save_resolved(recipe, recipe.data_dir(), args.argv)
         print(json.dumps(stats, indent=2))
@@ -89,8 +89,7 @@ def cmd_validate(args) -> int:
     """Load recipes strictly. An engine fragment (recipes/deepspeed/*.yaml) is checked merged after
     every experiment recipe under --root whose trainer runs under DeepSpeed; it must load with at
     least one, and the ones that refuse it are named."""
-    from draftsmith.recipe import RecipeError, all_recipe_files, engine_fragments, is_engine_fragment, load_recipe
-    from draftsmith.trainers import TRAINERS
+    from draftsmith.recipe import TRAINER_RULES, RecipeError, all_recipe_files, engine_fragments, is_engine_fragment, load_recipe
 
     experiments = all_recipe_files(args.root)
     paths = [Path(p) for p in args.paths] or experiments + engine_fragments(args.root)
@@ -106,7 +105,7 @@ def cmd_validate(args) -> int:
                 continue
             if not path.is_file():
                 raise RecipeError(f"recipe file not found: {path}")
-            bases = [b for b in experiments if getattr(TRAINERS.get(load_recipe(b).trainer), "supports_deepspeed", False)]
+            bases = [b for b in experiments if TRAINER_RULES[load_recipe(b).trainer].deepspeed]
             if not bases:
                 raise RecipeError(f"no recipe under {args.root}/ to merge the engine fragment {path} into")
             # A fragment serves the recipes whose trainer accepts it (the online trainer refuses
@@ -178,7 +177,7 @@ def _bounded(kind, low, high=None, low_open=False):
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help="an export folder, a run/checkpoint folder, an HF causal-LM folder, or a built-in model name")
     p.add_argument("--target", default=None, help="override the target the drafter recorded")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="target precision (default: as recorded)")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"], help="target precision (default: as recorded)")
     p.add_argument("--max-new-tokens", type=_bounded(int, 1), default=128)
     p.add_argument("--temperature", type=_bounded(float, 0.0), default=0.0, help="0 decodes greedily")
     p.add_argument("--top-k", type=_bounded(int, 0), default=0, help="0 keeps the whole vocabulary")
@@ -289,7 +288,8 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     for module, name in [
         ("draftsmith.data", "DataError"),
         ("draftsmith.target", "TargetLoadError"),
-        ("draftsmith.trainers.loop", "TrainingError"),
+        ("draftsmith.trainers.engine", "TrainingError"),
+        ("draftsmith.runs", "RunFolderError"),
         ("draftsmith.export", "ExportError"),
         ("draftsmith.runtime.tree", "TreeError"),
         ("draftsmith.runtime.drafters", "DrafterError"),

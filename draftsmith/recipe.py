@@ -13,14 +13,33 @@ import difflib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from draftsmith.atomic import write_atomic
+
 
 class RecipeError(ValueError):
     """A recipe that cannot be loaded. The message is one line naming the key or file."""
+
+
+def _positive(section: str, values: dict[str, float]) -> None:
+    for key, value in values.items():
+        if value <= 0:
+            raise RecipeError(f"recipe key '{section}.{key}' must be positive, got {value}")
+
+
+def _within(key: str, value: float, low: float, high: float, low_open: bool = False, high_open: bool = False) -> None:
+    below = value <= low if low_open else value < low
+    above = value >= high if high_open else value > high
+    if below or above:
+        span = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise RecipeError(f"recipe key '{key}' must be in {span}, got {value}")
+
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 @dataclass
@@ -31,7 +50,9 @@ class TargetConfig:
     path: str = MISSING
     # For a folder holding several GGUF files: which one to load.
     gguf_file: Optional[str] = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # auto: bfloat16 where the machine computes it natively (CUDA, a CPU with AVX512-BF16 or AMX),
+    # float32 elsewhere; the run prints what it chose and why.
+    dtype: Dtype = "auto"
 
 
 @dataclass
@@ -48,6 +69,12 @@ class RegenerateConfig:
     max_turns: Optional[int] = None
     seed: int = 0
 
+    def check(self, key: str) -> None:
+        _positive(key, {"max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size})
+        if self.temperature < 0:
+            raise RecipeError(f"recipe key '{key}.temperature' must be >= 0, got {self.temperature}")
+        _within(f"{key}.top_p", self.top_p, 0.0, 1.0, low_open=True)
+
 
 @dataclass
 class FeaturesConfig:
@@ -59,7 +86,8 @@ class FeaturesConfig:
     mode: Literal["online", "cache", "hybrid"] = "online"
     # The cache folder; default <data cache_dir>/features.
     dir: Optional[str] = None
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # auto: bfloat16 where the machine computes it natively, else float32 (as target.dtype).
+    dtype: Dtype = "auto"
     # int8: each token's vector as int8 plus one float32 scale (absmax); half of bf16, lossy.
     compress: Literal["none", "int8"] = "none"
     # Also store the target's k largest logits per token (values and indices); 0 stores none.
@@ -70,6 +98,13 @@ class FeaturesConfig:
     batch_size: int = 8
     # Disk space (GB) that must stay free after the cache is written; the build refuses otherwise.
     reserve_gb: float = 1.0
+
+    def check(self, key: str) -> None:
+        _positive(key, {"shard_tokens": self.shard_tokens, "batch_size": self.batch_size})
+        if self.top_k_logits < 0:
+            raise RecipeError(f"recipe key '{key}.top_k_logits' must be >= 0, got {self.top_k_logits}")
+        if self.reserve_gb < 0:
+            raise RecipeError(f"recipe key '{key}.reserve_gb' must be >= 0, got {self.reserve_gb}")
 
 
 @dataclass
@@ -92,6 +127,11 @@ class DataConfig:
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
 
+    def check(self, key: str) -> None:
+        _positive(key, {"max_length": self.max_length})
+        if self.eval_size < 0:
+            raise RecipeError(f"recipe key '{key}.eval_size' must be >= 0, got {self.eval_size}")
+
 
 @dataclass
 class TrainConfig:
@@ -113,7 +153,8 @@ class TrainConfig:
     # The learning rate decays to lr * min_lr_ratio.
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    # auto: bf16 autocast where the machine computes bf16 natively, none elsewhere.
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100
@@ -123,6 +164,21 @@ class TrainConfig:
     # "auto" continues from the newest complete checkpoint, "never" starts over (refusing to
     # overwrite existing checkpoints), anything else is a checkpoint folder to resume from.
     resume: str = "auto"
+
+    def check(self, key: str) -> None:
+        _positive(key, {
+            "micro_batch_size": self.micro_batch_size, "grad_accum_steps": self.grad_accum_steps, "max_steps": self.max_steps,
+            "lr": self.lr, "log_every": self.log_every, "eval_every": self.eval_every, "save_every": self.save_every,
+            "keep_last": self.keep_last,
+        })  # fmt: skip
+        _within(f"{key}.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        if self.global_batch_size is not None:
+            _positive(key, {"global_batch_size": self.global_batch_size})
+            if self.global_batch_size % self.micro_batch_size:
+                raise RecipeError(
+                    f"recipe key '{key}.global_batch_size'={self.global_batch_size} is not a multiple of "
+                    f"{key}.micro_batch_size={self.micro_batch_size}"
+                )
 
 
 @dataclass
@@ -135,21 +191,24 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
+    def check(self, key: str) -> None:
+        _positive(key, {"r": self.r})
+
 
 @dataclass
 class DraftConfig:
     """A standalone draft LM (trainers distill and online); same tokenizer as the target."""
 
-    # Like target.path: a hub id, folder, .gguf file or built-in name. Required by distill/online.
-    path: Optional[str] = None
+    # Like target.path: a hub id, folder, .gguf file or built-in name.
+    path: str = MISSING
     gguf_file: Optional[str] = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Dtype = "float32"
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
 class DistillConfig:
-    """DistillSpec-style distillation of a draft LM into the target (trainer: distill)."""
+    """DistillSpec-style distillation of a draft LM into the target (trainers distill and online)."""
 
     divergence: Literal["fkl", "rkl", "jsd", "tvd", "tvdpp"] = "fkl"
     # Mixture weight of the generalized JSD (divergence: jsd), in (0, 1).
@@ -161,6 +220,13 @@ class DistillConfig:
     # Sampling temperature of those on-policy answers (0: greedy) and their length.
     onpolicy_temperature: float = 1.0
     onpolicy_max_new_tokens: int = 64
+
+    def check(self, key: str) -> None:
+        _within(f"{key}.lambda_onpolicy", self.lambda_onpolicy, 0.0, 1.0)
+        _within(f"{key}.beta", self.beta, 0.0, 1.0, low_open=True, high_open=True)
+        _positive(key, {"temperature": self.temperature, "onpolicy_max_new_tokens": self.onpolicy_max_new_tokens})
+        if self.onpolicy_temperature < 0:
+            raise RecipeError(f"recipe key '{key}.onpolicy_temperature' must be >= 0, got {self.onpolicy_temperature}")
 
 
 @dataclass
@@ -185,6 +251,15 @@ class OnlineConfig:
     # Requests per point of the logged acceptance curve (a moving window).
     window: int = 4
 
+    def check(self, key: str) -> None:
+        _positive(key, {
+            "requests_per_source": self.requests_per_source, "update_every": self.update_every,
+            "steps_per_update": self.steps_per_update, "buffer_size": self.buffer_size,
+            "max_new_tokens": self.max_new_tokens, "draft_length": self.draft_length, "window": self.window,
+        })  # fmt: skip
+        if self.temperature < 0:
+            raise RecipeError(f"recipe key '{key}.temperature' must be >= 0, got {self.temperature}")
+
 
 @dataclass
 class DeepSpeedConfig:
@@ -202,6 +277,27 @@ class DeepSpeedConfig:
     shard_target: bool = False
     # Further DeepSpeed config keys, merged last (e.g. {zero_optimization: {overlap_comm: true}}).
     config: Optional[dict[str, Any]] = None
+
+    def check(self, key: str) -> None:
+        if self.zero_stage is None:
+            if self.shard_target or self.config or self.offload_optimizer != "none" or self.offload_param != "none":
+                raise RecipeError(f"recipe section '{key}' sets options but not '{key}.zero_stage' (merge recipes/deepspeed/zero2.yaml or set {key}.zero_stage)")
+            return
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise RecipeError(f"recipe key '{key}.zero_stage' must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.zero_stage != 3 and (self.shard_target or self.offload_param != "none"):
+            name = "shard_target" if self.shard_target else "offload_param"
+            raise RecipeError(f"recipe key '{key}.{name}' needs {key}.zero_stage=3 (parameters are partitioned only in ZeRO-3), got zero_stage={self.zero_stage}")
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise RecipeError(f"recipe key '{key}.offload_optimizer' needs {key}.zero_stage >= 1")
+        if "nvme" in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
+            raise RecipeError(f"recipe key '{key}.nvme_path' is missing: NVMe offload needs a folder on a fast local disk")
+        for owned, owner in DEEPSPEED_OWNED_KEYS.items():
+            node: Any = self.config or {}
+            for part in owned.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            if node is not None:
+                raise RecipeError(f"recipe key '{key}.config.{owned}' repeats what {owner} decide(s); remove it from the DeepSpeed block")
 
 
 # DeepSpeed config keys that other recipe keys decide: one source for every setting.
@@ -226,23 +322,76 @@ DEEPSPEED_OWNED_KEYS = {
 
 @dataclass
 class Recipe:
-    """One experiment. `head` is checked against HEADS[head.kind].config_class."""
+    """One experiment. `head` is checked against HEADS[head.kind].config_class; the trainer
+    sections (head, draft, distill, online) exist exactly for the trainers that read them
+    (TRAINER_RULES) and are None otherwise."""
 
-    trainer: str = "heads"
+    trainer: Literal["heads", "distill", "online"] = "heads"
     output_dir: str = MISSING
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     head: Any = None
-    draft: DraftConfig = field(default_factory=DraftConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    online: OnlineConfig = field(default_factory=OnlineConfig)
+    draft: Optional[DraftConfig] = None
+    distill: Optional[DistillConfig] = None
+    online: Optional[OnlineConfig] = None
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     description: str = ""
 
     def data_dir(self) -> Path:
         """Where the data step caches its outputs: data.cache_dir, by default <output_dir>/data."""
         return Path(self.data.cache_dir) if self.data.cache_dir else Path(self.output_dir) / "data"
+
+
+# ----------------------------------------------------------------------------- trainer rules
+
+
+def _check_distill_under_deepspeed(recipe: Recipe) -> None:
+    ds = recipe.deepspeed
+    if ds.shard_target:
+        raise RecipeError(
+            "recipe key 'deepspeed.shard_target': the distill trainer keeps a full copy of the target on every rank "
+            "(ZeRO partitions the draft); drop the key"
+        )
+    if ds.zero_stage == 3 and recipe.distill.lambda_onpolicy > 0:
+        raise RecipeError(
+            "recipe key 'distill.lambda_onpolicy' must be 0 under deepspeed.zero_stage=3: ranks sample on-policy "
+            "answers of different lengths, and a partitioned draft cannot generate out of step; use ZeRO-1/2 "
+            "(the draft is the small model) for on-policy distillation"
+        )
+
+
+def _check_online_under_deepspeed(recipe: Recipe) -> None:
+    ds = recipe.deepspeed
+    if ds.zero_stage == 3 or ds.shard_target:
+        raise RecipeError(
+            "recipe key 'deepspeed.zero_stage': the online trainer serves a different request on every rank, "
+            "so the drafter cannot be partitioned (ZeRO-3); use zero1.yaml or zero2.yaml"
+        )
+
+
+@dataclass(frozen=True)
+class TrainerRules:
+    """What a trainer reads from a recipe and where it runs; the trainer classes themselves live in
+    draftsmith.trainers.TRAINERS (a test keeps both lists equal)."""
+
+    # Trainer sections this trainer reads (head, draft, distill, online); the others must be absent.
+    sections: tuple[str, ...]
+    # DeepSpeed ZeRO: whether the trainer runs under it, and what it cannot do there (RecipeError).
+    deepspeed: bool = True
+    deepspeed_limits: Optional[Callable[[Recipe], None]] = None
+    # data.features.mode cache/hybrid: only a trainer that reads the target's hidden states.
+    feature_cache: bool = False
+
+
+TRAINER_RULES: dict[str, TrainerRules] = {
+    "heads": TrainerRules(sections=("head",), feature_cache=True),
+    "distill": TrainerRules(sections=("draft", "distill"), deepspeed_limits=_check_distill_under_deepspeed),
+    "online": TrainerRules(sections=("draft", "distill", "online"), deepspeed_limits=_check_online_under_deepspeed),
+}
+# Sections whose values have no default worth guessing: the recipe must give them.
+_REQUIRED_SECTIONS = {"head": "a draft head (head.kind: one of {heads})", "draft": "a draft LM (draft.path: a folder, hub id, .gguf or built-in name)"}
+_SECTION_SCHEMAS = {"draft": DraftConfig, "distill": DistillConfig, "online": OnlineConfig}
 
 
 def _schema_fields(schema: Any) -> dict[str, Any]:
@@ -326,21 +475,52 @@ def _typed(schema: Any, raw: dict, prefix: str) -> Any:
         raise _omegaconf_error(err, prefix) from None
 
 
-def _check_section(section: str, raw: Any, registry: dict, what: str) -> Any:
-    if raw is None:
-        raise RecipeError(f"recipe key '{section}' is missing: this trainer needs a {what}")
+def _check_head(raw: Any) -> Any:
+    """The head: section typed by HEADS[head.kind].config_class, its own checks run."""
+    from draftsmith.heads import HEADS
+
     if not isinstance(raw, dict):
-        raise RecipeError(f"recipe key '{section}' must be a mapping, got {raw!r}")
+        raise RecipeError(f"recipe key 'head' must be a mapping, got {raw!r}")
     kind = raw.get("kind")
     if kind is None:
-        raise RecipeError(f"recipe key '{section}.kind' is missing; one of: {', '.join(registry)}")
-    if kind not in registry:
-        close = difflib.get_close_matches(str(kind), list(registry), n=1, cutoff=0.5)
+        raise RecipeError(f"recipe key 'head.kind' is missing; one of: {', '.join(HEADS)}")
+    if kind not in HEADS:
+        close = difflib.get_close_matches(str(kind), list(HEADS), n=1, cutoff=0.5)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise RecipeError(f"recipe key '{section}.kind': unknown {what} '{kind}'{hint}; one of: {', '.join(registry)}")
-    schema = registry[kind].config_class
-    _check_keys(raw, schema, section + ".")
-    return _typed(schema, raw, section + ".")
+        raise RecipeError(f"recipe key 'head.kind': unknown draft head '{kind}'{hint}; one of: {', '.join(HEADS)}")
+    schema = HEADS[kind].config_class
+    _check_keys(raw, schema, "head.")
+    head = _typed(schema, raw, "head.")
+    try:
+        head.check()
+    except ValueError as err:  # heads import nothing of the recipe; they name the key themselves
+        raise RecipeError(str(err)) from None
+    return head
+
+
+def _trainer_section(recipe: Recipe, name: str, raw: Any) -> Any:
+    """A trainer section (head, draft, distill, online) as the recipe's trainer reads it: typed and
+    checked when the trainer reads it (defaults filling an absent optional one), None otherwise."""
+    readers = [t for t, rules in TRAINER_RULES.items() if name in rules.sections]
+    if recipe.trainer not in readers:
+        if raw is not None:
+            raise RecipeError(
+                f"recipe section '{name}' is read by trainer {' or '.join(repr(t) for t in readers)}, "
+                f"not by this recipe's trainer '{recipe.trainer}'; remove it"
+            )
+        return None
+    if raw is None and name in _REQUIRED_SECTIONS:
+        from draftsmith.heads import HEADS
+
+        what = _REQUIRED_SECTIONS[name].format(heads=", ".join(HEADS))
+        raise RecipeError(f"recipe key '{name}' is missing: trainer '{recipe.trainer}' trains {what}")
+    if name == "head":
+        return _check_head(raw)
+    if raw is not None and not isinstance(raw, dict):
+        raise RecipeError(f"recipe key '{name}' must be a mapping, got {raw!r}")
+    schema = _SECTION_SCHEMAS[name]
+    _check_keys(raw or {}, schema, name + ".")
+    return _typed(schema, raw or {}, name + ".")
 
 
 def load_recipe(*paths: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -348,137 +528,51 @@ def load_recipe(*paths: str | Path, overrides: list[str] | tuple[str, ...] = ())
 
     Raises RecipeError (one line: the file or the key's full path, and a suggestion for typos).
     """
-    from draftsmith.heads import HEADS
-    from draftsmith.trainers import TRAINERS
-
     raw: dict = {}
     for path in paths:
         raw = _deep_merge(raw, _read_yaml(Path(path)))
     raw = _deep_merge(raw, _parse_overrides(list(overrides)))
 
     _check_keys(raw, Recipe, "")
-    head_raw = raw.pop("head", None)
-    recipe: Recipe = _typed(Recipe, raw, "")
-
-    if recipe.trainer not in TRAINERS:
-        close = difflib.get_close_matches(recipe.trainer, list(TRAINERS), n=1, cutoff=0.5)
+    trainer = raw.get("trainer", "heads")
+    if trainer not in TRAINER_RULES:
+        close = difflib.get_close_matches(str(trainer), list(TRAINER_RULES), n=1, cutoff=0.5)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise RecipeError(f"recipe key 'trainer': unknown trainer '{recipe.trainer}'{hint}; one of: {', '.join(TRAINERS)}")
-    if TRAINERS[recipe.trainer].needs_head or head_raw is not None:
-        recipe.head = _check_section("head", head_raw, HEADS, "draft head")
+        raise RecipeError(f"recipe key 'trainer': unknown trainer '{trainer}'{hint}; one of: {', '.join(TRAINER_RULES)}")
+    sections = {name: raw.pop(name, None) for name in ("head", *_SECTION_SCHEMAS)}
+    recipe: Recipe = _typed(Recipe, raw, "")
+    for name, value in sections.items():
+        setattr(recipe, name, _trainer_section(recipe, name, value))
     _check_values(recipe)
     return recipe
 
 
 def _check_values(recipe: Recipe) -> None:
-    """Range checks the type system cannot express."""
-    positive = {
-        "train.micro_batch_size": recipe.train.micro_batch_size,
-        "train.grad_accum_steps": recipe.train.grad_accum_steps,
-        "train.max_steps": recipe.train.max_steps,
-        "train.log_every": recipe.train.log_every,
-        "train.eval_every": recipe.train.eval_every,
-        "train.save_every": recipe.train.save_every,
-        "train.keep_last": recipe.train.keep_last,
-        "data.max_length": recipe.data.max_length,
-        "data.regenerate.batch_size": recipe.data.regenerate.batch_size,
-        "data.regenerate.max_new_tokens": recipe.data.regenerate.max_new_tokens,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise RecipeError(f"recipe key '{key}' must be positive, got {value}")
-    if recipe.train.lr <= 0:
-        raise RecipeError(f"recipe key 'train.lr' must be positive, got {recipe.train.lr}")
-    if recipe.data.eval_size < 0:
-        raise RecipeError(f"recipe key 'data.eval_size' must be >= 0, got {recipe.data.eval_size}")
-    if not 0.0 <= recipe.train.min_lr_ratio <= 1.0:
-        raise RecipeError(f"recipe key 'train.min_lr_ratio' must be in [0, 1], got {recipe.train.min_lr_ratio}")
-    if recipe.data.regenerate.temperature < 0:
-        raise RecipeError(f"recipe key 'data.regenerate.temperature' must be >= 0, got {recipe.data.regenerate.temperature}")
-    _check_draft_values(recipe)
-    _check_scale_values(recipe)
-    if not 0.0 < recipe.data.regenerate.top_p <= 1.0:
-        raise RecipeError(f"recipe key 'data.regenerate.top_p' must be in (0, 1], got {recipe.data.regenerate.top_p}")
+    """Every section's own range checks, then the rules that join a section to the trainer."""
+    for f in dataclasses.fields(recipe):
+        _check_tree(getattr(recipe, f.name), f.name)
+    rules = TRAINER_RULES[recipe.trainer]
+    mode = recipe.data.features.mode
+    if mode != "online" and not rules.feature_cache:
+        able = ", ".join(t for t, r in TRAINER_RULES.items() if r.feature_cache)
+        raise RecipeError(f"recipe key 'data.features.mode'={mode}: the feature cache serves trainer {able} only, this recipe's trainer is '{recipe.trainer}'")
+    if recipe.deepspeed.zero_stage is not None:
+        if not rules.deepspeed:
+            able = ", ".join(t for t, r in TRAINER_RULES.items() if r.deepspeed)
+            raise RecipeError(f"recipe key 'deepspeed.zero_stage': trainer '{recipe.trainer}' does not run under DeepSpeed (trainers {able} do); drop the deepspeed: section")
+        if rules.deepspeed_limits is not None:
+            rules.deepspeed_limits(recipe)
 
 
-def _check_draft_values(recipe: Recipe) -> None:
-    """Range checks of the draft, distill and online sections."""
-    from draftsmith.trainers import TRAINERS
-
-    if getattr(TRAINERS[recipe.trainer], "needs_draft", False) and not recipe.draft.path:
-        raise RecipeError(f"recipe key 'draft.path' is missing: trainer '{recipe.trainer}' trains a draft LM (a folder, hub id, .gguf or built-in name)")
-    d, o = recipe.distill, recipe.online
-    if not 0.0 <= d.lambda_onpolicy <= 1.0:
-        raise RecipeError(f"recipe key 'distill.lambda_onpolicy' must be in [0, 1] (the fraction of on-policy sequences), got {d.lambda_onpolicy}")
-    if not 0.0 < d.beta < 1.0:
-        raise RecipeError(f"recipe key 'distill.beta' must be in (0, 1), got {d.beta}")
-    if d.temperature <= 0:
-        raise RecipeError(f"recipe key 'distill.temperature' must be positive, got {d.temperature}")
-    if d.onpolicy_temperature < 0:
-        raise RecipeError(f"recipe key 'distill.onpolicy_temperature' must be >= 0, got {d.onpolicy_temperature}")
-    if recipe.draft.lora.r <= 0:
-        raise RecipeError(f"recipe key 'draft.lora.r' must be positive, got {recipe.draft.lora.r}")
-    positive = {
-        "distill.onpolicy_max_new_tokens": d.onpolicy_max_new_tokens,
-        "online.requests_per_source": o.requests_per_source,
-        "online.update_every": o.update_every,
-        "online.steps_per_update": o.steps_per_update,
-        "online.buffer_size": o.buffer_size,
-        "online.max_new_tokens": o.max_new_tokens,
-        "online.draft_length": o.draft_length,
-        "online.window": o.window,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise RecipeError(f"recipe key '{key}' must be positive, got {value}")
-    if o.temperature < 0:
-        raise RecipeError(f"recipe key 'online.temperature' must be >= 0, got {o.temperature}")
-
-
-def _check_scale_values(recipe: Recipe) -> None:
-    """Checks of train.global_batch_size, data.features and deepspeed."""
-    t, f, ds = recipe.train, recipe.data.features, recipe.deepspeed
-    if t.global_batch_size is not None:
-        if t.global_batch_size <= 0:
-            raise RecipeError(f"recipe key 'train.global_batch_size' must be positive, got {t.global_batch_size}")
-        if t.global_batch_size % t.micro_batch_size:
-            raise RecipeError(f"recipe key 'train.global_batch_size'={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
-    for key, value in {"data.features.shard_tokens": f.shard_tokens, "data.features.batch_size": f.batch_size}.items():
-        if value <= 0:
-            raise RecipeError(f"recipe key '{key}' must be positive, got {value}")
-    if f.top_k_logits < 0:
-        raise RecipeError(f"recipe key 'data.features.top_k_logits' must be >= 0, got {f.top_k_logits}")
-    if f.reserve_gb < 0:
-        raise RecipeError(f"recipe key 'data.features.reserve_gb' must be >= 0, got {f.reserve_gb}")
-    if f.mode != "online" and recipe.trainer != "heads":
-        raise RecipeError(f"recipe key 'data.features.mode'={f.mode}: the feature cache serves trainer 'heads' only, this recipe's trainer is '{recipe.trainer}'")
-    if ds.zero_stage is None:
-        if ds.shard_target or ds.config or ds.offload_optimizer != "none" or ds.offload_param != "none":
-            raise RecipeError("recipe section 'deepspeed' sets options but not 'deepspeed.zero_stage' (merge recipes/deepspeed/zero2.yaml or set deepspeed.zero_stage)")
+def _check_tree(node: Any, key: str) -> None:
+    """Run check(key) of a config section and of every section nested in it."""
+    if not dataclasses.is_dataclass(node):
         return
-    from draftsmith.trainers import TRAINERS
-
-    trainer = TRAINERS[recipe.trainer]
-    if not getattr(trainer, "supports_deepspeed", False):
-        able = ", ".join(name for name, cls in TRAINERS.items() if getattr(cls, "supports_deepspeed", False))
-        raise RecipeError(f"recipe key 'deepspeed.zero_stage': trainer '{recipe.trainer}' does not run under DeepSpeed (trainers {able} do); drop the deepspeed: section")
-    if ds.zero_stage not in (0, 1, 2, 3):
-        raise RecipeError(f"recipe key 'deepspeed.zero_stage' must be 0, 1, 2 or 3, got {ds.zero_stage}")
-    if ds.zero_stage != 3 and (ds.shard_target or ds.offload_param != "none"):
-        key = "deepspeed.shard_target" if ds.shard_target else "deepspeed.offload_param"
-        raise RecipeError(f"recipe key '{key}' needs deepspeed.zero_stage=3 (parameters are partitioned only in ZeRO-3), got zero_stage={ds.zero_stage}")
-    if ds.offload_optimizer != "none" and ds.zero_stage == 0:
-        raise RecipeError("recipe key 'deepspeed.offload_optimizer' needs deepspeed.zero_stage >= 1")
-    if "nvme" in (ds.offload_optimizer, ds.offload_param) and not ds.nvme_path:
-        raise RecipeError("recipe key 'deepspeed.nvme_path' is missing: NVMe offload needs a folder on a fast local disk")
-    if hasattr(trainer, "check_deepspeed"):
-        trainer.check_deepspeed(recipe)
-    for key, owner in DEEPSPEED_OWNED_KEYS.items():
-        node: Any = ds.config or {}
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if node is not None:
-            raise RecipeError(f"recipe key 'deepspeed.config.{key}' repeats what {owner} decide(s); remove it from the DeepSpeed block")
+    check = getattr(node, "check", None)
+    if check is not None and key != "head":  # the head checked itself in _check_head
+        check(key)
+    for f in dataclasses.fields(node):
+        _check_tree(getattr(node, f.name), f"{key}.{f.name}")
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:
@@ -491,9 +585,9 @@ def save_resolved(recipe: Recipe, folder: str | Path, argv: list[str] | None = N
     """Write recipe.yaml and command.txt into `folder`, so every output says how it was made."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "recipe.yaml").write_text(recipe_to_yaml(recipe))
+    write_atomic(folder / "recipe.yaml", recipe_to_yaml(recipe))
     argv = sys.argv if argv is None else argv
-    (folder / "command.txt").write_text(" ".join(argv) + "\n")
+    write_atomic(folder / "command.txt", " ".join(argv) + "\n")
 
 
 def is_engine_fragment(path: str | Path) -> bool:
@@ -518,6 +612,7 @@ def as_dict(obj: Any) -> dict:
 
 
 __all__ = [
+    "TRAINER_RULES",
     "DataConfig",
     "DeepSpeedConfig",
     "DistillConfig",
@@ -530,6 +625,7 @@ __all__ = [
     "RegenerateConfig",
     "TargetConfig",
     "TrainConfig",
+    "TrainerRules",
     "all_recipe_files",
     "engine_fragments",
     "is_engine_fragment",

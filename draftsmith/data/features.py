@@ -25,10 +25,8 @@ A cache built for another target, layer set, storage format or data is refused w
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,7 +35,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from draftsmith.atomic import atomic_path, write_atomic
 from draftsmith.data.errors import DataError
+from draftsmith.target import gathered_parameters, resolve_dtype
 
 FORMAT_VERSION = 1
 INDEX_NAME = "index.json"
@@ -123,18 +123,6 @@ def _param_sample(param: Tensor) -> bytes:
     return param.detach().flatten()[:4096].to("cpu", torch.float64).numpy().tobytes()
 
 
-@contextlib.contextmanager
-def gathered_parameters(params: Sequence[Tensor]):
-    """Full values of ZeRO-3 partitioned parameters inside the block (collective); a no-op otherwise."""
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(params)):
-            yield
-    else:
-        yield
-
-
 def target_fingerprint(model: torch.nn.Module) -> str:
     """A hash of a model's architecture, dtype and a sample of its weights (first, middle and last
     tensor). The same for a full copy and a ZeRO-3 partitioned one (every rank must call it then)."""
@@ -180,7 +168,7 @@ def make_spec(target, layers: Iterable[int], cfg, train: Sequence[dict], evaluat
             "dtype": str(target.dtype).replace("torch.", ""),
         },
         layers=sorted({int(i) % dims.num_layers for i in layers}),
-        dtype=cfg.dtype,
+        dtype=resolve_dtype(cfg.dtype, "feature cache"),
         compress=cfg.compress,
         top_k=int(cfg.top_k_logits),
         data={"train": examples_digest(train, max_length), "eval": examples_digest(evaluation, max_length), "max_length": max_length},
@@ -199,10 +187,7 @@ def read_spec(folder: Path) -> Optional[FeatureSpec]:
 
 
 def write_spec(folder: Path, spec: FeatureSpec) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{INDEX_NAME}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(asdict(spec), indent=2))
-    os.replace(tmp, folder / INDEX_NAME)
+    write_atomic(Path(folder) / INDEX_NAME, json.dumps(asdict(spec), indent=2))
 
 
 # ----------------------------------------------------------------------------- storage
@@ -249,9 +234,8 @@ def save_shard(path: Path, spec: FeatureSpec, example_ids: Sequence[int], per_ex
     tensors = {"example_ids": torch.tensor(list(example_ids), dtype=torch.int64), "offsets": offsets}
     for name in per_example[0]:
         tensors[name] = torch.cat([rows[name] for rows in per_example]).contiguous()
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"draftsmith_features": str(FORMAT_VERSION)})
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"draftsmith_features": str(FORMAT_VERSION)})
 
 
 def rows_of_batch(spec: FeatureSpec, mask: Tensor, lengths: Sequence[int], tensors: dict[str, Tensor]) -> list[dict[str, Tensor]]:
@@ -570,7 +554,6 @@ __all__ = [
     "compute_rows",
     "dequantize_int8",
     "examples_digest",
-    "gathered_parameters",
     "make_spec",
     "open_cache",
     "plan_shards",

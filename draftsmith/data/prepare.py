@@ -17,13 +17,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from draftsmith.atomic import atomic_path
 from draftsmith.data.chat import tokenize_conversation
 from draftsmith.data.errors import DataError
 from draftsmith.data.regenerate import regenerate_conversations
@@ -221,8 +221,6 @@ def prepare_data(
         tokens=sum(len(e["input_ids"]) for e in train),
         trained_tokens=sum(sum(e["loss_mask"]) for e in train),
     )
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_file.with_name(cache_file.name + f".tmp{os.getpid()}")
-    torch.save({"train": _pack(train), "eval": _pack(evaluation), "stats": counts}, tmp)
-    os.replace(tmp, cache_file)  # readers (other ranks, later runs) never see a partial file
+    with atomic_path(cache_file) as tmp:  # readers (other ranks, later runs) never see a partial file
+        torch.save({"train": _pack(train), "eval": _pack(evaluation), "stats": counts}, tmp)
     return PreparedData(train, evaluation, {**counts, "cached": False})

@@ -18,10 +18,11 @@ import torch
 from torch import Tensor
 
 from draftsmith.eval.acceptance import AcceptanceStats
-from draftsmith.runtime.drafters import HEAD_DRAFTERS, DrafterError, StandaloneDrafter
+from draftsmith.runs import recorded_target
+from draftsmith.runtime.drafters import DrafterError, HeadDrafter, StandaloneDrafter
 from draftsmith.runtime.generate import autoregressive_generate, speculative_generate
 from draftsmith.runtime.tree import TreeSpec, default_tree, parse_tree
-from draftsmith.target import FrozenTarget, load_causal_lm
+from draftsmith.target import BUILTIN_MODELS, FrozenTarget, load_causal_lm, resolve_dtype
 
 
 @dataclass
@@ -35,18 +36,6 @@ class LoadedDrafter:
     target_path: str
     draft_model: Any = None  # the HF model of a standalone drafter (for assisted generation)
     meta: dict = field(default_factory=dict)
-
-
-def _recorded_target(folder: Path) -> Optional[dict]:
-    """The target section a drafter folder recorded: its recipe.yaml, or a parent run's."""
-    from omegaconf import OmegaConf
-
-    for candidate in (folder / "recipe.yaml", folder.parent / "recipe.yaml", folder.parent.parent / "recipe.yaml"):
-        if candidate.is_file():
-            data = OmegaConf.to_container(OmegaConf.load(candidate)) or {}
-            if isinstance(data, dict) and isinstance(data.get("target"), dict):
-                return data["target"]
-    return None
 
 
 def _check_vocab(draft_tokenizer, target_tokenizer, folder: Path, target_path: str) -> None:
@@ -85,23 +74,21 @@ def load_drafter(
     """Load a drafter folder and its target. `tree` is a spec for parse_tree (default per drafter)."""
     from draftsmith.export import ExportError, is_lm_checkpoint, load_head, load_lm_drafter
 
-    from draftsmith.target import BUILTIN_MODELS
-
+    spec = parse_tree(tree) if tree else None
     if str(folder) in BUILTIN_MODELS and not Path(folder).exists():
         # A built-in model as it ships (e.g. qwen2.5-coder-0.5b): the untrained baseline drafter.
         target_dtype = dtype or "float32"
         model, tokenizer = load_causal_lm(str(folder), target_dtype)
-        return _standalone(model, tokenizer, Path(str(folder)), {}, target, target_dtype, parse_tree(tree) if tree else None)
+        return _standalone(model, tokenizer, Path(str(folder)), {}, target, target_dtype, spec)
     folder = Path(folder)
     if not folder.exists():
         raise DrafterError(f"drafter folder not found: {folder}")
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    spec = parse_tree(tree) if tree else None
 
     if config and "draftsmith" not in config and "model_type" in config:
         # A plain HF causal-LM folder: an exported distilled drafter or any small sibling model.
-        recorded = _recorded_target(folder) or {}
+        recorded = recorded_target(folder) or {}
         target_dtype = dtype or recorded.get("dtype", "float32")
         model, tokenizer = load_causal_lm(str(folder), target_dtype)
         return _standalone(model, tokenizer, folder, recorded, target, target_dtype, spec)
@@ -109,14 +96,14 @@ def load_drafter(
         # A distill / online run folder or checkpoint: its draft with the trained weights (LoRA merged).
         model, tokenizer, recipe, _, _ = load_lm_drafter(folder)
         recorded = {"path": str(recipe.target.path), "dtype": recipe.target.dtype, "gguf_file": recipe.target.gguf_file}
-        target_dtype = dtype or recipe.target.dtype
+        target_dtype = resolve_dtype(dtype or recipe.target.dtype, "target")
         return _standalone(model.to(getattr(torch, target_dtype)), tokenizer, folder, recorded, target, target_dtype, spec)
 
     try:
         loaded = load_head(folder)
     except ExportError as err:
         raise DrafterError(str(err)) from None
-    recorded = _recorded_target(loaded.folder) or {}
+    recorded = recorded_target(loaded.folder) or {}
     target_path = target or loaded.target.get("path") or recorded.get("path")
     target_dtype = dtype or recorded.get("dtype", "float32")
     tgt = FrozenTarget.load(target_path, target_dtype, recorded.get("gguf_file") if not target else None)
@@ -127,12 +114,9 @@ def load_drafter(
             f"{want['vocab_size']}; {target_path} has hidden size {have.hidden_size} and vocabulary {have.vocab_size}"
         )
     head = loaded.head.to(tgt.device)
-    kind = head.cfg.kind
-    if kind not in HEAD_DRAFTERS:
-        raise DrafterError(f"the runtime has no drafter for {kind} heads yet (it runs: {', '.join(HEAD_DRAFTERS)})")
-    # Each drafter refuses, in one line, a tree it cannot draft (too deep, or dynamic for Medusa).
-    drafter = HEAD_DRAFTERS[kind](head, tgt, spec or default_tree(depth=head.depth))
-    return LoadedDrafter(kind, drafter, tgt, folder, target_path, meta={"head": loaded.metrics})
+    # The drafter refuses, in one line, a tree deeper than the head drafts.
+    drafter = HeadDrafter(head, tgt, spec or default_tree(depth=head.depth))
+    return LoadedDrafter(head.cfg.kind, drafter, tgt, folder, target_path, meta={"head": loaded.metrics})
 
 
 def load_prompts(spec: str, limit: Optional[int] = None) -> list[list[dict]]:

@@ -7,8 +7,6 @@ config.json and loaded separately by whoever runs the drafter.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -16,10 +14,11 @@ from typing import Any, Optional
 from safetensors.torch import load_file, save_file
 
 from draftsmith import __version__
+from draftsmith.atomic import atomic_path
 from draftsmith.heads import HEADS, DraftHead, TargetDims
+from draftsmith.runs import WEIGHTS_NAME, RunFolderError, drafter_kind, read_state, resolve_checkpoint
 
 CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 HEAD_PREFIX = "head."
 
 
@@ -46,20 +45,10 @@ def _head_config(kind: str, values: dict):
 
 
 def _dims(target: dict) -> TargetDims:
-    return TargetDims(hidden_size=target["hidden_size"], vocab_size=target["vocab_size"], num_layers=target["num_layers"])
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, or a run folder (its newest checkpoint)."""
-    from draftsmith.trainers.loop import STATE_FILE, list_checkpoints
-
-    path = Path(path)
-    if (path / STATE_FILE).is_file():
-        return path
-    found = list_checkpoints(path)
-    if not found:
-        raise ExportError(f"{path} is neither a checkpoint nor a run folder with checkpoints")
-    return found[-1]
+    return TargetDims(
+        hidden_size=target["hidden_size"], vocab_size=target["vocab_size"], num_layers=target["num_layers"],
+        hf_config=target.get("hf_config") or {},
+    )
 
 
 def load_head(path: str | Path) -> HeadExport:
@@ -76,10 +65,13 @@ def load_head(path: str | Path) -> HeadExport:
         head.load_state_dict(load_file(str(path / WEIGHTS_NAME)))
         metrics = json.loads((path / "metrics.json").read_text()) if (path / "metrics.json").is_file() else None
         return HeadExport(head.eval(), config["target"], path, metrics)
-    ckpt = resolve_checkpoint(path)
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    if "head" not in state:
-        raise ExportError(f"{ckpt} is not a head-trainer checkpoint")
+    try:
+        ckpt = resolve_checkpoint(path)
+        state = read_state(ckpt)
+    except RunFolderError as err:
+        raise ExportError(str(err)) from None
+    if drafter_kind(state) not in HEADS:
+        raise ExportError(f"{ckpt} holds a {drafter_kind(state)} drafter, not a draft head")
     head = HEADS[state["head"]["kind"]](_head_config(state["head"]["kind"], state["head"]), _dims(state["target"]))
     weights = load_file(str(ckpt / WEIGHTS_NAME))
     head.load_state_dict({k[len(HEAD_PREFIX) :]: v for k, v in weights.items() if k.startswith(HEAD_PREFIX)})
@@ -146,32 +138,27 @@ def export_heads(source: str | Path, out: str | Path) -> Path:
     """Write an HF folder for the head in `source` (run folder or checkpoint) into `out`, atomically."""
     loaded = load_head(source)
     ckpt = loaded.folder
+    recipe_yaml = (ckpt / "recipe.yaml").read_text() if (ckpt / "recipe.yaml").is_file() else ""
+    return write_head_folder(loaded.head, loaded.target, out, recipe_yaml, loaded.metrics)
+
+
+def write_head_folder(head: DraftHead, target: dict, out: str | Path, recipe_yaml: str = "", metrics: Optional[dict] = None) -> Path:
+    """draftsmith's own head layout: config.json (the head config and the target it drafts for),
+    model.safetensors (the head's own weights), README.md, recipe.yaml, metrics.json; atomically."""
     out = Path(out)
-    head = loaded.head
     kind = head.cfg.kind
     head_cfg = {f.name: getattr(head.cfg, f.name) for f in fields(head.cfg)}
-    recipe_yaml = (ckpt / "recipe.yaml").read_text() if (ckpt / "recipe.yaml").is_file() else ""
     config: dict[str, Any] = {
         "architectures": [f"Draftsmith{type(head).__name__}"],
         "model_type": f"draftsmith-{kind}",
-        "draftsmith": {
-            "version": __version__,
-            "drafter": "heads",
-            "head": head_cfg,
-            "target": loaded.target,
-        },
+        "draftsmith": {"version": __version__, "drafter": "heads", "head": head_cfg, "target": target},
     }
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(head.runtime_state_dict(), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-    (tmp / "recipe.yaml").write_text(recipe_yaml)
-    (tmp / "metrics.json").write_text(json.dumps(loaded.metrics or {}, indent=2) + "\n")
-    (tmp / "README.md").write_text(model_card(kind, head_cfg, loaded.target, recipe_yaml, loaded.metrics))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with atomic_path(out, folder=True) as tmp:
+        save_file(head.runtime_state_dict(), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "recipe.yaml").write_text(recipe_yaml)
+        (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2) + "\n")
+        (tmp / "README.md").write_text(model_card(kind, head_cfg, target, recipe_yaml, metrics))
     return out
 
 

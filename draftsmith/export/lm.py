@@ -10,15 +10,15 @@ speculative-decoding stack load it directly. It never holds target weights.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Optional
 
 from safetensors.torch import load_file
 
 from draftsmith import __version__
-from draftsmith.export.hf import WEIGHTS_NAME, ExportError, _hub_id, resolve_checkpoint
+from draftsmith.atomic import atomic_path
+from draftsmith.export.hf import ExportError, _hub_id
+from draftsmith.runs import WEIGHTS_NAME, RunFolderError, drafter_kind, read_state, resolve_checkpoint
 
 DRAFT_PREFIX = "draft."
 
@@ -26,25 +26,26 @@ DRAFT_PREFIX = "draft."
 def is_lm_checkpoint(path: str | Path) -> bool:
     """True for a checkpoint (or run folder) of a trainer that trains a draft LM (distill, online)."""
     try:
-        ckpt = resolve_checkpoint(path)
-    except ExportError:
+        return drafter_kind(read_state(resolve_checkpoint(path))) == "standalone"
+    except RunFolderError:
         return False
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    return "draft" in state
 
 
 def load_lm_drafter(source: str | Path):
     """(draft model with LoRA merged, tokenizer, recipe, checkpoint folder, last metrics) from a
     distill/online run folder or checkpoint."""
     from draftsmith.recipe import load_recipe
-    from draftsmith.trainers.distill import load_draft
+    from draftsmith.target import load_draft
 
-    ckpt = resolve_checkpoint(source)
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    if "draft" not in state:
-        raise ExportError(f"{ckpt} is not a checkpoint of a draft-LM trainer (distill, online)")
+    try:
+        ckpt = resolve_checkpoint(source)
+        state = read_state(ckpt)
+    except RunFolderError as err:
+        raise ExportError(str(err)) from None
+    if drafter_kind(state) != "standalone":
+        raise ExportError(f"{ckpt} holds a {drafter_kind(state)} drafter, not a draft LM (trainers distill, online)")
     recipe = load_recipe(ckpt / "recipe.yaml")
-    model, tokenizer = load_draft(recipe)
+    model, tokenizer = load_draft(recipe.draft)
     weights = load_file(str(ckpt / WEIGHTS_NAME))
     weights = {k[len(DRAFT_PREFIX) :]: v for k, v in weights.items() if k.startswith(DRAFT_PREFIX)}
     if not weights:
@@ -120,15 +121,10 @@ def export_lm_drafter(source: str | Path, out: str | Path) -> Path:
     model, tokenizer, recipe, ckpt, metrics = load_lm_drafter(source)
     out = Path(out)
     recipe_yaml = (ckpt / "recipe.yaml").read_text()
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "recipe.yaml").write_text(recipe_yaml)
-    (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2) + "\n")
-    (tmp / "README.md").write_text(lm_model_card(recipe, model, metrics, recipe_yaml))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with atomic_path(out, folder=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "recipe.yaml").write_text(recipe_yaml)
+        (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2) + "\n")
+        (tmp / "README.md").write_text(lm_model_card(recipe, model, metrics, recipe_yaml))
     return out

@@ -1,13 +1,29 @@
-"""What every draft head shares: the target's dimensions, its features, and the depth loss.
+"""The contract every draft head keeps: training forward, loss, and the drafting interface the runtime calls.
 
 Depth convention: at position t the target has read x_0..x_t and its own LM head predicts
 x_{t+1}. Draft depth k (1-indexed, k = 1..K) predicts x_{t+1+k}. A head's training forward returns
 logits [B,T,K,V]; logits[b, t, k-1] is scored against x_{t+1+k}.
+
+Drafting (batch size 1) goes through a ``HeadSession``, one per generation:
+
+    session = head.start_drafting(embed, lm_head)
+    repeat:
+        session.extend(hidden, layers, tokens)   # positions that entered the target's KV cache
+        logits = session.expand(frontier)        # children of tree nodes, as often as the tree needs
+        session.rollback()                        # after verification: forget the tree
+
+A frontier (draftsmith.runtime.tree.Frontier) names the tree nodes to expand: ``nodes`` (ids),
+and per id ``tokens``, ``parents`` (-1 for the root) and ``depths``; node 0 is the root, the token
+the target decided last, not yet in its cache. ``expand`` returns the logits over the target's
+vocabulary of each frontier node's next token: depth d+1 of the draft for a node at depth d, given
+the tokens on the node's path. The contract test (tests/unit/test_head_contract.py) checks, for
+every registered head, that these are exactly the teacher-forced training logits for the same
+tokens.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +31,7 @@ from torch import Tensor, nn
 
 from draftsmith.target import FrozenTarget, TargetDims, TargetFeatures
 
-__all__ = ["DraftHead", "TargetDims", "TargetFeatures", "depth_labels", "depth_cross_entropy"]
+__all__ = ["DraftHead", "HeadSession", "TargetDims", "TargetFeatures", "depth_labels", "depth_loss", "path_tokens"]
 
 
 def depth_labels(
@@ -43,36 +59,112 @@ def depth_labels(
     return labels, valid
 
 
-def depth_cross_entropy(logits: Tensor, labels: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Mean cross-entropy per depth.
+def depth_loss(
+    labels: Tensor,
+    valid: Tensor,
+    weights: Tensor,
+    logits_at: Callable[[int, Tensor], Tensor],
+    soft_targets: Optional[Callable[[int, Tensor, Tensor], Tensor]] = None,
+    extra: Optional[Callable[[int, Tensor], Tensor]] = None,
+    ce_weight: float = 1.0,
+    predicted: Optional[Callable[[Tensor], Tensor]] = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The weighted per-depth loss every head trains with, over trained positions only.
 
-    logits [B,T,K,V], labels [B,T,K], valid [B,T,K]. Returns (ce [K], top1 [K], count [K]), where
-    top1 is the fraction of valid positions whose argmax equals the label.
+    labels, valid [B,T,K]; weights [K]. For depth k = 1..K, ``logits_at(k, rows)`` gives the
+    logits [M,V] of the M positions where ``rows = valid[..., k-1]`` ([B,T] bool): only those reach
+    the vocabulary projection, which dominates the cost (V >> D) while most chat positions carry no
+    label. The depth's term is ``ce_weight`` x the cross-entropy against the labels, or against
+    ``soft_targets(k, rows, logits)`` (probabilities [M,V], e.g. the target's own distribution), plus
+    ``extra(k, rows)`` (e.g. a feature regression). ``predicted(logits) -> ids`` maps a draft's
+    argmax to the labels' vocabulary (default: argmax itself). A depth without positions adds 0 x
+    its logits, which keeps every parameter in the graph (DDP expects a gradient for each).
+
+    Returns (sum_k w_k term_k / sum_k w_k, stats: ce, top1, count per depth [K]).
     """
-    B, T, K, V = logits.shape
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    flat = logits.reshape(-1, V).to(dtype)
-    ce = F.cross_entropy(flat, labels.reshape(-1), reduction="none").view(B, T, K)
-    weight = valid.to(dtype)
-    count = weight.sum(dim=(0, 1))
-    ce_mean = (ce * weight).sum(dim=(0, 1)) / count.clamp_min(1)
-    with torch.no_grad():
-        hits = (logits.argmax(-1) == labels).to(dtype) * weight
-        top1 = hits.sum(dim=(0, 1)) / count.clamp_min(1)
-    return ce_mean, top1, count
+    K = labels.shape[-1]
+    terms, ce, top1, count = [], [], [], []
+    for k in range(1, K + 1):
+        rows = valid[..., k - 1]
+        logits = logits_at(k, rows)
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        logits = logits.to(dtype)
+        n = logits.shape[0]
+        if n == 0:
+            zero = logits.sum() * 0.0
+            terms.append(zero)
+            ce.append(zero.detach())
+            top1.append(zero.detach())
+        else:
+            target = labels[..., k - 1][rows]
+            if soft_targets is not None:
+                probs = soft_targets(k, rows, logits).to(dtype)
+                depth_ce = -(probs * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+            else:
+                depth_ce = F.cross_entropy(logits, target)
+            term = ce_weight * depth_ce
+            if extra is not None:
+                term = term + extra(k, rows)
+            terms.append(term)
+            ce.append(depth_ce.detach())
+            with torch.no_grad():
+                guess = predicted(logits) if predicted is not None else logits.argmax(-1)
+                top1.append((guess == target).to(dtype).mean())
+        count.append(torch.tensor(float(n), dtype=dtype, device=logits.device))
+    stacked = torch.stack(terms)
+    w = weights.to(stacked.device, stacked.dtype)
+    return (w * stacked).sum() / w.sum(), {"ce": torch.stack(ce), "top1": torch.stack(top1), "count": torch.stack(count)}
+
+
+def path_tokens(frontier: Any, node: int) -> list[int]:
+    """The tokens from the root to `node` of a frontier, root first."""
+    path = []
+    while node >= 0:
+        path.append(frontier.tokens[node])
+        node = frontier.parents[node]
+    return path[::-1]
+
+
+class HeadSession:
+    """One generation's drafting state of a head (batch size 1); see the module docstring.
+
+    ``decided`` counts the target's positions the session has read. Subclasses implement
+    ``extend`` and ``expand``; ``rollback`` drops whatever the tree added (default: nothing).
+    """
+
+    def __init__(self, head: "DraftHead", embed: Callable[[Tensor], Tensor], lm_head: Callable[[Tensor], Tensor]) -> None:
+        self.head = head
+        self.embed = embed
+        self.lm_head = lm_head
+        self.decided = 0
+
+    def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
+        """Read M decided positions j = decided .. decided+M-1: the target's final hidden states
+        hidden [1,M,D] (post-norm), its decoder layers {i: [1,M,D]} (``required_layers``) and
+        tokens [1,M], x_{j+1} for each (the last is the root of the next tree)."""
+        raise NotImplementedError
+
+    def expand(self, frontier: Any) -> Tensor:
+        """Logits [F,V] (target vocabulary) of the next token after each node of ``frontier.nodes``."""
+        raise NotImplementedError
+
+    def rollback(self) -> None:
+        """Forget the tree drafted since the last extend."""
 
 
 class DraftHead(nn.Module):
     """Base class of draft heads that read a frozen target's features.
 
-    Subclasses set `config_class` (a dataclass with a `kind` field), implement `forward` and the
-    runtime drafting step, and may override `loss` (EAGLE adds a feature-regression term).
+    Subclasses set `config_class` (a dataclass with a `kind` field and a ``check()`` that raises
+    ValueError naming the recipe key), implement `forward`, `start_drafting` and `depth`, and may
+    override `loss`, `top_tokens`, `required_layers` and `init_from_target`.
     """
 
     config_class: ClassVar[type]
 
     def __init__(self, cfg: Any, dims: TargetDims) -> None:
         super().__init__()
+        cfg.check()
         self.cfg = cfg
         self.dims = dims
 
@@ -94,7 +186,7 @@ class DraftHead(nn.Module):
 
     def top_tokens(self, features: TargetFeatures, k: int) -> Tensor:
         """The k most likely tokens per position and depth [B,T,K,k], best first (for evaluation).
-        Heads that can override it to avoid holding all depths' logits [B,T,K,V] at once."""
+        Heads override it to avoid holding all depths' logits [B,T,K,V] at once."""
         logits = self(features)
         return logits.topk(min(k, logits.shape[-1]), dim=-1).indices
 
@@ -108,10 +200,11 @@ class DraftHead(nn.Module):
         """Weighted cross-entropy over depths. Returns (scalar loss, stats with ce/top1/count per depth [K])."""
         logits = self(features)
         labels, valid = depth_labels(features.input_ids, loss_mask, self.depth, segment_ids)
-        ce, top1, count = depth_cross_entropy(logits, labels, valid)
-        weights = self.depth_weights().to(ce.device, ce.dtype)
-        loss = (weights * ce).sum() / weights.sum()
-        return loss, {"ce": ce.detach(), "top1": top1, "count": count}
+        return depth_loss(labels, valid, self.depth_weights(), lambda k, rows: logits[:, :, k - 1][rows])
+
+    def start_drafting(self, embed: Callable[[Tensor], Tensor], lm_head: Callable[[Tensor], Tensor]) -> HeadSession:
+        """A fresh drafting session for one generation, reading the target through `embed` and `lm_head`."""
+        raise NotImplementedError
 
     def runtime_state_dict(self) -> dict[str, Tensor]:
         """The weights an export needs: the head's own parameters and buffers, nothing of the target."""

@@ -4,9 +4,9 @@ dependent, and the Hydra++ options.
 Head k (k = 1..K) predicts x_{t+1+k} from the target's last hidden state h_t and the embeddings of
 the tokens between: x_{t+1} (the target's own next token, the tree root at run time) and the
 drafted x_{t+2}, ..., x_{t+k}. Its input is concat(h_t, e(x_{t+1}), ..., e(x_{t+k})) [(k+1)D],
-projected to D (started at h_t: the embeddings' columns are zero), then `num_layers` residual SiLU
-blocks (started at the identity) and an LM head: the target's frozen one, or an own copy. A fresh
-head is therefore Medusa's fresh head; training teaches it to use the path.
+projected to D (started at h_t: the embeddings' columns are zero), then a residual SiLU block
+(started at the identity) and an LM head: the target's frozen one, or an own copy. A fresh head is
+therefore Medusa's fresh head; training teaches it to use the path.
 
 Hydra++ options: `prefix_attention` runs one decoder layer over the target's hidden states first
 (causal; heads read its output at t instead of h_t), `teacher` trains each head on the target's own
@@ -16,34 +16,31 @@ distribution at the position it predicts (soft cross-entropy) instead of the dat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.heads.base import TargetDims, TargetFeatures, depth_labels
-from draftsmith.heads.eagle import DraftLayer, resolve_layer_shape, rotary
-from draftsmith.heads.medusa import MedusaHead
+from draftsmith.heads.base import HeadSession, TargetDims, TargetFeatures, depth_labels, depth_loss, path_tokens
+from draftsmith.heads.eagle import shifted
+from draftsmith.heads.layers import DecoderLayer, LayerShape, Rotary, causal_allowed
+from draftsmith.heads.medusa import MedusaConfig, MedusaHead
 
 
 @dataclass
-class HydraConfig:
+class HydraConfig(LayerShape, MedusaConfig):
+    """Medusa's keys (num_heads, num_layers, lm_head, loss_decay), the Hydra++ options, and the
+    prefix layer's shape (LayerShape; 0 takes the target's value)."""
+
     kind: str = "hydra"
-    num_heads: int = 4
-    num_layers: int = 1
-    lm_head: Literal["own", "target"] = "target"
-    # Loss weight of head k is loss_decay ** (k - 1).
-    loss_decay: float = 0.8
     # Hydra++: one decoder layer over the target's hidden states before the heads.
     prefix_attention: bool = False
     # Hydra++: soft cross-entropy against the target's distribution instead of the data token.
     teacher: bool = False
-    # Prefix layer shape; 0 takes the target's value (written back, so exports are self-contained).
-    num_attention_heads: int = 0
-    intermediate_size: int = 0
-    rms_norm_eps: float = 0.0
-    rope_theta: float = 0.0
+
+    def check(self) -> None:
+        MedusaConfig.check(self)
+        self.check_shape("head")
 
 
 class HydraHead(MedusaHead):
@@ -52,6 +49,7 @@ class HydraHead(MedusaHead):
     config_class = HydraConfig
 
     def __init__(self, cfg: HydraConfig, dims: TargetDims) -> None:
+        cfg.resolve(dims)
         super().__init__(cfg, dims)
         D = dims.hidden_size
         # Head k reads h and k token embeddings; it starts at h (Medusa's fresh head).
@@ -61,14 +59,8 @@ class HydraHead(MedusaHead):
             nn.init.zeros_(proj.bias)
             with torch.no_grad():
                 proj.weight[:, :D].copy_(torch.eye(D))
-        self.prefix = None
-        if cfg.prefix_attention:
-            resolve_layer_shape(cfg, dims)
-            self.prefix = DraftLayer(D, cfg.num_attention_heads, cfg.intermediate_size, cfg.rms_norm_eps)
-
-    @property
-    def _dtype(self) -> torch.dtype:
-        return self.inputs[0].weight.dtype
+        self.prefix = DecoderLayer(D, cfg) if cfg.prefix_attention else None
+        self.rotary = Rotary(cfg) if cfg.prefix_attention else None
 
     # ------------------------------------------------------------------ pieces
 
@@ -77,31 +69,21 @@ class HydraHead(MedusaHead):
         hidden = hidden.to(self._dtype)
         if self.prefix is None:
             return hidden
-        B, T, _ = hidden.shape
-        allowed = torch.ones(T, T, dtype=torch.bool, device=hidden.device).tril().expand(B, T, T)
-        if segment_ids is not None:
-            allowed = allowed & (segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1))
-        if attention_mask is not None:
-            allowed = allowed & attention_mask.bool().unsqueeze(1)
-        allowed = (allowed | torch.eye(T, dtype=torch.bool, device=hidden.device)).unsqueeze(1)
-        cos, sin = rotary(torch.arange(T, device=hidden.device), self.prefix.head_dim, self.cfg.rope_theta, hidden.dtype)
-        out, _ = self.prefix.forward_unrolled(hidden, cos.unsqueeze(0), sin.unsqueeze(0), None, [], allowed)
-        return out
+        T = hidden.shape[1]
+        allowed = causal_allowed(T, hidden.device, segment_ids, attention_mask)
+        cos, sin = self.rotary(torch.arange(T, device=hidden.device), hidden.dtype)
+        attn_in, residual = self.prefix.prepare(hidden)
+        return self.prefix(attn_in, residual, cos.unsqueeze(0), sin.unsqueeze(0), allowed)
 
     def path_logits(self, k: int, context: Tensor, path_embeddings: Tensor, lm_head) -> Tensor:
         """Head k (1-based): context [...,D] and the k path embeddings [...,k,D] -> logits [...,V]."""
         flat = path_embeddings.to(self._dtype).flatten(-2)
-        h = self.blocks[k - 1](self.inputs[k - 1](torch.cat([context, flat], dim=-1)))
-        return self.lm_heads[k - 1](h) if self.lm_heads is not None else lm_head(h)
+        return self.project(k, self.blocks[k - 1](self.inputs[k - 1](torch.cat([context, flat], dim=-1))), lm_head)
 
     def _paths(self, features: TargetFeatures) -> Tensor:
         """Teacher-forced path embeddings [B,T,K,D]: e(x_{t+1}), ..., e(x_{t+K}) (0 past the row)."""
         ids = features.input_ids
-        T = ids.shape[1]
-        shifted = torch.zeros(*ids.shape, self.depth, dtype=ids.dtype, device=ids.device)
-        for j in range(1, self.depth + 1):
-            shifted[:, : max(T - j, 0), j - 1] = ids[:, j:]
-        return features.embed(shifted)
+        return features.embed(torch.stack([shifted(ids, j) for j in range(1, self.depth + 1)], dim=-1))
 
     # ------------------------------------------------------------------ training
 
@@ -131,41 +113,57 @@ class HydraHead(MedusaHead):
         labels, valid = depth_labels(features.input_ids, loss_mask, self.depth, segment_ids)
         context = self.context(features.final_hidden, features.attention_mask, segment_ids)
         paths = self._paths(features)
-        dtype = torch.promote_types(context.dtype, torch.float32)
-        T = context.shape[1]
-        ce, top1, count = [], [], []
-        for k in range(1, self.depth + 1):
-            rows = valid[..., k - 1]
-            n = int(rows.sum())
-            if n == 0:
-                ce.append(self.inputs[k - 1].weight.sum().to(dtype) * 0.0)  # keeps the graph connected
-                top1.append(context.new_zeros((), dtype=dtype))
-            else:
-                logits = self.path_logits(k, context[rows], paths[:, :, :k][rows], features.lm_head).to(dtype)
-                target = labels[..., k - 1][rows]
-                if self.cfg.teacher:
-                    # The target's distribution over x_{t+1+k}: its own logits at position t + k.
-                    shifted = torch.zeros_like(features.final_hidden)
-                    shifted[:, : T - k] = features.final_hidden[:, k:]
-                    with torch.no_grad():
-                        teacher = torch.softmax(features.lm_head(shifted[rows]).to(dtype), dim=-1)
-                    ce.append(-(teacher * torch.log_softmax(logits, dim=-1)).sum(-1).mean())
-                else:
-                    ce.append(F.cross_entropy(logits, target))
-                top1.append((logits.argmax(-1) == target).to(dtype).mean().detach())
-            count.append(torch.tensor(float(n), dtype=dtype, device=context.device))
-        ce_t = torch.stack(ce)
-        weights = self.depth_weights().to(ce_t.device, ce_t.dtype)
-        loss = (weights * ce_t).sum() / weights.sum()
-        return loss, {"ce": ce_t.detach(), "top1": torch.stack(top1), "count": torch.stack(count)}
+
+        def teacher(k: int, rows: Tensor, _logits: Tensor) -> Tensor:
+            # The target's distribution over x_{t+1+k}: its own logits at position t + k.
+            with torch.no_grad():
+                return torch.softmax(features.lm_head(shifted(features.final_hidden, k)[rows]).float(), dim=-1)
+
+        return depth_loss(
+            labels, valid, self.depth_weights(),
+            logits_at=lambda k, rows: self.path_logits(k, context[rows], paths[:, :, :k][rows], features.lm_head),
+            soft_targets=teacher if self.cfg.teacher else None,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ drafting
 
-    def draft_context(self, hidden: Tensor, positions: Tensor, cache: dict, visible: Tensor) -> Tensor:
-        """The context of new decided positions [1,P,D] when drafting: h itself, or the prefix
-        layer's output over its cache of earlier positions (which it extends)."""
-        hidden = hidden.to(self._dtype)
-        if self.prefix is None:
-            return hidden
-        cos, sin = rotary(positions.unsqueeze(0), self.prefix.head_dim, self.cfg.rope_theta, hidden.dtype)
-        return self.prefix.forward_cached(hidden, cos, sin, cache, visible)
+    def start_drafting(self, embed, lm_head) -> HeadSession:
+        return HydraSession(self, embed, lm_head)
+
+
+class HydraSession(HeadSession):
+    """The children of a node at depth d-1 come from head d, which reads the context of the
+    position that predicted the root and the embeddings of the path from the root to the node.
+    With Hydra++'s prefix layer the session keeps that layer's cache of decided positions (tree
+    nodes never enter it, so ``rollback`` has nothing to drop)."""
+
+    head: HydraHead
+
+    def __init__(self, head: HydraHead, embed, lm_head) -> None:
+        super().__init__(head, embed, lm_head)
+        self.cache: dict = {}
+
+    def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
+        head, M, start = self.head, hidden.shape[1], self.decided
+        hidden = hidden.to(head._dtype)
+        if head.prefix is None:
+            self.context = hidden[0, -1]
+        else:
+            visible = torch.ones(M, start + M, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
+            cos, sin = head.rotary(torch.arange(start, start + M, device=hidden.device).unsqueeze(0), hidden.dtype)
+            attn_in, residual = head.prefix.prepare(hidden)
+            self.context = head.prefix.forward_cached(attn_in, residual, cos, sin, self.cache, visible)[0, -1]
+        self.decided = start + M
+
+    def expand(self, frontier: Any) -> Tensor:
+        rows: list[Optional[Tensor]] = [None] * len(frontier.nodes)
+        by_depth: dict[int, list[int]] = {}
+        for row, node in enumerate(frontier.nodes):
+            by_depth.setdefault(frontier.depths[node] + 1, []).append(row)
+        for k, members in by_depth.items():
+            # Root first: the k tokens x_{t+1} .. x_{t+k}.
+            paths = torch.tensor([path_tokens(frontier, frontier.nodes[row]) for row in members], device=self.context.device)
+            logits = self.head.path_logits(k, self.context.expand(len(members), -1), self.embed(paths), self.lm_head)
+            for i, row in enumerate(members):
+                rows[row] = logits[i]
+        return torch.stack(rows)

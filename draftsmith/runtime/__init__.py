@@ -2,12 +2,12 @@
 
     tree.py      TreeSpec / DynamicTreeSpec / DraftTree, masks and positions, build_dynamic_tree
     verify.py    reference verification in torch (greedy, lossless sampling); the kernels match it
-    drafters.py  the Drafter protocol and its adapters (MedusaDrafter, StandaloneDrafter)
+    drafters.py  the Drafter protocol and its adapters (HeadDrafter for every head kind, StandaloneDrafter)
     generate.py  speculative_generate and the autoregressive baseline (batch size 1)
     kernels/     the fused Triton verification kernel
 """
 
-from draftsmith.runtime.drafters import HEAD_DRAFTERS, DrafterError, Drafter, DraftState, MedusaDrafter, StandaloneDrafter
+from draftsmith.runtime.drafters import DrafterError, Drafter, DraftState, HeadDrafter, StandaloneDrafter
 from draftsmith.runtime.generate import GenerationStats, TargetSession, autoregressive_generate, speculative_generate
 from draftsmith.runtime.tree import DraftTree, DynamicTreeSpec, TreeError, TreeSpec, default_tree, parse_tree
 # The function verify stays in its module: re-exported here it would shadow the submodule
@@ -21,8 +21,7 @@ __all__ = [
     "DrafterError",
     "DynamicTreeSpec",
     "GenerationStats",
-    "HEAD_DRAFTERS",
-    "MedusaDrafter",
+    "HeadDrafter",
     "SamplingParams",
     "StandaloneDrafter",
     "TargetSession",

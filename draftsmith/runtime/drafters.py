@@ -42,10 +42,7 @@ __all__ = [
     "DrafterError",
     "DraftState",
     "Drafter",
-    "EagleDrafter",
-    "HEAD_DRAFTERS",
-    "HydraDrafter",
-    "MedusaDrafter",
+    "HeadDrafter",
     "StandaloneDrafter",
     "grow_static_tree",
     "grow_tree",
@@ -220,215 +217,58 @@ def compact_cache(cache, prefix_len: int, keep: Sequence[int] | Tensor) -> None:
         layer.values = layer.values[..., : prefix_len + m, :]
 
 
-def _check_depth(tree: Union[TreeSpec, DynamicTreeSpec], head: nn.Module, kind: str) -> None:
-    depth = tree.max_depth if isinstance(tree, TreeSpec) else tree.depth
-    if depth > head.depth:
-        raise DrafterError(f"the tree is {depth} deep but the {kind} head drafts {head.depth} tokens")
-
-
 def _root_only(root: int, device=None) -> DraftTree:
     """A tree without drafted nodes: the target just takes one plain step."""
     return DraftTree.from_lists([root], [-1], device=device)
 
 
-class MedusaDrafter:
-    """Medusa heads as a drafter: one head call per step, tokens placed into a static tree.
+class HeadDrafter:
+    """Any draft head of draftsmith.heads as a drafter, through the head's own drafting session
+    (DraftHead.start_drafting, heads/base.py).
 
-    Head k reads the target's final hidden state at the position that predicted the root and
-    proposes the token k positions after the root, so tree depth d uses head d and a node's
-    candidates do not depend on its parent (Medusa's product tree). Greedy: the rank-r child at depth
-    d is the r-th most likely token of head d. Sample: each node's children are drawn without
-    replacement from head d's processed distribution, independently per node.
+    Each step the session first reads the positions that entered the target's KV cache since the
+    last step, with the target's features (on the first step: the prompt minus its last token);
+    then the tree grows: a TreeSpec level by level (greedy or sampled), a DynamicTreeSpec EAGLE-2
+    style (greedy). After verification the session forgets the tree; the accepted path comes back
+    with the target's real features on the next step.
     """
 
-    def __init__(self, head: nn.Module, target, tree: TreeSpec) -> None:
-        if not isinstance(tree, TreeSpec):
-            raise DrafterError("Medusa drafts a static tree (TreeSpec); dynamic trees need a drafter that conditions on the path")
-        if tree.max_depth > head.depth:
-            raise DrafterError(f"the tree is {tree.max_depth} deep but the Medusa head drafts {head.depth} tokens")
+    def __init__(self, head: nn.Module, target, tree: Union[TreeSpec, DynamicTreeSpec]) -> None:
+        depth = tree.max_depth if isinstance(tree, TreeSpec) else tree.depth
+        if depth > head.depth:
+            raise DrafterError(f"the tree is {depth} deep but the {head.cfg.kind} head drafts {head.depth} tokens")
         self.head = head.eval()
         self.target = target
         self.tree = tree
+        self.reset(None)
 
     def required_layers(self) -> Sequence[int]:
         return list(self.head.required_layers())
 
-    def reset(self, prompt: Tensor) -> None:
-        """Medusa heads keep no state between steps."""
+    def reset(self, prompt: Optional[Tensor]) -> None:
+        self.session = self.head.start_drafting(self.target.embed, self.target.lm_head)
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> DraftTree:
+        device = state.tokens.device
         if state.new_hidden is None or state.new_hidden.shape[1] == 0:
             # Nothing has predicted the root yet (one-token prompt): let the target take one plain step.
-            return _root_only(state.root, state.tokens.device)
-        hidden = state.new_hidden[:, -1]
-        param = next(self.head.parameters(), None)
-        if param is not None:
-            hidden = hidden.to(param.dtype)
-        logits = self.head.draft(hidden, self.target.lm_head)[0]  # [K,V]
-
-        def level_logits(frontier: Frontier) -> Tensor:
-            # depth d nodes get children from head d + 1 (row d)
-            return logits[[frontier.depths[n] for n in frontier.nodes]]
-
-        tree, _ = grow_static_tree(self.tree, state.root, level_logits, state.sampling, state.generator, logits.device)
-        return tree
-
-    def accept(self, result: VerifyResult) -> None:
-        """Nothing to roll back."""
-
-
-class EagleDrafter:
-    """An EAGLE head as a drafter: autoregressive over (feature, token) pairs with its own KV cache.
-
-    Each step the head first reads the positions that entered the target's cache since the last
-    step, with the target's real features (on the first step: the prompt); the last of them, whose
-    token is the root, yields the root's children. Tree nodes then go level by level: a node's input
-    is its parent's output and its own token, at rotary position prefix + depth - 1, seeing the
-    decided entries, its ancestors and itself. ``accept`` drops every tree entry: the accepted path
-    comes back next step with the target's real features, as EAGLE does.
-
-    ``tree``: a TreeSpec (static: greedy or sampled) or a DynamicTreeSpec (EAGLE-2: greedy).
-    """
-
-    def __init__(self, head: nn.Module, target, tree: Union[TreeSpec, DynamicTreeSpec]) -> None:
-        _check_depth(tree, head, "EAGLE")
-        self.head = head.eval()
-        self.target = target
-        self.tree = tree
-        self.reset(None)
-
-    def required_layers(self) -> Sequence[int]:
-        return list(self.head.required_layers())
-
-    def reset(self, prompt: Optional[Tensor]) -> None:
-        self.caches: list[dict] = [{} for _ in self.head.layers]
-        self.decided = 0  # cache entries of decided positions (0 .. decided-1)
-
-    def _truncate(self, length: int) -> None:
-        for cache in self.caches:
-            if cache.get("k") is not None:
-                cache["k"], cache["v"] = cache["k"][:, :, :length], cache["v"][:, :, :length]
-
-    @torch.no_grad()
-    def propose(self, state: DraftState) -> DraftTree:
-        device = state.tokens.device
-        if state.new_hidden is None or state.new_hidden.shape[1] == 0:
             return _root_only(state.root, device)
-        head, T = self.head, state.tokens.shape[1]
         M = state.new_hidden.shape[1]
-        start = T - 1 - M  # first new position; decided entries so far: 0 .. start-1
-        if start != self.decided:
-            raise DrafterError(f"the EAGLE drafter holds {self.decided} positions but the state continues at {start}; call reset(prompt) first")
-        feature = head.feature(state.new_hidden, state.new_layers)
-        tokens = state.tokens[:, start + 1 : T]  # x_{j+1} for the new positions j; the last is the root
-        positions = torch.arange(start, T - 1, device=device)
-        visible = torch.ones(M, start + M, dtype=torch.bool, device=device).tril(diagonal=start)
-        out = head.draft_step(feature, tokens, positions, self.caches, visible, self.target.embed)
-        self.decided = T - 1
-        outputs = {0: out[:, -1:]}  # node id -> its output a [1,1,D]; the root's comes from position T-2
-        slots: dict[int, int] = {}  # node id -> cache entry
-
-        def node_logits(frontier: Frontier) -> Tensor:
-            todo = [n for n in frontier.nodes if n not in outputs]
-            if todo:
-                self._forward_nodes(todo, frontier, outputs, slots, device)
-            return head.logits(torch.cat([outputs[n] for n in frontier.nodes], dim=1)[0], self.target.lm_head)
-
-        tree, _ = grow_tree(self.tree, state, node_logits, device)
-        return tree
-
-    def _forward_nodes(self, todo: list[int], frontier: Frontier, outputs: dict, slots: dict, device) -> None:
-        """One head step over tree nodes ``todo`` (their parents already have outputs)."""
-        L = self.caches[0]["k"].shape[2]
-        n = len(todo)
-        visible = torch.zeros(n, L + n, dtype=torch.bool, device=device)
-        visible[:, : self.decided] = True
-        for row, node in enumerate(todo):
-            ancestor = frontier.parents[node]
-            while ancestor > 0:
-                visible[row, slots[ancestor]] = True
-                ancestor = frontier.parents[ancestor]
-            visible[row, L + row] = True
-        feature = torch.cat([outputs[frontier.parents[node]] for node in todo], dim=1)
-        tokens = torch.tensor([[frontier.tokens[node] for node in todo]], device=device)
-        positions = torch.tensor([self.decided - 1 + frontier.depths[node] for node in todo], device=device)
-        out = self.head.draft_step(feature, tokens, positions, self.caches, visible, self.target.embed)
-        for row, node in enumerate(todo):
-            outputs[node] = out[:, row : row + 1]
-            slots[node] = L + row
-
-    def accept(self, result: VerifyResult) -> None:
-        """Drop the tree's entries; the accepted path returns with real features next step."""
-        self._truncate(self.decided)
-
-
-class HydraDrafter:
-    """Hydra heads as a drafter: the children of a node at depth d-1 come from head d, which reads
-    the context of the position that predicted the root and the embeddings of the path from the
-    root to the node. Nodes condition on their path, so static trees (greedy or sampled) and
-    dynamic trees (greedy) both work. With Hydra++'s prefix layer the drafter keeps that layer's
-    cache of decided positions (tree nodes never enter it, so ``accept`` has nothing to drop)."""
-
-    def __init__(self, head: nn.Module, target, tree: Union[TreeSpec, DynamicTreeSpec]) -> None:
-        _check_depth(tree, head, "Hydra")
-        self.head = head.eval()
-        self.target = target
-        self.tree = tree
-        self.reset(None)
-
-    def required_layers(self) -> Sequence[int]:
-        return []
-
-    def reset(self, prompt: Optional[Tensor]) -> None:
-        self.cache: dict = {}
-        self.decided = 0
-
-    @torch.no_grad()
-    def propose(self, state: DraftState) -> DraftTree:
-        device = state.tokens.device
-        if state.new_hidden is None or state.new_hidden.shape[1] == 0:
-            return _root_only(state.root, device)
-        head, M = self.head, state.new_hidden.shape[1]
         start = state.prefix_len - M
-        if start != self.decided:
-            raise DrafterError(f"the Hydra drafter holds {self.decided} positions but the state continues at {start}; call reset(prompt) first")
-        visible = torch.ones(M, start + M, dtype=torch.bool, device=device).tril(diagonal=start)
-        context = head.draft_context(state.new_hidden, torch.arange(start, start + M, device=device), self.cache, visible)[0, -1]
-        self.decided = state.prefix_len
-
-        def node_logits(frontier: Frontier) -> Tensor:
-            rows = [None] * len(frontier.nodes)
-            by_depth: dict[int, list[int]] = {}
-            for row, node in enumerate(frontier.nodes):
-                by_depth.setdefault(frontier.depths[node] + 1, []).append(row)
-            for k, members in by_depth.items():
-                paths = []
-                for row in members:
-                    node, path = frontier.nodes[row], []
-                    while node >= 0:
-                        path.append(frontier.tokens[node])
-                        node = frontier.parents[node]
-                    paths.append(path[::-1])  # root first: the k tokens x_{t+1} .. x_{t+k}
-                embeddings = self.target.embed(torch.tensor(paths, device=device))  # [n,k,D]
-                logits = head.path_logits(k, context.expand(len(members), -1), embeddings, self.target.lm_head)
-                for i, row in enumerate(members):
-                    rows[row] = logits[i]
-            return torch.stack(rows)
-
-        tree, _ = grow_tree(self.tree, state, node_logits, device)
+        if start != self.session.decided:
+            raise DrafterError(
+                f"the {self.head.cfg.kind} drafter holds {self.session.decided} positions but the state continues at {start}; "
+                "call reset(prompt) first"
+            )
+        # x_{j+1} for each new position j; the last one is the root.
+        self.session.extend(state.new_hidden, state.new_layers, state.tokens[:, start + 1 :])
+        tree, _ = grow_tree(self.tree, state, self.session.expand, device)
         return tree
 
     def accept(self, result: VerifyResult) -> None:
-        """Nothing to roll back: tree nodes never enter the prefix cache."""
-
-
-# The drafter that runs each head kind of draftsmith.heads.HEADS: (head, target, tree) -> Drafter.
-HEAD_DRAFTERS: dict[str, Callable[..., Drafter]] = {
-    "medusa": MedusaDrafter,
-    "hydra": HydraDrafter,
-    "eagle": EagleDrafter,
-}
+        """Forget the tree; the accepted path returns with real features next step."""
+        self.session.rollback()
 
 
 class StandaloneDrafter:

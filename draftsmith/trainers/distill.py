@@ -24,11 +24,12 @@ from torch import Tensor, nn
 
 from draftsmith.distill import DIVERGENCES, distillation_loss, masked_mean, sample_draft_tokens
 from draftsmith.recipe import Recipe
-from draftsmith.target import FrozenTarget, load_causal_lm
-from draftsmith.trainers import loop
+from draftsmith.runs import log
+from draftsmith.target import FrozenTarget, load_draft
+from draftsmith.trainers import checkpoint, engine, loop
 
 
-class TokenizerMismatchError(loop.TrainingError):
+class TokenizerMismatchError(engine.TrainingError):
     """The draft and the target do not share a vocabulary: speculative decoding cannot pair them."""
 
 
@@ -76,23 +77,6 @@ class DistillStep(nn.Module):
         return self.draft(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
 
 
-def apply_lora(model: nn.Module, lora) -> nn.Module:
-    """Wrap an HF causal LM in peft LoRA adapters per the recipe's draft.lora section."""
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
-
-
-def load_draft(recipe: Recipe):
-    """(draft model, tokenizer) per the recipe's draft section, LoRA-wrapped when enabled."""
-    d = recipe.draft
-    model, tokenizer = load_causal_lm(d.path, d.dtype, d.gguf_file)
-    if d.lora.enabled:
-        model = apply_lora(model, d.lora)
-    return model, tokenizer
-
-
 def trainable_only(weights: dict) -> dict:
     """A LoRA draft's checkpoint keeps the adapter: the frozen base weights are the draft's files."""
     return {k: v for k, v in weights.items() if "lora_" in k}
@@ -110,9 +94,9 @@ def draft_checkpoint_weights(accelerator, step_module: nn.Module, lora: bool) ->
     """What model.safetensors of a checkpoint gets under DeepSpeed (whose own shards are per rank):
     the draft's trainable weights in full (with LoRA, the adapter), named as the other engines
     write them. None elsewhere: accelerate writes the file itself. A collective: all ranks call it."""
-    if not loop.uses_deepspeed(accelerator):
+    if not engine.uses_deepspeed(accelerator):
         return None
-    return loop.full_state_dict(accelerator, step_module, trainable_only=lora)
+    return engine.full_state_dict(accelerator, step_module, trainable_only=lora)
 
 
 def distill_objective(recipe: Recipe, draft_logits: Tensor, target_logits: Tensor, mask: Tensor) -> Tensor:
@@ -126,29 +110,6 @@ def distill_objective(recipe: Recipe, draft_logits: Tensor, target_logits: Tenso
 
 
 class DistillTrainer:
-    needs_head = False
-    needs_draft = True
-    # Runs under DeepSpeed ZeRO when the recipe has a deepspeed: section (limits: check_deepspeed).
-    supports_deepspeed = True
-
-    @staticmethod
-    def check_deepspeed(recipe: Recipe) -> None:
-        """What this trainer cannot do under DeepSpeed, refused at load time (RecipeError)."""
-        from draftsmith.recipe import RecipeError
-
-        ds = recipe.deepspeed
-        if ds.shard_target:
-            raise RecipeError(
-                "recipe key 'deepspeed.shard_target': the distill trainer keeps a full copy of the target on every rank "
-                "(ZeRO partitions the draft); drop the key"
-            )
-        if ds.zero_stage == 3 and recipe.distill.lambda_onpolicy > 0:
-            raise RecipeError(
-                "recipe key 'distill.lambda_onpolicy' must be 0 under deepspeed.zero_stage=3: ranks sample on-policy "
-                "answers of different lengths, and a partitioned draft cannot generate out of step; use ZeRO-1/2 "
-                "(the draft is the small model) for on-policy distillation"
-            )
-
     def __init__(self, recipe: Recipe, argv: Optional[list[str]] = None) -> None:
         self.recipe = recipe
         self.argv = argv if argv is not None else loop.command_line()
@@ -163,22 +124,22 @@ class DistillTrainer:
         from draftsmith.data.regenerate import stop_token_ids
 
         r = self.recipe
-        self.accelerator = acc = loop.make_accelerator(r.train, r.deepspeed)
+        self.accelerator = acc = engine.make_accelerator(r.train, r.deepspeed)
         torch.manual_seed(r.train.seed)
-        self.resume_from = loop.open_run(acc, self.output_dir, r.train.resume)
+        self.resume_from = checkpoint.open_run(acc, self.output_dir, r.train.resume)
 
         self.target = FrozenTarget.from_config(r.target).to(acc.device)
         tokenizer = self.target.tokenizer
-        self.draft, draft_tokenizer = load_draft(r)
+        self.draft, draft_tokenizer = load_draft(r.draft)
         check_same_tokenizer(draft_tokenizer, tokenizer, r.draft.path, r.target.path)
         cache_dir = r.data_dir()
         with acc.main_process_first():
             self.data = prepare_data(r.data, tokenizer, cache_dir, target_model=self.target.model, progress=acc.is_main_process)
 
         self.step_module = DistillStep(self.draft)
-        optimizer = loop.build_optimizer(self.draft.parameters(), r.train)
-        self.scheduler = loop.build_scheduler(optimizer, r.train)
-        load_from = loop.prepare_resume(acc, self.resume_from) if self.resume_from is not None else None
+        optimizer = engine.build_optimizer(self.draft.parameters(), r.train)
+        self.scheduler = engine.build_scheduler(optimizer, r.train)
+        load_from = checkpoint.prepare_resume(acc, self.resume_from) if self.resume_from is not None else None
         self.model, self.optimizer = acc.prepare(self.step_module, optimizer)
         acc.register_for_checkpointing(self.scheduler)
         if r.draft.lora.enabled:
@@ -199,20 +160,19 @@ class DistillTrainer:
         self.step = 0
         if self.resume_from is not None:
             # strict=False: a LoRA checkpoint holds the adapter only (the base is the draft's own files).
-            state = loop.load_checkpoint(acc, self.resume_from, load_from, strict=False)
+            state = checkpoint.load_checkpoint(acc, self.resume_from, load_from, strict=False)
             self.step = state["step"]
             self.stream.load_state_dict(state["data"])
             self.onpolicy_counts = list(state.get("onpolicy_counts", [0, 0]))
             self.metrics.truncate_after(self.step)
-            loop.log(f"resumed from {self.resume_from} at step {self.step}")
-        loop.record_run(acc, r, self.output_dir, self.argv)
+            log(f"resumed from {self.resume_from} at step {self.step}")
+        checkpoint.record_run(acc, r, self.output_dir, self.argv)
         n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in self.draft.parameters() if p.requires_grad)
-        loop.log(
+        log(
             f"target {r.target.path}, draft {r.draft.path} ({n_params:,} trainable parameters"
             f"{', LoRA' if r.draft.lora.enabled else ''}); divergence {r.distill.divergence}, "
             f"on-policy fraction {r.distill.lambda_onpolicy}; {len(self.data.train)} train / {len(self.data.eval)} eval examples; "
-            f"{acc.num_processes} process(es) x micro-batch {r.train.micro_batch_size} x {r.train.grad_accum_steps} accumulation; "
-            f"engine {loop.engine_info(acc)['kind']}" + (f" ZeRO-{r.deepspeed.zero_stage}" if loop.uses_deepspeed(acc) else "")
+            + engine.describe_engine(acc, r)
         )
         return self
 
@@ -246,28 +206,27 @@ class DistillTrainer:
         mask = predicted_mask(batch["loss_mask"].to(device), batch.get("segment_ids", None))
         return draft_logits, target_logits, mask.to(device)
 
-    def train_step(self) -> dict:
-        """One optimizer step over grad_accum_steps micro-batches. Returns logged values."""
+    def advance(self) -> tuple[int, dict]:
+        """One optimizer step over grad_accum_steps micro-batches. Returns (step, logged values)."""
         acc, r = self.accelerator, self.recipe
-        losses, grad_norm = [], None
-        for self._micro in range(r.train.grad_accum_steps):
+        losses = []
+
+        def micro_loss(micro: int) -> Tensor:
+            self._micro = micro
             batch = self.collator(self.next_examples())
-            with acc.accumulate(self.model):
-                draft_logits, target_logits, mask = self._logits(batch, self.model)
-                loss = distill_objective(r, draft_logits, target_logits, mask)
-                acc.backward(loss)
-                if acc.sync_gradients:
-                    grad_norm = acc.clip_grad_norm_(self.draft.parameters(), r.train.max_grad_norm)
-                    self.optimizer.step()
-                    self.scheduler.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+            draft_logits, target_logits, mask = self._logits(batch, self.model)
+            loss = distill_objective(r, draft_logits, target_logits, mask)
             losses.append(loss.detach())
+            return loss
+
+        grad_norm = loop.optimizer_step(self, [lambda m=m: micro_loss(m) for m in range(r.train.grad_accum_steps)], self.draft.parameters())
         mean = torch.stack(losses).mean()
         mean = acc.reduce(mean, reduction="mean") if acc.num_processes > 1 else mean
-        return {
+        self.step += 1
+        return self.step, {
             "loss": float(mean),
             "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "grad_norm": grad_norm,
             "onpolicy_fraction": self.onpolicy_counts[0] / max(1, self.onpolicy_counts[1]),
         }
 
@@ -309,6 +268,9 @@ class DistillTrainer:
             "positions": int(sums[3]),
         }
 
+    def describe(self, step: int, result: dict) -> str:
+        return format_eval(step, result)
+
     def save(self) -> Path:
         state = {
             "data": self.stream.state_dict(),
@@ -318,7 +280,7 @@ class DistillTrainer:
         }
         acc = self.accelerator
         weights = draft_checkpoint_weights(acc, self.step_module, self.recipe.draft.lora.enabled)
-        path = loop.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, self.recipe.train.keep_last, weights, self.argv)
+        path = checkpoint.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, "standalone", weights, self.argv)
         self.last_checkpoint = path
         return path
 
@@ -335,7 +297,7 @@ class DistillTrainer:
             self.metrics.write(0, "eval", first)
             if acc.is_main_process:
                 print(format_eval(0, first), flush=True)
-        result, elapsed = loop.run_steps(self, "distill", format_eval)
+        result, elapsed = loop.run_loop(self, loop.Schedule.steps(self.recipe.train), self.step, "distill")
         summary = {"step": self.step, "seconds": round(elapsed, 1), **(result or first), "checkpoint": str(self.last_checkpoint)}
         if acc.is_main_process:
             (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
@@ -348,7 +310,7 @@ class DistillTrainer:
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
         if acc is not None:
-            loop.teardown(acc)
+            engine.teardown(acc)
 
 
 def format_eval(step: int, result: dict) -> str:

@@ -29,8 +29,10 @@ from torch import Tensor, nn
 from draftsmith.heads import HEADS, DraftHead
 from draftsmith.heads.base import depth_labels
 from draftsmith.recipe import Recipe
-from draftsmith.target import FrozenTarget, TargetFeatures, load_causal_lm
-from draftsmith.trainers import loop
+from draftsmith.runs import log
+from draftsmith.target import FrozenTarget, TargetFeatures, gathered_parameters, load_causal_lm
+from draftsmith.trainers import checkpoint, engine, loop
+from draftsmith.trainers.features import FeatureSource
 
 
 class HeadTrainStep(nn.Module):
@@ -61,17 +63,6 @@ class HeadTrainStep(nn.Module):
         return self.head.loss(features, loss_mask, segment_ids)
 
 
-class _DroppedDecoderLayer(nn.Module):
-    """Stands in for a target decoder layer when training from the feature cache (frees its memory)."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__()
-        self.index = index
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError(f"target decoder layer {self.index} was dropped: this run trains from the feature cache")
-
-
 def trained_positions(batch: dict) -> int:
     """Positions of a collated batch that carry a depth-1 label (the unit the loss averages over)."""
     _, valid = depth_labels(batch["input_ids"], batch["loss_mask"], 1, batch.get("segment_ids"))
@@ -92,10 +83,6 @@ def simulated_accept_length(top1: list[float]) -> float:
 
 
 class HeadTrainer:
-    needs_head = True
-    # Runs under DeepSpeed ZeRO when the recipe has a deepspeed: section (checked at load time).
-    supports_deepspeed = True
-
     def __init__(self, recipe: Recipe, argv: Optional[list[str]] = None) -> None:
         self.recipe = recipe
         self.argv = argv if argv is not None else loop.command_line()
@@ -107,66 +94,60 @@ class HeadTrainer:
         from draftsmith.data import BatchStream, Collator, prepare_data
 
         r = self.recipe
-        self.accelerator = acc = loop.make_accelerator(r.train, r.deepspeed)
-        self.shard_target = bool(r.deepspeed.shard_target and loop.uses_deepspeed(acc))
+        self.accelerator = acc = engine.make_accelerator(r.train, r.deepspeed)
+        self.shard_target = bool(r.deepspeed.shard_target and engine.uses_deepspeed(acc))
         if self.shard_target and r.data.regenerate.enabled:
-            raise loop.TrainingError(
+            raise engine.TrainingError(
                 "deepspeed.shard_target cannot regenerate answers (a partitioned target cannot generate before training "
                 "starts): regenerate in a run without shard_target, then train on that data with data.regenerate.enabled=false"
             )
         torch.manual_seed(r.train.seed)
-        self.resume_from = loop.open_run(acc, self.output_dir, r.train.resume)
+        self.resume_from = checkpoint.open_run(acc, self.output_dir, r.train.resume)
 
         self.target = load_target(r, acc, self.shard_target)
         tokenizer = self.target.tokenizer
-        self.cache_dir = r.data_dir()
         # The main process prepares (and regenerates) the data; the others then read its cache.
         with acc.main_process_first():
             self.data = prepare_data(
-                r.data, tokenizer, self.cache_dir, target_model=None if self.shard_target else self.target.model,
+                r.data, tokenizer, r.data_dir(), target_model=None if self.shard_target else self.target.model,
                 progress=acc.is_main_process,
             )
 
-        head_cls = HEADS[r.head.kind]
-        self.head = head_cls(r.head, self.target.dims)
+        self.head = HEADS[r.head.kind](r.head, self.target.dims)
         with self._target_io_weights():
             self.head.init_from_target(self.target)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.collator = Collator(pad_token_id=pad, max_length=r.data.max_length, packing=r.data.packing)
-        self.cache = self._setup_feature_cache(Collator(pad_token_id=pad, max_length=r.data.max_length))
+        self.source = FeatureSource(
+            r, self.target, self.head.required_layers(), self.data, acc, self.shard_target,
+            Collator(pad_token_id=pad, max_length=r.data.max_length), next(self.head.parameters()).dtype,
+        )  # fmt: skip
 
         self.step_module = HeadTrainStep(self.head, self.target.model if self.shard_target else None)
-        optimizer = loop.build_optimizer(self.head.parameters(), r.train)
-        self.scheduler = loop.build_scheduler(optimizer, r.train)
-        load_from = loop.prepare_resume(acc, self.resume_from) if self.resume_from is not None else None
+        optimizer = engine.build_optimizer(self.head.parameters(), r.train)
+        self.scheduler = engine.build_scheduler(optimizer, r.train)
+        load_from = checkpoint.prepare_resume(acc, self.resume_from) if self.resume_from is not None else None
         self.model, self.optimizer = acc.prepare(self.step_module, optimizer)
         acc.register_for_checkpointing(self.scheduler)
         self.stream = BatchStream(
-            self.data.train,
-            batch_size=r.train.micro_batch_size,
-            collator=self.collator,
-            seed=r.data.seed,
-            shuffle=True,
-            rank=acc.process_index,
-            world_size=acc.num_processes,
-        )
+            self.data.train, batch_size=r.train.micro_batch_size, collator=self.collator, seed=r.data.seed,
+            shuffle=True, rank=acc.process_index, world_size=acc.num_processes,
+        )  # fmt: skip
         self.metrics = loop.MetricsLog(self.output_dir, enabled=acc.is_main_process)
         self.step = 0
-        self._first_epoch_flushed = False
         if self.resume_from is not None:
-            state = loop.load_checkpoint(acc, self.resume_from, load_from)
+            state = checkpoint.load_checkpoint(acc, self.resume_from, load_from)
             self.step = state["step"]
             self.stream.load_state_dict(state["data"])
             self.metrics.truncate_after(self.step)
-            loop.log(f"resumed from {self.resume_from} at step {self.step}")
-        loop.record_run(acc, r, self.output_dir, self.argv)
+            log(f"resumed from {self.resume_from} at step {self.step}")
+        checkpoint.record_run(acc, r, self.output_dir, self.argv)
         n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in self.head.parameters() if p.requires_grad)
-        loop.log(
+        log(
             f"target {r.target.path}: {self.target.dims.num_layers} layers, hidden {self.target.dims.hidden_size}, "
             f"vocab {self.target.dims.vocab_size}; head {r.head.kind} with {n_params:,} trainable parameters; "
             f"{len(self.data.train)} train / {len(self.data.eval)} eval examples; "
-            f"{acc.num_processes} process(es) x micro-batch {r.train.micro_batch_size} x {r.train.grad_accum_steps} accumulation; "
-            f"engine {loop.engine_info(acc)['kind']}" + (f" ZeRO-{r.deepspeed.zero_stage}" if loop.uses_deepspeed(acc) else "")
+            + engine.describe_engine(acc, r)
             + f"; features {r.data.features.mode}"
         )
         return self
@@ -175,105 +156,15 @@ class HeadTrainer:
         """The target's embedding, LM head and final norm weights in full inside the block (ZeRO-3 shard_target)."""
         if not self.shard_target:
             return contextlib.nullcontext()
-        from draftsmith.data.features import gathered_parameters
-
         model = self.target.model
-        norm = getattr(model.base_model, "norm", None)  # EAGLE-3-style heads start their own norm from it
+        norm = getattr(model.base_model, "norm", None)  # heads with their own final norm start from it
         extra = [norm.weight] if getattr(norm, "weight", None) is not None else []
         return gathered_parameters([model.get_input_embeddings().weight, model.get_output_embeddings().weight, *extra])
 
-    def _setup_feature_cache(self, padding_collator):
-        """Open (and in cache mode build or complete) the feature cache; None when features are online."""
-        from draftsmith.data import features as fc
-
-        r, acc = self.recipe, self.accelerator
-        cfg = r.data.features
-        if cfg.mode == "online":
-            return None
-        folder = Path(cfg.dir) if cfg.dir else self.cache_dir / "features"
-        spec = fc.make_spec(self.target, self.head.required_layers(), cfg, self.data.train, self.data.eval, r.data.max_length)
-        splits = {"train": self.data.train, "eval": self.data.eval}
-        if cfg.mode == "cache":
-            if self.shard_target:
-                fc.open_cache(folder, spec, create=False)  # a cache of another target or layer set: one line
-                probe = fc.FeatureCache(folder, spec) if fc.read_spec(folder) is not None else None
-                if probe is None or any(probe.count(s) < len(splits[s]) for s in splits):
-                    raise loop.TrainingError(
-                        f"the feature cache {folder} is missing or incomplete and a partitioned target (deepspeed.shard_target) "
-                        "cannot build it: build it first with `draftsmith prepare` on this recipe (it loads the whole target on each rank)"
-                    )
-            else:
-                fc.build_cache(
-                    self.target, spec, splits, padding_collator, folder, cfg.shard_tokens, cfg.batch_size, cfg.reserve_gb,
-                    rank=acc.process_index, world_size=acc.num_processes, barrier=acc.wait_for_everyone, say=loop.log,
-                    progress=acc.is_main_process,
-                )
-        else:
-            # Every rank checks an existing index, so a cache of another target or layer set stops
-            # them all with the same line (none is left waiting at the barrier below).
-            fc.open_cache(folder, spec, create=False)
-            if acc.is_main_process:
-                tokens = sum(min(len(e["input_ids"]), r.data.max_length) for e in self.data.train + self.data.eval)
-                fc.check_disk(folder, spec, tokens, sum(p.stat().st_size for p in folder.glob("*.safetensors")), cfg.reserve_gb, loop.log)
-                fc.open_cache(folder, spec, create=True)
-            acc.wait_for_everyone()
-            fc.open_cache(folder, spec, create=False)
-        cache = fc.FeatureCache(folder, spec, rank=acc.process_index, shard_tokens=cfg.shard_tokens)
-        if cfg.mode == "cache":
-            for split, examples in splits.items():
-                if cache.count(split) < len(examples):
-                    raise fc.FeatureCacheError(f"feature cache {folder} holds {cache.count(split)} of {len(examples)} {split} examples after building")
-            if not self.shard_target:
-                layers = self.target.layers
-                for i in range(len(layers)):
-                    layers[i] = _DroppedDecoderLayer(i)
-        self.cache_spec = spec
-        return cache
-
     # ------------------------------------------------------------------ steps
 
-    def _features(self, split: str, ids: list[int], batch: dict) -> TargetFeatures:
-        """The target's features of a collated batch of examples `ids` of `split`: from the cache when
-        it holds them all, else from the target (and, in hybrid mode, added to the cache)."""
-        device = self.accelerator.device
-        head_dtype = next(self.head.parameters()).dtype
-        cached = self.cache is not None and self.cache.has(split, ids)
-        if self.cache is not None and self.shard_target:
-            # The partitioned target runs as a collective: every rank takes the same branch.
-            cached = not loop.any_rank(self.accelerator, not cached)
-        if cached:
-            examples = self.data.train if split == "train" else self.data.eval
-            lengths = [min(len(examples[i]["input_ids"]), self.recipe.data.max_length) for i in ids]
-            rows = self.cache.batch(split, ids, batch["segment_ids"], lengths, head_dtype)
-            return TargetFeatures(
-                input_ids=batch["input_ids"].to(device),
-                attention_mask=batch["attention_mask"].to(device),
-                logits=None,
-                hidden={i: rows[f"layer_{i}"].to(device) for i in self.cache_spec.layers},
-                final_hidden=rows["final_hidden"].to(device),
-                embed=self.target.embed,
-                lm_head=self.target.lm_head,
-            )
-        features = self.target.features(
-            batch["input_ids"].to(device),
-            attention_mask=batch["attention_mask"].to(device),
-            position_ids=batch["position_ids"].to(device) if "position_ids" in batch else None,
-            layers=self.cache_spec.layers if self.cache is not None else self.head.required_layers(),
-            need_logits=False,
-        )
-        if self.cache is not None:
-            from draftsmith.data.features import rows_from_features
-
-            examples = self.data.train if split == "train" else self.data.eval
-            lengths = [min(len(examples[i]["input_ids"]), self.recipe.data.max_length) for i in ids]
-            self.cache.add(split, ids, rows_from_features(self.target, self.cache_spec, features, batch["segment_ids"], lengths))
-        # The head trains in fp32 (or under autocast) whatever precision the target runs in.
-        features.final_hidden = features.final_hidden.to(head_dtype)
-        features.hidden = {i: h.to(head_dtype) for i, h in features.hidden.items()}
-        return features
-
-    def train_step(self) -> dict:
-        """One optimizer step over grad_accum_steps micro-batches. Returns logged values.
+    def advance(self) -> tuple[int, dict]:
+        """One optimizer step over grad_accum_steps micro-batches. Returns (step, logged values).
 
         Every micro-batch's loss is a mean over its own trained positions; it is weighted by its
         share of the step's trained positions over all ranks, so the step's gradient and logged loss
@@ -285,12 +176,7 @@ class HeadTrainer:
             ids = self.stream.next_indices()
             batch = self.collator([self.data.train[i] for i in ids])
             micro.append((ids, batch, trained_positions(batch)))
-        if self.cache is not None and self.stream.epoch >= 1 and not self._first_epoch_flushed:
-            # Hybrid mode: the first epoch is computed; write it out on every rank (all cross the
-            # epoch boundary at the same step) so later epochs read it instead of the target.
-            self.cache.flush()
-            acc.wait_for_everyone()
-            self._first_epoch_flushed = True
+        self.source.after_epoch(self.stream.epoch)
         tokens = sum(int((batch["segment_ids"] > 0).sum()) for _, batch, _ in micro)
         local = torch.tensor([float(sum(m[2] for m in micro)), float(tokens)], device=acc.device, dtype=torch.float64)
         counts = acc.reduce(local, reduction="sum") if acc.num_processes > 1 else local
@@ -298,27 +184,28 @@ class HeadTrainer:
         # DDP/DeepSpeed average gradients over ranks and accelerate divides by the accumulation.
         unit = acc.num_processes * r.train.grad_accum_steps / max(total, 1.0)
         weighted = torch.zeros((), dtype=torch.float64, device=acc.device)
-        grad_norm = None
-        for ids, batch, count in micro:
-            with acc.accumulate(self.model):
+
+        def micro_loss(ids: list[int], batch: dict, count: int) -> Callable[[], Tensor]:
+            def compute() -> Tensor:
+                nonlocal weighted
                 loss, _stats = self.model(
-                    lambda ids=ids, batch=batch: self._features("train", ids, batch),
+                    lambda: self.source.features("train", ids, batch),
                     batch["loss_mask"].to(acc.device),
                     batch["segment_ids"].to(acc.device),
                 )
-                acc.backward(loss * (count * unit))
-                if acc.sync_gradients:
-                    grad_norm = acc.clip_grad_norm_(self.head.parameters(), r.train.max_grad_norm)
-                    self.optimizer.step()
-                    self.scheduler.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-            weighted += loss.detach().double() * count
+                weighted += loss.detach().double() * count
+                return loss * (count * unit)
+
+            return compute
+
+        grad_norm = loop.optimizer_step(self, [micro_loss(*m) for m in micro], self.head.parameters())
         if acc.num_processes > 1:
             weighted = acc.reduce(weighted.reshape(1), reduction="sum")[0]
-        return {
+        self.step += 1
+        return self.step, {
             "loss": float(weighted) / max(total, 1.0),
             "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "grad_norm": grad_norm,
             "tokens": tokens,  # real (non-padding) tokens of the step over all ranks
         }
 
@@ -340,18 +227,10 @@ class HeadTrainer:
             stand_in = not ids
             ids = ids or [0]
             batch = self.collator([self.data.eval[i] for i in ids])
-            captured: dict = {}
-
-            def features(ids=ids, batch=batch):
-                captured["f"] = self._features("eval", ids, batch)
-                return captured["f"]
-
-            top5 = self.model(features)  # [B,T,K,5]
+            top5 = self.model(lambda ids=ids, batch=batch: self.source.features("eval", ids, batch))  # [B,T,K,5]
             if stand_in:
                 continue
-            labels, valid = depth_labels(
-                captured["f"].input_ids, batch["loss_mask"].to(acc.device), K, batch["segment_ids"].to(acc.device)
-            )
+            labels, valid = depth_labels(batch["input_ids"].to(acc.device), batch["loss_mask"].to(acc.device), K, batch["segment_ids"].to(acc.device))
             hit1 = (top5[..., 0] == labels) & valid
             hit5 = (top5 == labels.unsqueeze(-1)).any(-1) & valid
             hits[0] += hit1.sum(dim=(0, 1)).double()
@@ -370,6 +249,9 @@ class HeadTrainer:
             "simulated_accept_length": simulated_accept_length(top1),
         }
 
+    def describe(self, step: int, result: dict) -> str:
+        return format_eval(step, result)
+
     def save(self) -> Path:
         dims = self.target.dims
         state = {
@@ -381,14 +263,14 @@ class HeadTrainer:
                 "vocab_size": dims.vocab_size,
                 "num_layers": dims.num_layers,
                 "model_type": dims.hf_config.get("model_type", ""),
+                "hf_config": dims.hf_config,
             },
             "last_eval": getattr(self, "last_eval", None),
         }
         acc = self.accelerator
-        if self.cache is not None:
-            self.cache.flush()  # features computed so far survive an interruption
-        weights = loop.full_state_dict(acc, self.head, "head.") if loop.uses_deepspeed(acc) else None
-        path = loop.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, self.recipe.train.keep_last, weights, self.argv)
+        self.source.flush()  # features computed so far survive an interruption
+        weights = engine.full_state_dict(acc, self.head, "head.") if engine.uses_deepspeed(acc) else None
+        path = checkpoint.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, self.recipe.head.kind, weights, self.argv)
         self.last_checkpoint = path
         return path
 
@@ -398,10 +280,10 @@ class HeadTrainer:
         acc, r = self.accelerator, self.recipe
         self.last_checkpoint = self.resume_from
         self.head.train()
-        result, elapsed = loop.run_steps(self, "train", format_eval)
+        result, elapsed = loop.run_loop(self, loop.Schedule.steps(r.train), self.step, "train")
         if self.step >= r.train.max_steps and not result:
             result = self.evaluate()  # resumed after the last step: report the final figures anyway
-        summary = {"step": self.step, "seconds": round(elapsed, 1), **result, **loop.peak_memory(acc), "checkpoint": str(self.last_checkpoint)}
+        summary = {"step": self.step, "seconds": round(elapsed, 1), **result, **engine.peak_memory(acc), "checkpoint": str(self.last_checkpoint)}
         if acc.is_main_process:
             (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
         return summary
@@ -409,14 +291,13 @@ class HeadTrainer:
     def close(self) -> None:
         """Release the engine and the process group so every rank exits cleanly (also after a failed setup)."""
         acc = getattr(self, "accelerator", None)
-        if getattr(self, "cache", None) is not None:
-            self.cache.flush()
-            self.cache.close()
+        if getattr(self, "source", None) is not None:
+            self.source.close()
         self.model = self.optimizer = self.step_module = None
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
         if acc is not None:
-            loop.teardown(acc)
+            engine.teardown(acc)
 
 
 def load_target(recipe: Recipe, accelerator, shard: bool) -> FrozenTarget:
@@ -425,41 +306,10 @@ def load_target(recipe: Recipe, accelerator, shard: bool) -> FrozenTarget:
     cfg = recipe.target
     if not shard:
         return FrozenTarget.from_config(cfg).to(accelerator.device)
-    from draftsmith.data.features import gathered_parameters
-
-    model, tokenizer = load_causal_lm(cfg.path, cfg.dtype, cfg.gguf_file)
+    model, tokenizer = load_causal_lm(cfg.path, cfg.dtype, cfg.gguf_file, what="target")
     # FrozenTarget reads the vocabulary size off the LM head's weight, which is partitioned.
     with gathered_parameters([model.get_output_embeddings().weight]):
         return FrozenTarget(model, tokenizer, source=cfg.path)
-
-
-def prepare_features(recipe: Recipe, argv: Optional[list[str]] = None) -> dict:
-    """`draftsmith prepare` for a head recipe with data.features.mode=cache: the tokenized data, then
-    the feature cache. Under a launcher the ranks split the shards. Returns summary counts."""
-    from draftsmith.data import Collator, prepare_data
-    from draftsmith.data import features as fc
-
-    acc = loop.make_accelerator(recipe.train)
-    try:
-        target = FrozenTarget.from_config(recipe.target).to(acc.device)
-        tokenizer = target.tokenizer
-        cache_dir = recipe.data_dir()
-        with acc.main_process_first():
-            data = prepare_data(recipe.data, tokenizer, cache_dir, target_model=target.model, progress=acc.is_main_process)
-        cfg = recipe.data.features
-        head = HEADS[recipe.head.kind](recipe.head, target.dims)
-        spec = fc.make_spec(target, head.required_layers(), cfg, data.train, data.eval, recipe.data.max_length)
-        folder = Path(cfg.dir) if cfg.dir else cache_dir / "features"
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        fc.build_cache(
-            target, spec, {"train": data.train, "eval": data.eval}, Collator(pad_token_id=pad, max_length=recipe.data.max_length),
-            folder, cfg.shard_tokens, cfg.batch_size, cfg.reserve_gb, rank=acc.process_index, world_size=acc.num_processes,
-            barrier=acc.wait_for_everyone, say=loop.log, progress=acc.is_main_process,
-        )
-        size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-        return {**data.stats, "features_dir": str(folder), "feature_bytes": size, "bytes_per_token": spec.bytes_per_token()}
-    finally:
-        loop.teardown(acc)
 
 
 def format_eval(step: int, result: dict) -> str:

@@ -16,17 +16,17 @@ many from each of ``online.shift_to`` in order.
 from __future__ import annotations
 
 import json
-import math
-import time
 import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
+from torch import Tensor
 
 from draftsmith.recipe import Recipe
-from draftsmith.target import FrozenTarget
-from draftsmith.trainers import loop
+from draftsmith.runs import log
+from draftsmith.target import FrozenTarget, load_draft
+from draftsmith.trainers import checkpoint, engine, loop
 from draftsmith.trainers.distill import (
     DistillStep,
     check_same_tokenizer,
@@ -34,7 +34,6 @@ from draftsmith.trainers.distill import (
     distill_objective,
     draft_checkpoint_weights,
     keep_adapter_weights,
-    load_draft,
     predicted_mask,
 )
 
@@ -75,23 +74,6 @@ def encode(tokenizer, messages: list[dict], max_length: int) -> list[int]:
 
 
 class OnlineTrainer:
-    needs_head = False
-    needs_draft = True
-    # Runs under DeepSpeed ZeRO-1/2 when the recipe has a deepspeed: section (limits: check_deepspeed).
-    supports_deepspeed = True
-
-    @staticmethod
-    def check_deepspeed(recipe: Recipe) -> None:
-        """What this trainer cannot do under DeepSpeed, refused at load time (RecipeError)."""
-        from draftsmith.recipe import RecipeError
-
-        ds = recipe.deepspeed
-        if ds.zero_stage == 3 or ds.shard_target:
-            raise RecipeError(
-                "recipe key 'deepspeed.zero_stage': the online trainer serves a different request on every rank, "
-                "so the drafter cannot be partitioned (ZeRO-3); use zero1.yaml or zero2.yaml"
-            )
-
     def __init__(self, recipe: Recipe, argv: Optional[list[str]] = None) -> None:
         self.recipe = recipe
         self.argv = argv if argv is not None else loop.command_line()
@@ -105,21 +87,21 @@ class OnlineTrainer:
         from draftsmith.data.replay import ReplayBuffer
 
         r = self.recipe
-        self.accelerator = acc = loop.make_accelerator(r.train, r.deepspeed)
+        self.accelerator = acc = engine.make_accelerator(r.train, r.deepspeed)
         torch.manual_seed(r.train.seed)
-        self.resume_from = loop.open_run(acc, self.output_dir, r.train.resume)
+        self.resume_from = checkpoint.open_run(acc, self.output_dir, r.train.resume)
 
         self.target = FrozenTarget.from_config(r.target).to(acc.device)
         self.tokenizer = tokenizer = self.target.tokenizer
-        self.draft, draft_tokenizer = load_draft(r)
+        self.draft, draft_tokenizer = load_draft(r.draft)
         check_same_tokenizer(draft_tokenizer, tokenizer, r.draft.path, r.target.path)
         self.stream = stream_prompts(r)
         self.eos = stop_token_ids(tokenizer)
 
         self.step_module = DistillStep(self.draft)
-        optimizer = loop.build_optimizer(self.draft.parameters(), r.train)
-        self.scheduler = loop.build_scheduler(optimizer, r.train)
-        load_from = loop.prepare_resume(acc, self.resume_from) if self.resume_from is not None else None
+        optimizer = engine.build_optimizer(self.draft.parameters(), r.train)
+        self.scheduler = engine.build_scheduler(optimizer, r.train)
+        load_from = checkpoint.prepare_resume(acc, self.resume_from) if self.resume_from is not None else None
         self.model, self.optimizer = acc.prepare(self.step_module, optimizer)
         acc.register_for_checkpointing(self.scheduler)
         if r.draft.lora.enabled:
@@ -132,20 +114,20 @@ class OnlineTrainer:
         self.metrics = loop.MetricsLog(self.output_dir, enabled=acc.is_main_process)
         self.served = 0
         self.step = 0  # optimizer steps
+        self.window: list[tuple[int, int]] = []  # (accepted, judged) of the last online.window requests
         if self.resume_from is not None:
-            state = loop.load_checkpoint(acc, self.resume_from, load_from, strict=False)
-            self.step, self.served = state["step"], state["served"]
+            state = checkpoint.load_checkpoint(acc, self.resume_from, load_from, strict=False)
+            self.step, self.served = state["optimizer_steps"], state["step"]
             self.buffer.load_state_dict(state["buffer"])
             self.metrics.truncate_after(self.served)
-            loop.log(f"resumed from {self.resume_from} after {self.served} requests")
-        loop.record_run(acc, r, self.output_dir, self.argv)
+            log(f"resumed from {self.resume_from} after {self.served} requests")
+        checkpoint.record_run(acc, r, self.output_dir, self.argv)
         self.swap_drafter()
         sources = ", ".join(dict.fromkeys(p["source"] for p in self.stream))
-        loop.log(
+        log(
             f"serving {len(self.stream)} requests ({sources}) with draft {r.draft.path} for target {r.target.path}; "
             f"update every {r.online.update_every} requests ({r.online.steps_per_update} steps, {r.distill.divergence}); "
-            f"{acc.num_processes} process(es) x micro-batch {r.train.micro_batch_size} x {r.train.grad_accum_steps} accumulation; "
-            f"engine {loop.engine_info(acc)['kind']}" + (f" ZeRO-{r.deepspeed.zero_stage}" if loop.uses_deepspeed(acc) else "")
+            + engine.describe_engine(acc, r)
         )
         return self
 
@@ -195,42 +177,36 @@ class OnlineTrainer:
         if self.buffer.verified_tokens == 0:
             message = f"replay buffer holds no verified tokens after {self.served} requests: skipping this update"
             warnings.warn(message, EmptyReplayWarning, stacklevel=2)
-            loop.log(f"warning: {message}")
+            log(f"warning: {message}")
             return None
         self.draft.train()
         world, rank, accum = acc.num_processes, acc.process_index, r.train.grad_accum_steps
+        device = acc.device
+
+        def micro_loss(records: list[dict], step_losses: list[Tensor]) -> Tensor:
+            batch = self.collator(records)
+            ids, attention = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            target_logits = self.target.features(ids, attention_mask=attention, need_logits=True).logits
+            draft_logits, target_logits = common_vocab(self.model(ids, attention)[:, :-1], target_logits[:, :-1])
+            loss = distill_objective(r, draft_logits, target_logits, predicted_mask(batch["loss_mask"].to(device)))
+            step_losses.append(loss.detach())
+            return loss
+
         losses = []
         for _ in range(r.online.steps_per_update):
             batches = self.buffer.sample(r.train.micro_batch_size, count=accum * world)[rank::world]
-            step_losses = []
-            for records in batches:
-                batch = self.collator(records)
-                device = acc.device
-                ids, attention = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-                with acc.accumulate(self.model):
-                    target_logits = self.target.features(ids, attention_mask=attention, need_logits=True).logits
-                    draft_logits, target_logits = common_vocab(self.model(ids, attention)[:, :-1], target_logits[:, :-1])
-                    mask = predicted_mask(batch["loss_mask"].to(device))
-                    loss = distill_objective(r, draft_logits, target_logits, mask)
-                    acc.backward(loss)
-                    if acc.sync_gradients:
-                        acc.clip_grad_norm_(self.draft.parameters(), r.train.max_grad_norm)
-                        self.optimizer.step()
-                        self.scheduler.step()
-                        self.optimizer.zero_grad(set_to_none=True)
-                step_losses.append(loss.detach())
+            step_losses: list[Tensor] = []
+            loop.optimizer_step(self, [lambda b=b: micro_loss(b, step_losses) for b in batches], self.draft.parameters())
             mean = torch.stack(step_losses).mean()
             losses.append(float(acc.reduce(mean, reduction="mean") if world > 1 else mean))
             self.step += 1
         self.swap_drafter()
         mean = sum(losses) / len(losses)
-        if not math.isfinite(mean):
-            raise loop.TrainingError(f"loss became {mean} in the update after {self.served} requests")
         return {"loss": mean, "first_loss": losses[0], "last_loss": losses[-1], "buffer": len(self.buffer), "lr": self.scheduler.get_last_lr()[0]}
 
     def save(self) -> Path:
         state = {
-            "served": self.served,
+            "optimizer_steps": self.step,
             "draft": {"path": self.recipe.draft.path, "lora": self.recipe.draft.lora.enabled},
             "buffer": self.buffer.state_dict(),
             "last_eval": getattr(self, "last_eval", None),
@@ -238,55 +214,43 @@ class OnlineTrainer:
         acc = self.accelerator
         weights = draft_checkpoint_weights(acc, self.step_module, self.recipe.draft.lora.enabled)
         # Checkpoints are numbered by requests served: that is where a resumed stream picks up.
-        path = loop.save_checkpoint(acc, self.output_dir, self.served, state, self.recipe, self.recipe.train.keep_last, weights, self.argv)
+        path = checkpoint.save_checkpoint(acc, self.output_dir, self.served, state, self.recipe, "standalone", weights, self.argv)
         self.last_checkpoint = path
         return path
 
     # ------------------------------------------------------------------ the stream
 
-    def train(self) -> dict:
-        """Serve the stream. With several processes each serves one request of every round of
-        `world` consecutive requests; all ranks then see every result, in stream order."""
-        from tqdm.auto import tqdm
-
+    def advance(self) -> tuple[int, dict]:
+        """One round of the stream: with several processes each serves one of `world` consecutive
+        requests, and all ranks then see every result, in stream order. Updates the drafter when
+        an update falls due. Returns (requests served, the update's values or {})."""
         acc, r, o = self.accelerator, self.recipe, self.recipe.online
-        rank = acc.process_index
-        stop = loop.StopFlag()
-        restore = loop.install_stop_handlers(stop)
+        index = self.served + acc.process_index
+        mine = self.serve(self.stream[index], seed=r.train.seed + index) if index < len(self.stream) else None
+        before = self.served
+        for values in engine.gather_objects(acc, mine):
+            if values is None:
+                continue
+            self.buffer.add(values.pop("record"))
+            self.served += 1
+            self.window = (self.window + [(values["accepted"], values["judged"])])[-o.window :]
+            values["window_acceptance_rate"] = self.window_rate()
+            self.metrics.write(self.served, "serve", values)
+        update = {}
+        if loop.crossed(before, self.served, o.update_every) and self.served < len(self.stream):
+            update = self.update() or {}
+        return self.served, {**update, "acceptance": self.window_rate()}
+
+    def window_rate(self) -> float:
+        return sum(a for a, _ in self.window) / max(1, sum(j for _, j in self.window))
+
+    def train(self) -> dict:
+        """Serve the stream, updating the drafter every online.update_every requests."""
+        acc, r = self.accelerator, self.recipe
         self.last_checkpoint = self.resume_from
-        bar = tqdm(total=len(self.stream), initial=self.served, desc="serve", disable=not acc.is_main_process, dynamic_ncols=True)
-        started = time.time()
-        window: list[tuple[int, int]] = []
-        try:
-            while self.served < len(self.stream):
-                index = self.served + rank
-                mine = self.serve(self.stream[index], seed=r.train.seed + index) if index < len(self.stream) else None
-                before = self.served
-                for values in loop.gather_objects(acc, mine):
-                    if values is None:
-                        continue
-                    self.buffer.add(values.pop("record"))
-                    self.served += 1
-                    window = (window + [(values["accepted"], values["judged"])])[-o.window :]
-                    values["window_acceptance_rate"] = sum(a for a, _ in window) / max(1, sum(j for _, j in window))
-                    self.metrics.write(self.served, "serve", values)
-                    bar.update(1)
-                    bar.set_postfix(accept=f"{values['window_acceptance_rate']:.3f}", buffer=len(self.buffer))
-                if self.served // o.update_every > before // o.update_every and self.served < len(self.stream):
-                    update = self.update()
-                    if update is not None:
-                        self.metrics.write(self.served, "update", update)
-                stopping = loop.any_rank(acc, stop.requested)
-                done = self.served == len(self.stream)
-                if self.served // r.train.save_every > before // r.train.save_every or done or stopping:
-                    self.save()
-                if stopping:
-                    loop.log(f"stopped after {self.served} requests; resume with the same command. Checkpoint: {self.last_checkpoint}")
-                    break
-        finally:
-            bar.close()
-            restore()
-        summary = {"served": self.served, "optimizer_steps": self.step, "seconds": round(time.time() - started, 1), "checkpoint": str(self.last_checkpoint)}
+        schedule = loop.Schedule(len(self.stream), "request", log_every=1, save_every=r.train.save_every, log_kind="update")
+        _, elapsed = loop.run_loop(self, schedule, self.served, "serve")
+        summary = {"served": self.served, "optimizer_steps": self.step, "seconds": round(elapsed, 1), "checkpoint": str(self.last_checkpoint)}
         if acc.is_main_process:
             summary.update(acceptance_by_source(self.output_dir))
             (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
@@ -299,7 +263,7 @@ class OnlineTrainer:
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
         if acc is not None:
-            loop.teardown(acc)
+            engine.teardown(acc)
 
 
 def serve_records(output_dir: str | Path) -> list[dict]:

@@ -3,29 +3,16 @@ agreement up), the target stays frozen, checkpoints hold no target weights, an i
 resumes to the uninterrupted run's losses, and bad input fails with one clear line."""
 
 import json
-import os
-import random
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.recipe import RecipeError, load_recipe
-from draftsmith.testing import save_tiny_model
-from draftsmith.trainers import TRAINERS, loop
-
-WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
-
-
-def write_chats(path: Path, n: int = 40, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    with open(path, "w") as fh:
-        for _ in range(n):
-            words = [rng.choice(WORDS) for _ in range(3)]
-            fh.write(json.dumps({"messages": [{"role": "user", "content": "say " + " ".join(words)}, {"role": "assistant", "content": " ".join(words * 2)}]}) + "\n")
-    return path
+from draftsmith.recipe import RecipeError
+from draftsmith.runs import list_checkpoints
+from draftsmith.testing import run_trainer, save_tiny_model, write_chats, write_recipe
+from draftsmith.trainers import TRAINERS
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +26,7 @@ def models(tmp_path_factory):
 
 def make_recipe(tmp_path: Path, models, name: str, *overrides: str):
     target, draft = models
-    data = write_chats(tmp_path / "chats.jsonl")
+    data = write_chats(tmp_path / "chats.jsonl", words=3)
     text = f"""
 trainer: distill
 output_dir: {tmp_path / name}
@@ -49,32 +36,11 @@ data: {{path: {data}, eval_size: 8, max_length: 64, seed: 1}}
 distill: {{divergence: fkl}}
 train: {{micro_batch_size: 4, max_steps: 24, lr: 0.01, warmup_steps: 2, log_every: 1, eval_every: 24, save_every: 8}}
 """
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(text)
-    return load_recipe(path, overrides=list(overrides))
+    return write_recipe(tmp_path / f"{name}.yaml", text, *overrides)
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
-
-
-def run(recipe, interrupt_at: int | None = None):
-    trainer = TRAINERS[recipe.trainer](recipe, argv=["draftsmith", "train", "test"]).setup()
-    if interrupt_at is not None:
-        original = trainer.train_step
-
-        def step_then_signal():
-            values = original()
-            if trainer.step + 1 == interrupt_at:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return values
-
-        trainer.train_step = step_then_signal
-    try:
-        summary = trainer.train()
-    finally:
-        trainer.close()
-    return trainer, summary
 
 
 def target_weights(trainer) -> dict:
@@ -113,9 +79,9 @@ def test_distill_moves_draft_towards_target(tmp_path, models, divergence):
 
 def test_checkpoint_holds_draft_only_and_resume_reproduces(tmp_path, models):
     recipe = make_recipe(tmp_path, models, "full", "train.max_steps=12", "train.save_every=4", "train.eval_every=12", "distill.lambda_onpolicy=0.5", "distill.onpolicy_max_new_tokens=8")
-    trainer, _ = run(recipe)
+    trainer, _, _ = run_trainer(recipe)
     full = {r["step"]: r["loss"] for r in records(tmp_path / "full", "train")}
-    ckpt = loop.list_checkpoints(tmp_path / "full")[-1]
+    ckpt = list_checkpoints(tmp_path / "full")[-1]
     weights = load_file(str(ckpt / "model.safetensors"))
     draft_keys = {f"draft.{k}" for k in trainer.draft.state_dict()}
     assert set(weights) == draft_keys
@@ -123,9 +89,9 @@ def test_checkpoint_holds_draft_only_and_resume_reproduces(tmp_path, models):
     assert not any(v.shape == t.shape and torch.equal(v, t) for v in weights.values() for t in target_values)
 
     recipe2 = make_recipe(tmp_path, models, "resumed", "train.max_steps=12", "train.save_every=4", "train.eval_every=12", "distill.lambda_onpolicy=0.5", "distill.onpolicy_max_new_tokens=8")
-    run(recipe2, interrupt_at=6)
-    assert loop.list_checkpoints(tmp_path / "resumed")[-1].name == "step-000006"
-    run(recipe2)
+    run_trainer(recipe2, interrupt_at=6)
+    assert list_checkpoints(tmp_path / "resumed")[-1].name == "step-000006"
+    run_trainer(recipe2)
     resumed = {r["step"]: r["loss"] for r in records(tmp_path / "resumed", "train")}
     assert sorted(resumed) == sorted(full)
     for step in full:
@@ -158,8 +124,8 @@ def test_lora_checkpoint_holds_adapter_only(tmp_path, models):
     recipe = make_recipe(
         tmp_path, models, "lora", "draft.lora.enabled=true", "draft.lora.r=4", "train.max_steps=4", "train.save_every=4", "train.eval_every=4"
     )
-    trainer, summary = run(recipe)
-    weights = load_file(str(loop.list_checkpoints(tmp_path / "lora")[-1] / "model.safetensors"))
+    trainer, summary, _ = run_trainer(recipe)
+    weights = load_file(str(list_checkpoints(tmp_path / "lora")[-1] / "model.safetensors"))
     assert weights and all("lora_" in k for k in weights)
 
 

@@ -9,10 +9,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from draftsmith.cli import main
 from draftsmith.recipe import load_recipe
-from draftsmith.testing import save_tiny_model, tiny_tokenizer
+from draftsmith.testing import save_tiny_model, tiny_tokenizer, write_chats
 from draftsmith.trainers import TRAINERS
-
-from test_distill import write_chats
 
 
 def tied_draft(folder: Path) -> Path:
@@ -36,7 +34,7 @@ def test_export_loads_in_runtime_and_transformers(tmp_path):
 
     target_dir = save_tiny_model(tmp_path / "target", "llama", seed=0)
     draft_dir = tied_draft(tmp_path / "draft")
-    data = write_chats(tmp_path / "chats.jsonl", n=16)
+    data = write_chats(tmp_path / "chats.jsonl", n=16, words=3)
     (tmp_path / "r.yaml").write_text(f"""
 trainer: distill
 output_dir: {tmp_path / 'run'}

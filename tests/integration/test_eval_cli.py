@@ -3,17 +3,11 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from draftsmith.export import export_heads
-from draftsmith.testing import save_tiny_model
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_train_heads import make_recipe, run  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
+from draftsmith.testing import REPO, heads_recipe, run_trainer, save_tiny_model
 
 
 def cli(*args):
@@ -23,8 +17,8 @@ def cli(*args):
 @pytest.fixture(scope="module")
 def head_export(tmp_path_factory, tiny_llama_dir):
     tmp = tmp_path_factory.mktemp("eval")
-    recipe = make_recipe(tmp, tiny_llama_dir, "run", "train.max_steps=8", "head.num_heads=3")
-    run(recipe)
+    recipe = heads_recipe(tmp, tiny_llama_dir, "run", "train.max_steps=8", "head.num_heads=3")
+    run_trainer(recipe)
     return export_heads(recipe.output_dir, tmp / "export"), tmp
 
 
@@ -114,13 +108,3 @@ def test_sampling_flags_are_checked_before_anything_loads(head_export):
         proc = cli("generate", "--drafter", export, "--prompt", "hi", flag, value)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
         assert f"argument {flag}: must be" in proc.stderr and words in proc.stderr, proc.stderr
-
-
-def test_head_kind_without_a_runtime_drafter_is_refused(head_export, monkeypatch):
-    from draftsmith.eval import run as eval_run
-    from draftsmith.runtime.drafters import DrafterError
-
-    export, _ = head_export
-    monkeypatch.setattr(eval_run, "HEAD_DRAFTERS", {})
-    with pytest.raises(DrafterError, match="no drafter for medusa heads"):
-        eval_run.load_drafter(export)

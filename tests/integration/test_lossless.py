@@ -15,7 +15,7 @@ from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.hydra import HydraConfig, HydraHead
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead
 from draftsmith.runtime import verify as verify_module
-from draftsmith.runtime.drafters import EagleDrafter, HydraDrafter, MedusaDrafter, StandaloneDrafter
+from draftsmith.runtime.drafters import HeadDrafter, StandaloneDrafter
 from draftsmith.runtime.generate import speculative_generate
 from draftsmith.runtime.tree import DynamicTreeSpec, TreeSpec, default_tree
 from draftsmith.runtime.verify import logits_to_probs
@@ -23,13 +23,7 @@ from draftsmith.target import FrozenTarget
 from draftsmith.testing import tiny_causal_lm, tiny_tokenizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: one intra-op thread is faster, and idle OpenMP threads spin on a busy 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = [
     "Hi",
@@ -95,13 +89,14 @@ def setup(request):
 
 DRAFTERS = {
     # name: (build(target, other, noisy), must everything be accepted?)
-    "medusa-chain": (lambda t, o, n: MedusaDrafter(_random_medusa(t, 1), t, TreeSpec.chain(4)), False),
-    "medusa-tree": (lambda t, o, n: MedusaDrafter(_random_medusa(t, 2), t, default_tree(4, (4, 2, 2, 1))), False),
-    "hydra-tree": (lambda t, o, n: HydraDrafter(_random_hydra(t, 6), t, default_tree(4, (4, 2, 2, 1))), False),
-    "hydra++-dynamic": (lambda t, o, n: HydraDrafter(_random_hydra(t, 7, prefix_attention=True), t, DynamicTreeSpec(depth=4, topk=3, budget=10)), False),
-    "eagle-chain": (lambda t, o, n: EagleDrafter(_random_eagle(t, 3), t, TreeSpec.chain(4)), False),
-    "eagle-tree": (lambda t, o, n: EagleDrafter(_random_eagle(t, 4, num_layers=2), t, default_tree(4, (4, 2, 2, 1))), False),
-    "eagle-dynamic": (lambda t, o, n: EagleDrafter(_random_eagle(t, 5, feature_layers=[0, -1], regression_weight=0.0), t, DynamicTreeSpec(depth=4, topk=3, budget=10)), False),
+    "medusa-chain": (lambda t, o, n: HeadDrafter(_random_medusa(t, 1), t, TreeSpec.chain(4)), False),
+    "medusa-tree": (lambda t, o, n: HeadDrafter(_random_medusa(t, 2), t, default_tree(4, (4, 2, 2, 1))), False),
+    "hydra-tree": (lambda t, o, n: HeadDrafter(_random_hydra(t, 6), t, default_tree(4, (4, 2, 2, 1))), False),
+    "hydra++-dynamic": (lambda t, o, n: HeadDrafter(_random_hydra(t, 7, prefix_attention=True), t, DynamicTreeSpec(depth=4, topk=3, budget=10)), False),
+    "eagle-chain": (lambda t, o, n: HeadDrafter(_random_eagle(t, 3), t, TreeSpec.chain(4)), False),
+    "eagle-tree": (lambda t, o, n: HeadDrafter(_random_eagle(t, 4, num_layers=2), t, default_tree(4, (4, 2, 2, 1))), False),
+    "eagle-dynamic": (lambda t, o, n: HeadDrafter(_random_eagle(t, 5), t, DynamicTreeSpec(depth=4, topk=3, budget=10)), False),
+    "medusa-dynamic": (lambda t, o, n: HeadDrafter(_random_medusa(t, 8), t, DynamicTreeSpec(depth=3, topk=3, budget=8)), False),
     "other-lm-chain": (lambda t, o, n: StandaloneDrafter(o, TreeSpec.chain(3)), False),
     "noisy-chain": (lambda t, o, n: StandaloneDrafter(n, TreeSpec.chain(4)), False),
     "noisy-tree": (lambda t, o, n: StandaloneDrafter(n, default_tree(4, (3, 2, 2, 1))), False),

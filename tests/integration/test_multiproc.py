@@ -8,41 +8,26 @@ makes 2 ranks x micro-batch 2 and 1 rank x micro-batch 2 x 2 accumulation the sa
 to floating-point reduction order.
 
 Runtime: each launch costs 15-30 s on 2 loaded cores, most of it importing torch, transformers and
-DeepSpeed; the DeepSpeed CPU shm op is never compiled (draftsmith.trainers.loop._skip_cpu_shm_op).
+DeepSpeed; the DeepSpeed CPU shm op is never compiled (draftsmith.trainers.engine._skip_cpu_shm_op).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import random
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from draftsmith.recipe import load_recipe
-from draftsmith.trainers import TRAINERS, loop
+from draftsmith.runs import read_state
+from draftsmith.testing import REPO, assert_same_curve, launch, logged, write_chats
+from draftsmith.trainers import TRAINERS
 
 pytestmark = pytest.mark.multiproc
 
-REPO = Path(__file__).resolve().parents[2]
-WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
 REL = 1e-4
-
-
-def write_chats(path: Path, n: int = 40) -> Path:
-    rng = random.Random(0)
-    with open(path, "w") as fh:
-        for _ in range(n):
-            words = [rng.choice(WORDS) for _ in range(4)]
-            turns = [{"role": "user", "content": "say " + " ".join(words)}, {"role": "assistant", "content": " ".join(words * 2)}]
-            fh.write(json.dumps({"messages": turns}) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -71,51 +56,7 @@ train: {{micro_batch_size: 2, global_batch_size: 4, max_steps: 6, lr: 0.01, warm
         summary = trainer.train()
     finally:
         trainer.close()
-    return {"root": root, "base": base, "reference": losses(root / "one"), "summary": summary}
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
-
-
-def env() -> dict:
-    out = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    out.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    return out
-
-
-LAUNCHERS = {
-    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node={n}", "-m"],
-    # accelerate 1.15 on CPU: --cpu would silently run one process; --multi_gpu with
-    # ACCELERATE_USE_CPU=true runs N (docs/ENVIRONMENT.md).
-    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes={n}", "-m"],
-    # The deepspeed launcher injects --local_rank=N into the command line and sets no OMP_NUM_THREADS.
-    "deepspeed": [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus={n}", "--module"],
-}
-
-
-def launch(*args: str, nproc: int = 2, timeout: int = 300, launcher: str = "torchrun") -> subprocess.CompletedProcess:
-    """`LAUNCHER ... -m draftsmith.cli train ARGS` with N processes (torchrun by default), or one plain process."""
-    if nproc > 1:
-        cmd = [part.format(n=nproc) for part in LAUNCHERS[launcher]] + ["draftsmith.cli", "train", *args]
-    else:
-        cmd = [sys.executable, "-m", "draftsmith.cli", "train", *args]
-    environment = env()
-    if launcher == "accelerate":
-        environment["ACCELERATE_USE_CPU"] = "true"
-    if launcher == "deepspeed":
-        environment.pop("OMP_NUM_THREADS", None)  # as on a machine where nobody set it
-    done = subprocess.run(cmd, cwd=REPO, env=environment, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    assert "terminate called" not in done.stderr  # the teardown trap (docs/ENVIRONMENT.md)
-    return done
-
-
-def assert_same_curve(run_dir: Path, reference: dict[int, float], steps=range(1, 7)) -> None:
-    got = losses(run_dir)
-    for step in steps:
-        assert got[step] == pytest.approx(reference[step], rel=REL), (step, got, reference)
+    return {"root": root, "base": base, "reference": logged(root / "one"), "summary": summary}
 
 
 def test_ddp_two_processes_give_the_one_process_curve(setup):
@@ -146,7 +87,7 @@ def test_zero2_from_a_feature_cache_trains_saves_and_a_two_process_checkpoint_re
     assert len(list(features.glob("train-*.safetensors"))) > 4  # split between the ranks
     assert_same_curve(out, setup["reference"])
     ckpt = out / "checkpoints" / "step-000006"
-    state = json.loads((ckpt / loop.STATE_FILE).read_text())
+    state = read_state(ckpt)
     assert state["engine"] == {"kind": "deepspeed", "zero_stage": 2, "world_size": 2}
     assert sorted(p.name for p in (ckpt / "pytorch_model").iterdir()) == [
         "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -202,7 +143,7 @@ def test_deepspeed_launcher_with_zero1_gives_the_one_process_curve(setup):
     # The launcher sets no thread count; draftsmith splits the cores between the ranks itself.
     assert "OMP_NUM_THREADS was not set by the launcher" in done.stdout
     assert_same_curve(out, setup["reference"])
-    assert json.loads((out / "checkpoints" / "step-000006" / loop.STATE_FILE).read_text())["engine"]["zero_stage"] == 1
+    assert read_state(out / "checkpoints" / "step-000006")["engine"]["zero_stage"] == 1
 
 
 def test_zero3_with_a_replicated_target_resumes_a_two_process_checkpoint_in_one_process(setup):

@@ -19,9 +19,11 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.recipe import load_recipe
-from draftsmith.trainers import TRAINERS, loop
+from draftsmith.runs import list_checkpoints, read_state
+from draftsmith.testing import REPO, assert_same_curve, launch, logged, write_chats
+from draftsmith.trainers import TRAINERS
 
-from test_multiproc import REL, REPO, assert_same_curve, launch, losses, write_chats
+REL = 1e-4
 
 pytestmark = pytest.mark.multiproc
 
@@ -33,7 +35,7 @@ def one_process_curve(base: Path, out: Path, *overrides: str) -> dict[int, float
         trainer.train()
     finally:
         trainer.close()
-    return losses(out)
+    return logged(out)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +91,7 @@ def test_zero2_with_a_lora_draft_saves_the_adapter_exports_and_resumes_in_one_pr
     assert "engine deepspeed ZeRO-2" in done.stdout
     assert_same_curve(out, setup["lora_curve"])
     ckpt = out / "checkpoints" / "step-000006"
-    state = json.loads((ckpt / loop.STATE_FILE).read_text())
+    state = read_state(ckpt)
     assert state["engine"] == {"kind": "deepspeed", "zero_stage": 2, "world_size": 2}
     # The adapter in full beside the shards, under the names the one-process run writes.
     one = load_file(str(setup["root"] / "one-lora" / "checkpoints" / "step-000006" / "model.safetensors"))
@@ -135,7 +137,7 @@ def test_onpolicy_answers_under_zero2(setup):
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2]
     assert 0.0 < train[-1]["onpolicy_fraction"] < 1.0
-    assert loop.list_checkpoints(out)[-1].name == "step-000002"
+    assert list_checkpoints(out)[-1].name == "step-000002"
 
 
 def test_online_serving_on_two_ranks_gives_the_one_process_stream(setup):
@@ -172,7 +174,7 @@ train: {{micro_batch_size: 2, global_batch_size: 4, lr: 0.01, lr_schedule: const
     assert len(updates(one)) == len(updates(two)) == 3  # after requests 2, 4, 6
     for x, y in zip(updates(one), updates(two)):
         assert y["loss"] == pytest.approx(x["loss"], rel=REL)
-    assert [c.name for c in loop.list_checkpoints(two)] == ["step-000004", "step-000008"]
+    assert [c.name for c in list_checkpoints(two)] == ["step-000004", "step-000008"]
     assert json.loads((two / "final_metrics.json").read_text())["served"] == 8
 
     # The same under DeepSpeed ZeRO-2, which keeps the drafter whole on every rank for serving.

@@ -18,21 +18,13 @@ import pytest
 from draftsmith import cli
 from draftsmith.heads.medusa import MedusaHead
 from draftsmith.recipe import load_recipe
+from draftsmith.runs import list_checkpoints, read_state
+from draftsmith.testing import REPO, launch_env, write_chats
 from draftsmith.trainers import TRAINERS, loop
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def recipe_file(tmp_path: Path, model_dir: Path, **train) -> Path:
-    import random
-
-    rng = random.Random(0)
-    data = tmp_path / "chats.jsonl"
-    words = ["red", "blue", "green", "cat", "dog", "sun"]
-    with open(data, "w") as fh:
-        for _ in range(24):
-            w = [rng.choice(words) for _ in range(3)]
-            fh.write(json.dumps({"messages": [{"role": "user", "content": " ".join(w)}, {"role": "assistant", "content": " ".join(w * 2)}]}) + "\n")
+    data = write_chats(tmp_path / "chats.jsonl", n=24, words=3)
     settings = {"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 6, "lr": 0.01, "log_every": 1, "eval_every": 1000, "save_every": 4, **train}
     path = tmp_path / "recipe.yaml"
     path.write_text(
@@ -86,8 +78,7 @@ def children_by_rank(parent: int) -> dict[int, int]:
 @pytest.mark.multiproc
 def test_sigterm_to_one_rank_checkpoints_every_rank_and_exits_zero(tmp_path, tiny_llama_dir):
     path = recipe_file(tmp_path, tiny_llama_dir, max_steps=100000, save_every=100000, lr_schedule="constant")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = launch_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "draftsmith.cli", "train", str(path)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run = tmp_path / "run"
@@ -108,8 +99,8 @@ def test_sigterm_to_one_rank_checkpoints_every_rank_and_exits_zero(tmp_path, tin
     assert proc.returncode == 0, out[-2000:] + err[-4000:]
     assert "SIGTERM received" in out and "stopped at step" in out
     assert "terminate called" not in err
-    (ckpt,) = loop.list_checkpoints(run)
-    stopped = json.loads((ckpt / loop.STATE_FILE).read_text())["step"]
+    (ckpt,) = list_checkpoints(run)
+    stopped = read_state(ckpt)["step"]
     assert stopped == max(logged_steps(run)) >= 3
     assert stopped < 100000
 
@@ -141,7 +132,7 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_the_last_good_checkpoint(t
     good = tmp_path / "run" / "checkpoints" / "step-000004"
     assert errors == [f"error: loss became nan at step 6; the last good checkpoint is {good}"]
     # Nothing is lost: the good checkpoint is intact and nothing was written for the broken step.
-    assert [p.name for p in loop.list_checkpoints(tmp_path / "run")] == ["step-000004"]
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-000004"]
     assert max(logged_steps(tmp_path / "run")) == 5
 
 

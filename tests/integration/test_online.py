@@ -2,8 +2,8 @@
 learns from what the target verified; the target stays frozen; an empty buffer warns, never crashes;
 the simulation script plots the curve."""
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +14,7 @@ from draftsmith.testing import save_tiny_model
 from draftsmith.trainers import TRAINERS
 from draftsmith.trainers.online import EmptyReplayWarning, serve_records
 
-ROOT = Path(__file__).resolve().parents[2]
+from draftsmith.testing import REPO as ROOT
 
 
 def write_prompts(path: Path, words: list[str], n: int) -> Path:
@@ -95,11 +95,9 @@ def test_update_with_empty_buffer_warns_and_goes_on(setup_dir):
 
 def test_simulate_online_script_plots(setup_dir, tmp_path, monkeypatch):
     root, target, draft, chat, code = setup_dir
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import simulate_online
-    finally:
-        sys.path.pop(0)
+    spec = importlib.util.spec_from_file_location("simulate_online", ROOT / "scripts" / "simulate_online.py")
+    simulate_online = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(simulate_online)
     out = tmp_path / "sim"
     rc = simulate_online.main([
         "--target", str(target), "--draft", str(draft), "--first", str(chat), "--then", str(code),

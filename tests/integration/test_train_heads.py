@@ -1,79 +1,22 @@
 """The head trainer on a tiny random model: loss goes down, the target stays frozen, checkpoints are
 atomic and hold only head weights, and an interrupted run resumes to the uninterrupted run's losses."""
 
-import json
-import os
-import random
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.recipe import load_recipe
-from draftsmith.trainers import TRAINERS, loop
-
-WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
-
-
-def write_chats(path: Path, n: int = 40, seed: int = 0) -> Path:
-    """Conversations whose answers follow a learnable rule: each answer repeats the question's words."""
-    rng = random.Random(seed)
-    with open(path, "w") as fh:
-        for _ in range(n):
-            words = [rng.choice(WORDS) for _ in range(4)]
-            question = "say " + " ".join(words)
-            answer = " ".join(words + words)
-            fh.write(json.dumps({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}) + "\n")
-    return path
-
-
-def make_recipe(tmp_path: Path, model_dir: Path, name: str, *overrides: str):
-    data = write_chats(tmp_path / "chats.jsonl")
-    text = f"""
-trainer: heads
-output_dir: {tmp_path / name}
-target: {{path: {model_dir}}}
-data: {{path: {data}, eval_size: 8, max_length: 96, seed: 1}}
-head: {{kind: medusa, num_heads: 2, num_layers: 1, lm_head: own}}
-train: {{micro_batch_size: 4, max_steps: 30, lr: 0.01, warmup_steps: 2, log_every: 1, eval_every: 30, save_every: 10}}
-"""
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(text)
-    return load_recipe(path, overrides=list(overrides))
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
-
-
-def run(recipe, interrupt_at: int | None = None):
-    trainer = TRAINERS[recipe.trainer](recipe, argv=["draftsmith", "train", "test"]).setup()
-    if interrupt_at is not None:
-        original = trainer.train_step
-
-        def step_then_signal():
-            values = original()
-            if trainer.step + 1 == interrupt_at:  # the loop increments step after this returns
-                os.kill(os.getpid(), signal.SIGTERM)
-            return values
-
-        trainer.train_step = step_then_signal
-    target_before = {k: v.clone() for k, v in trainer.target.model.state_dict().items()}
-    try:
-        summary = trainer.train()
-        trainer.optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-    finally:
-        trainer.close()
-    return trainer, summary, target_before
+from draftsmith.runs import checkpoint_root, list_checkpoints, read_state
+from draftsmith.testing import heads_recipe, logged, run_trainer
+from draftsmith.trainers import TRAINERS
+from draftsmith.trainers.engine import TrainingError
 
 
 def test_loss_decreases_target_frozen_checkpoint_clean(tmp_path, tiny_llama_dir):
-    recipe = make_recipe(tmp_path, tiny_llama_dir, "golden")
-    trainer, summary, target_before = run(recipe)
-    curve = losses(Path(recipe.output_dir))
+    recipe = heads_recipe(tmp_path, tiny_llama_dir, "golden")
+    trainer, summary, target_before = run_trainer(recipe)
+    curve = logged(Path(recipe.output_dir))
     first, last = sum(curve[s] for s in (1, 2, 3)) / 3, sum(curve[s] for s in (28, 29, 30)) / 3
     assert last < 0.8 * first, curve
 
@@ -83,17 +26,18 @@ def test_loss_decreases_target_frozen_checkpoint_clean(tmp_path, tiny_llama_dir)
     assert {id(p) for p in trainer.optimized} == {id(p) for p in trainer.head.parameters()}
 
     # Checkpoints: only complete step-N folders, the newest keep_last of them, no target tensors.
-    ckpts = loop.list_checkpoints(recipe.output_dir)
+    ckpts = list_checkpoints(recipe.output_dir)
     assert [c.name for c in ckpts] == ["step-000020", "step-000030"]
-    assert not list(loop.checkpoint_root(recipe.output_dir).glob(".tmp-*"))
+    assert not list(checkpoint_root(recipe.output_dir).glob(".tmp-*"))
     weights = load_file(str(ckpts[-1] / "model.safetensors"))
     assert weights and all(k.startswith("head.") for k in weights)
     head_params = {f"head.{k}" for k in trainer.head.state_dict()}
     assert set(weights) == head_params
     target_names = set(trainer.target.model.state_dict())
     assert not any(k.removeprefix("head.") in target_names for k in weights)
-    state = json.loads((ckpts[-1] / "trainer_state.json").read_text())
+    state = read_state(ckpts[-1])
     assert state["step"] == 30 and "data" in state
+    assert state["trainer"] == "heads" and state["drafter"] == {"kind": "medusa"}
     assert (ckpts[-1] / "recipe.yaml").is_file() and (ckpts[-1] / "command.txt").is_file()
     assert (Path(recipe.output_dir) / "recipe.yaml").is_file()
 
@@ -105,43 +49,43 @@ def test_loss_decreases_target_frozen_checkpoint_clean(tmp_path, tiny_llama_dir)
 
 
 def test_sigterm_then_resume_reproduces_uninterrupted_losses(tmp_path, tiny_llama_dir):
-    full = make_recipe(tmp_path, tiny_llama_dir, "full", "train.max_steps=12", "train.save_every=100")
-    run(full)
-    reference = losses(Path(full.output_dir))
+    full = heads_recipe(tmp_path, tiny_llama_dir, "full", "train.max_steps=12", "train.save_every=100")
+    run_trainer(full)
+    reference = logged(Path(full.output_dir))
 
-    broken = make_recipe(tmp_path, tiny_llama_dir, "broken", "train.max_steps=12", "train.save_every=100")
-    trainer, summary, _ = run(broken, interrupt_at=5)
+    broken = heads_recipe(tmp_path, tiny_llama_dir, "broken", "train.max_steps=12", "train.save_every=100")
+    trainer, summary, _ = run_trainer(broken, interrupt_at=5)
     assert summary["step"] == 5
-    assert [c.name for c in loop.list_checkpoints(broken.output_dir)] == ["step-000005"]
+    assert [c.name for c in list_checkpoints(broken.output_dir)] == ["step-000005"]
 
     # A crash while writing the next checkpoint leaves a temporary folder; it must not be picked up.
-    (loop.checkpoint_root(broken.output_dir) / ".tmp-step-000008").mkdir()
-    (loop.checkpoint_root(broken.output_dir) / "step-000009").mkdir()  # no trainer_state.json: corrupt
-    run(broken)
-    resumed = losses(Path(broken.output_dir))
+    (checkpoint_root(broken.output_dir) / ".tmp-step-000008").mkdir()
+    (checkpoint_root(broken.output_dir) / "step-000009").mkdir()  # no trainer_state.json: corrupt
+    run_trainer(broken)
+    resumed = logged(Path(broken.output_dir))
     assert sorted(resumed) == sorted(reference) == list(range(1, 13))
     for step in reference:
         assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
 
 
 def test_resume_never_refuses_to_overwrite(tmp_path, tiny_llama_dir):
-    recipe = make_recipe(tmp_path, tiny_llama_dir, "once", "train.max_steps=2", "train.save_every=1")
-    run(recipe)
-    again = make_recipe(tmp_path, tiny_llama_dir, "once", "train.max_steps=2", "train.resume=never")
-    with pytest.raises(loop.TrainingError, match="already holds checkpoints"):
+    recipe = heads_recipe(tmp_path, tiny_llama_dir, "once", "train.max_steps=2", "train.save_every=1")
+    run_trainer(recipe)
+    again = heads_recipe(tmp_path, tiny_llama_dir, "once", "train.max_steps=2", "train.resume=never")
+    with pytest.raises(TrainingError, match="already holds checkpoints"):
         TRAINERS["heads"](again).setup()
 
 
 def test_damaged_checkpoint_is_skipped_and_explicit_resume_works(tmp_path, tiny_llama_dir, capsys):
-    first = make_recipe(tmp_path, tiny_llama_dir, "first", "train.max_steps=4", "train.save_every=2")
-    run(first)
-    reference = losses(Path(first.output_dir))
-    step2, step4 = loop.list_checkpoints(first.output_dir)
+    first = heads_recipe(tmp_path, tiny_llama_dir, "first", "train.max_steps=4", "train.save_every=2")
+    run_trainer(first)
+    reference = logged(Path(first.output_dir))
+    step2, step4 = list_checkpoints(first.output_dir)
 
     # Continue from an explicit checkpoint of another run, into a fresh output_dir.
-    fork = make_recipe(tmp_path, tiny_llama_dir, "fork", "train.max_steps=4", f"train.resume={step2}")
-    _, summary, _ = run(fork)
-    forked = losses(Path(fork.output_dir))
+    fork = heads_recipe(tmp_path, tiny_llama_dir, "fork", "train.max_steps=4", f"train.resume={step2}")
+    _, summary, _ = run_trainer(fork)
+    forked = logged(Path(fork.output_dir))
     assert sorted(forked) == [3, 4] and summary["step"] == 4
     for step in (3, 4):
         assert forked[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6)
@@ -152,7 +96,7 @@ def test_damaged_checkpoint_is_skipped_and_explicit_resume_works(tmp_path, tiny_
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
     capsys.readouterr()
-    again = make_recipe(tmp_path, tiny_llama_dir, "first", "train.max_steps=4", "train.save_every=2")
+    again = heads_recipe(tmp_path, tiny_llama_dir, "first", "train.max_steps=4", "train.save_every=2")
     trainer = TRAINERS["heads"](again, argv=["test"]).setup()
     try:
         assert trainer.resume_from == step2 and trainer.step == 2
@@ -165,11 +109,11 @@ def test_damaged_checkpoint_is_skipped_and_explicit_resume_works(tmp_path, tiny_
 def test_a_run_that_fails_to_set_up_keeps_what_was_there(tmp_path, tiny_llama_dir):
     from draftsmith.data import DataError
 
-    recipe = make_recipe(tmp_path, tiny_llama_dir, "keep", "train.max_steps=1")
-    run(recipe)
+    recipe = heads_recipe(tmp_path, tiny_llama_dir, "keep", "train.max_steps=1")
+    run_trainer(recipe)
     out = Path(recipe.output_dir)
     before = {name: (out / name).read_bytes() for name in ("recipe.yaml", "command.txt", "metrics.jsonl")}
-    broken = make_recipe(tmp_path, tiny_llama_dir, "keep", "train.max_steps=2", f"data.path={tmp_path / 'missing.jsonl'}")
+    broken = heads_recipe(tmp_path, tiny_llama_dir, "keep", "train.max_steps=2", f"data.path={tmp_path / 'missing.jsonl'}")
     trainer = TRAINERS["heads"](broken, argv=["other", "command"])
     with pytest.raises(DataError, match="missing.jsonl"):
         try:
@@ -182,17 +126,17 @@ def test_a_run_that_fails_to_set_up_keeps_what_was_there(tmp_path, tiny_llama_di
 def test_quickstart_settings_bf16_target_and_its_frozen_lm_head(tmp_path, tiny_llama_dir):
     """The quickstart's choices on a tiny model: a bf16 target whose frozen LM head the heads share,
     bf16 autocast for the heads, features from the hybrid cache after the first epoch."""
-    recipe = make_recipe(
+    recipe = heads_recipe(
         tmp_path, tiny_llama_dir, "bf16", "target.dtype=bfloat16", "head.lm_head=target", "train.mixed_precision=bf16",
         "data.features.mode=hybrid", "train.lr=0.03",
     )
-    trainer, summary, target_before = run(recipe)
+    trainer, summary, target_before = run_trainer(recipe)
     assert trainer.target.dtype == torch.bfloat16
-    curve = losses(Path(recipe.output_dir))
+    curve = logged(Path(recipe.output_dir))
     first, last = sum(curve[s] for s in (1, 2, 3)) / 3, sum(curve[s] for s in (28, 29, 30)) / 3
     assert last < 0.8 * first, curve
     for key, value in trainer.target.model.state_dict().items():
         assert torch.equal(value, target_before[key]), key
-    weights = load_file(str(loop.list_checkpoints(recipe.output_dir)[-1] / "model.safetensors"))
+    weights = load_file(str(list_checkpoints(recipe.output_dir)[-1] / "model.safetensors"))
     assert not any("lm_head" in k for k in weights)  # the shared LM head stays the target's
     assert summary["top1"][0] > 0.2

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from draftsmith.data import DataError, load_conversations, prepare_data, tokenize_conversation
 from draftsmith.data import prepare as prepare_module
@@ -15,13 +14,7 @@ from draftsmith.recipe import DataConfig, RegenerateConfig
 from draftsmith.testing import tiny_causal_lm
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models gain nothing from intra-op threads; on a shared 2-core machine they oversubscribe.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def U(text):
@@ -32,7 +25,7 @@ def A(text):
     return {"role": "assistant", "content": text}
 
 
-def write_chats(path: Path) -> Path:
+def write_edge_case_chats(path: Path) -> Path:
     records = [{"messages": [U(f"question {i}?"), A(f"answer {i}."), U(f"more {i}?"), A(f"yes {i}")]} for i in range(10)]
     records.append({"messages": [U("a prompt nobody answered")]})
     records.append({"messages": [U("too long " * 20), A("this answer lies beyond max_length")]})
@@ -63,7 +56,7 @@ def trained_text(tokenizer, example):
 
 
 def test_split_examples_and_counts(tiny_tokenizer, tmp_path):
-    path = write_chats(tmp_path / "chats.jsonl")
+    path = write_edge_case_chats(tmp_path / "chats.jsonl")
     data = prepare_data(config(path), tiny_tokenizer, tmp_path / "cache", progress=False)
     conversations = load_conversations(str(path), seed=5)
     train_conv, eval_conv = conversations[:9], conversations[9:]
@@ -86,7 +79,7 @@ def test_split_examples_and_counts(tiny_tokenizer, tmp_path):
 
 
 def test_cache_is_hit_only_when_nothing_changed(tiny_tokenizer, tmp_path, monkeypatch):
-    path = write_chats(tmp_path / "chats.jsonl")
+    path = write_edge_case_chats(tmp_path / "chats.jsonl")
     cache = tmp_path / "cache"
     first = prepare_data(config(path), tiny_tokenizer, cache, progress=False)
 
@@ -118,7 +111,7 @@ def test_cache_is_hit_only_when_nothing_changed(tiny_tokenizer, tmp_path, monkey
 
 
 def test_regenerated_answers_become_the_examples(tiny_tokenizer, tmp_path, monkeypatch):
-    path = write_chats(tmp_path / "chats.jsonl")
+    path = write_edge_case_chats(tmp_path / "chats.jsonl")
     model = tiny_causal_lm("llama", vocab_size=len(tiny_tokenizer), seed=0)
     regen = RegenerateConfig(enabled=True, max_new_tokens=6, batch_size=4, max_turns=1)
     cfg = config(path, regenerate=regen)
@@ -146,7 +139,7 @@ def test_regenerated_answers_become_the_examples(tiny_tokenizer, tmp_path, monke
 
 
 def test_errors_name_the_recipe_key_or_file(tiny_tokenizer, tmp_path):
-    path = write_chats(tmp_path / "chats.jsonl")
+    path = write_edge_case_chats(tmp_path / "chats.jsonl")
     with pytest.raises(DataError, match="data.regenerate.enabled needs the target model"):
         prepare_data(config(path, regenerate=RegenerateConfig(enabled=True)), tiny_tokenizer, tmp_path / "c", progress=False)
     with pytest.raises(DataError, match="data.eval_size=12 leaves no training conversations"):
@@ -175,7 +168,7 @@ def test_cli_prepare_regenerates_records_the_recipe_and_training_reuses_it(tmp_p
 trainer: heads
 output_dir: {tmp_path / 'run'}
 target: {{path: {tiny_llama_dir}}}
-data: {{path: {write_chats(tmp_path / 'chats.jsonl')}, eval_size: 3, max_length: 64, regenerate: {{enabled: true, max_new_tokens: 6}}}}
+data: {{path: {write_edge_case_chats(tmp_path / 'chats.jsonl')}, eval_size: 3, max_length: 64, regenerate: {{enabled: true, max_new_tokens: 6}}}}
 head: {{kind: medusa, num_heads: 2}}
 """
     )

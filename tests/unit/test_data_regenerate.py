@@ -33,14 +33,7 @@ CONVERSATIONS = [
 MAX_NEW = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # A tiny model gains nothing from intra-op threads; on a shared 2-core machine they oversubscribe
-    # and make generate several times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

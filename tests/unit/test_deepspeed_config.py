@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from draftsmith import cli
-from draftsmith.recipe import DEEPSPEED_OWNED_KEYS, RecipeError, TrainConfig, load_recipe
-from draftsmith.trainers import loop
+from draftsmith.recipe import DEEPSPEED_OWNED_KEYS, TRAINER_RULES, RecipeError, TrainConfig, load_recipe
+from draftsmith.runs import STATE_FILE, checkpoint_root, list_checkpoints
+from draftsmith.trainers import checkpoint, engine
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "medusa" / "smollm2-135m.yaml"
@@ -29,7 +30,7 @@ def test_each_fragment_merges_with_the_quickstart_and_loads(fragment):
     assert recipe.deepspeed.zero_stage == int(fragment.stem[4])
     # A fragment changes the engine only: batch sizes, accumulation and precision stay the recipe's.
     assert recipe.train == plain.train and recipe.head == plain.head and recipe.data == plain.data
-    config = loop.deepspeed_config(recipe.train, recipe.deepspeed, world=8)
+    config = engine.deepspeed_config(recipe.train, recipe.deepspeed, world=8)
     assert config["train_micro_batch_size_per_gpu"] == recipe.train.micro_batch_size
     assert config["train_batch_size"] == recipe.train.micro_batch_size * recipe.train.grad_accum_steps * 8
     assert config["zero_optimization"]["stage"] == recipe.deepspeed.zero_stage
@@ -72,40 +73,40 @@ def test_bad_scale_settings_fail_at_load_time(overrides, message):
 
 def test_raw_config_is_merged_last_and_offload_is_typed():
     recipe = load_recipe(QUICKSTART, REPO / "recipes" / "deepspeed" / "zero3-offload.yaml")
-    config = loop.deepspeed_config(recipe.train, recipe.deepspeed, world=2)
+    config = engine.deepspeed_config(recipe.train, recipe.deepspeed, world=2)
     assert config["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
     assert config["zero_optimization"]["offload_param"] == {"device": "cpu"}
     z2 = load_recipe(QUICKSTART, REPO / "recipes" / "deepspeed" / "zero2.yaml")
-    config = loop.deepspeed_config(z2.train, z2.deepspeed, world=2)
+    config = engine.deepspeed_config(z2.train, z2.deepspeed, world=2)
     assert config["zero_optimization"] == {"stage": 2, "overlap_comm": True, "contiguous_gradients": True}
 
 
 def test_global_batch_size_decides_accumulation_per_world_size(monkeypatch):
     train = TrainConfig(micro_batch_size=2, global_batch_size=8)
-    assert loop.resolve_grad_accum(train, 1) == 4 and train.grad_accum_steps == 4
-    assert loop.resolve_grad_accum(train, 4) == 1 and train.grad_accum_steps == 1
+    assert engine.resolve_grad_accum(train, 1) == 4 and train.grad_accum_steps == 4
+    assert engine.resolve_grad_accum(train, 4) == 1 and train.grad_accum_steps == 1
     with pytest.raises(RecipeError, match=r"global_batch_size'=8 is not divisible by train.micro_batch_size=2 x 3 processes"):
-        loop.resolve_grad_accum(train, 3)
+        engine.resolve_grad_accum(train, 3)
     # make_accelerator refuses before it creates anything, with one line (exit code 2 from the CLI).
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with pytest.raises(RecipeError, match="not divisible"):
-        loop.make_accelerator(TrainConfig(micro_batch_size=2, global_batch_size=8))
+        engine.make_accelerator(TrainConfig(micro_batch_size=2, global_batch_size=8))
 
 
 def test_launcher_settings_that_contradict_the_recipe_are_refused(monkeypatch):
     ds = load_recipe(QUICKSTART, REPO / "recipes" / "deepspeed" / "zero2.yaml").deepspeed
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(RecipeError, match="the recipe has no deepspeed.zero_stage"):
-        loop._check_launcher(None)
+        engine._check_launcher(None)
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
     with pytest.raises(RecipeError, match="ZeRO stage 3 but the recipe has deepspeed.zero_stage=2"):
-        loop._check_launcher(ds)
+        engine._check_launcher(ds)
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
-    loop._check_launcher(ds)
+    engine._check_launcher(ds)
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "/tmp/ds.json")
     with pytest.raises(RecipeError, match="from the recipe's deepspeed: section only"):
-        loop._check_launcher(ds)
+        engine._check_launcher(ds)
 
 
 def test_threads_are_split_between_local_ranks_when_the_launcher_did_not(monkeypatch):
@@ -113,16 +114,16 @@ def test_threads_are_split_between_local_ranks_when_the_launcher_did_not(monkeyp
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_SIZE", "2")  # the deepspeed launcher's name for it
-    monkeypatch.setattr(loop.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(engine.os, "cpu_count", lambda: 8)
     try:
-        assert loop.configure_threads() == 4
+        assert engine.configure_threads() == 4
         assert torch.get_num_threads() == 4
-        assert loop.configure_threads() is None  # OMP_NUM_THREADS is set now: left alone
+        assert engine.configure_threads() is None  # OMP_NUM_THREADS is set now: left alone
     finally:
         torch.set_num_threads(before)
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert loop.configure_threads() is None
+    assert engine.configure_threads() is None
 
 
 @pytest.mark.parametrize(
@@ -139,12 +140,12 @@ def test_cli_drops_the_local_rank_argument_in_both_forms(argv, capsys):
 
 
 def _fake_checkpoint(root: Path, step: int, files: dict[str, bytes], engine: dict) -> Path:
-    path = loop.checkpoint_root(root) / f"step-{step:06d}"
+    path = checkpoint_root(root) / f"step-{step:06d}"
     for rel, data in files.items():
         (path / rel).parent.mkdir(parents=True, exist_ok=True)
         (path / rel).write_bytes(data)
     manifest = {rel: len(data) for rel, data in files.items()}
-    (path / loop.STATE_FILE).write_text(json.dumps({"step": step, "engine": engine, "files": manifest}))
+    (path / STATE_FILE).write_text(json.dumps({"step": step, "engine": engine, "files": manifest}))
     return path
 
 
@@ -162,13 +163,13 @@ def test_a_truncated_or_partial_deepspeed_checkpoint_is_skipped_for_the_previous
     (truncated / "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"o" * 12)
     missing = _fake_checkpoint(tmp_path, 30, files, ds)
     (missing / "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
-    assert [p.name for p in loop.list_checkpoints(tmp_path)] == ["step-000010"]
-    assert loop.find_resume_checkpoint(tmp_path, "auto").name == "step-000010"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000010"]
+    assert checkpoint.find_resume_checkpoint(tmp_path, "auto").name == "step-000010"
     out = capsys.readouterr().out
     assert "step-000020 (pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt has 12 bytes, 300 were written)" in out
     assert "step-000030 (pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt is missing)" in out
-    with pytest.raises(loop.TrainingError, match="not a complete checkpoint .*is missing"):
-        loop.find_resume_checkpoint(tmp_path, str(missing))
+    with pytest.raises(engine.TrainingError, match="not a complete checkpoint .*is missing"):
+        checkpoint.find_resume_checkpoint(tmp_path, str(missing))
 
 
 def test_a_checkpoint_of_another_engine_is_refused_with_the_way_out(tmp_path):
@@ -176,23 +177,20 @@ def test_a_checkpoint_of_another_engine_is_refused_with_the_way_out(tmp_path):
 
     ckpt = _fake_checkpoint(tmp_path, 5, {"model.safetensors": b"x"}, {"kind": "deepspeed", "zero_stage": 3, "world_size": 2})
     ddp = types.SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2)
-    with pytest.raises(loop.TrainingError, match="written with DeepSpeed ZeRO-3; resume it with the same engine"):
-        loop.prepare_resume(ddp, ckpt)
+    with pytest.raises(engine.TrainingError, match="written with DeepSpeed ZeRO-3; resume it with the same engine"):
+        checkpoint.prepare_resume(ddp, ckpt)
     plain = _fake_checkpoint(tmp_path / "b", 5, {"model.safetensors": b"x"}, {"kind": "accelerate", "zero_stage": None, "world_size": 2})
     one = types.SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1)
-    assert loop.prepare_resume(one, plain) == plain  # DDP checkpoints load at any world size
+    assert checkpoint.prepare_resume(one, plain) == plain  # DDP checkpoints load at any world size
 
 
 def test_a_trainer_without_deepspeed_support_refuses_the_section_instead_of_ignoring_it(monkeypatch):
-    from draftsmith.trainers import TRAINERS
+    import dataclasses
 
-    class Sequential:
-        needs_head = True
-
-    monkeypatch.setitem(TRAINERS, "sequential", Sequential)
-    recipe = REPO / "recipes" / "medusa" / "smollm2-135m.yaml"
-    with pytest.raises(RecipeError, match="trainer 'sequential' does not run under DeepSpeed \\(trainers heads, distill, online do\\)"):
-        load_recipe(recipe, REPO / "recipes" / "deepspeed" / "zero2.yaml", overrides=["trainer=sequential", "data.features.mode=online"])
+    monkeypatch.setitem(TRAINER_RULES, "distill", dataclasses.replace(TRAINER_RULES["distill"], deepspeed=False))
+    recipe = REPO / "recipes" / "distill" / "qwen2.5-coder-1.5b-fkl.yaml"
+    with pytest.raises(RecipeError, match="trainer 'distill' does not run under DeepSpeed \\(trainers heads, online do\\)"):
+        load_recipe(recipe, REPO / "recipes" / "deepspeed" / "zero2.yaml")
 
 
 def test_online_under_deepspeed_takes_zero_1_and_2_only():

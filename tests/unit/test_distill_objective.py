@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from draftsmith.distill import DIVERGENCES, masked_mean
-from draftsmith.recipe import Recipe
+from draftsmith.recipe import DistillConfig, Recipe
 from draftsmith.trainers.distill import common_vocab, distill_objective, predicted_mask
 
 
 def recipe_with(divergence: str, **distill) -> Recipe:
-    recipe = Recipe(output_dir="unused")
+    recipe = Recipe(output_dir="unused", trainer="distill", distill=DistillConfig())
     recipe.distill.divergence = divergence
     for key, value in distill.items():
         setattr(recipe.distill, key, value)

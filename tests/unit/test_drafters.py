@@ -10,7 +10,7 @@ from draftsmith.runtime.drafters import (
     Drafter,
     DrafterError,
     DraftState,
-    MedusaDrafter,
+    HeadDrafter,
     StandaloneDrafter,
     compact_cache,
     grow_static_tree,
@@ -22,13 +22,7 @@ from draftsmith.target import FrozenTarget
 from draftsmith.testing import tiny_causal_lm
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: one intra-op thread is faster, and idle OpenMP threads spin on a busy 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SPEC = TreeSpec.from_choices([(0,), (2,), (0, 0), (0, 1), (2, 0), (0, 0, 0)])
 GREEDY = SamplingParams()
@@ -165,11 +159,11 @@ def _medusa(num_heads=3, seed=0):
 def test_medusa_places_head_d_tokens_at_depth_d():
     target, head = _medusa()
     spec = TreeSpec.from_choices([(0,), (1,), (0, 0), (1, 0), (1, 1), (0, 0, 0)])
-    drafter = MedusaDrafter(head, target, spec)
+    drafter = HeadDrafter(head, target, spec)
     assert isinstance(drafter, Drafter)
     hidden = torch.randn(1, 5, 32)
-    tree = drafter.propose(_state([3, 4], new_hidden=hidden))
-    ranked = head.draft(hidden[:, -1], target.lm_head)[0].argsort(-1, descending=True)  # [K,V]
+    tree = drafter.propose(_state([9, 8, 7, 6, 3, 4], new_hidden=hidden))  # 5 cached positions, then the root
+    ranked = head.head_logits(hidden[0, -1], target.lm_head).argsort(-1, descending=True)  # [K,V]
     tokens = tree.tokens[0].tolist()
     assert tokens[0] == 4
     assert tokens[1:3] == ranked[0, :2].tolist()
@@ -179,20 +173,20 @@ def test_medusa_places_head_d_tokens_at_depth_d():
 
 def test_medusa_sample_draws_from_each_heads_distribution():
     target, head = _medusa()
-    drafter = MedusaDrafter(head, target, TreeSpec.from_choices([(0,), (1,), (0, 0)]))
+    drafter = HeadDrafter(head, target, TreeSpec.from_choices([(0,), (1,), (0, 0)]))
     hidden = torch.randn(1, 1, 32)
     params = SamplingParams("sample", 0.9, top_p=0.95)
-    tree = drafter.propose(_state([3], new_hidden=hidden, sampling=params, generator=torch.Generator().manual_seed(0)))
-    logits = head.draft(hidden[:, -1], target.lm_head)[0]
+    tree = drafter.propose(_state([5, 3], new_hidden=hidden, sampling=params, generator=torch.Generator().manual_seed(0)))
+    logits = head.head_logits(hidden[0, -1], target.lm_head)
     torch.testing.assert_close(tree.draft_probs[0, 0], logits_to_probs(logits[0], 0.9, 0, 0.95))
     torch.testing.assert_close(tree.draft_probs[0, 1], logits_to_probs(logits[1], 0.9, 0, 0.95))
 
 
-def test_medusa_errors_and_root_only_start():
+def test_head_drafter_errors_and_root_only_start():
     target, head = _medusa(num_heads=2)
-    with pytest.raises(DrafterError, match="3 deep"):
-        MedusaDrafter(head, target, TreeSpec.chain(3))
-    with pytest.raises(DrafterError, match="static"):
-        MedusaDrafter(head, target, DynamicTreeSpec(2, 2, 3))
-    tree = MedusaDrafter(head, target, TreeSpec.chain(2)).propose(_state([7]))  # one-token prompt
+    with pytest.raises(DrafterError, match="the tree is 3 deep but the medusa head drafts 2 tokens"):
+        HeadDrafter(head, target, TreeSpec.chain(3))
+    with pytest.raises(DrafterError, match="the tree is 3 deep"):
+        HeadDrafter(head, target, DynamicTreeSpec(3, 2, 3))
+    tree = HeadDrafter(head, target, TreeSpec.chain(2)).propose(_state([7]))  # one-token prompt
     assert tree.tokens.tolist() == [[7]]

@@ -1,6 +1,7 @@
-"""EAGLE heads: the training forward (teacher-forced tokens, training-time-test attention) computes
-exactly what the runtime drafter computes when it drafts the same tokens; the loss trains only the
-head; bad configurations fail in one line."""
+"""EAGLE heads: the drafter's cache keeps decided positions only; the loss trains only the head;
+bad configurations fail in one line. That the training forward (teacher-forced tokens,
+training-time-test attention) computes what the runtime drafts is the head contract's
+(test_head_contract.py)."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from draftsmith.heads import HEADS
 from draftsmith.heads.base import TargetFeatures
 from draftsmith.heads.eagle import EagleConfig, EagleHead
-from draftsmith.runtime.drafters import DrafterError, DraftState, EagleDrafter
+from draftsmith.runtime.drafters import DrafterError, DraftState, HeadDrafter
 from draftsmith.runtime.tree import DynamicTreeSpec, TreeSpec
 from draftsmith.target import FrozenTarget
 from draftsmith.testing import tiny_causal_lm
@@ -33,53 +34,19 @@ def test_registered():
     assert HEADS["eagle"] is EagleHead
 
 
-@pytest.mark.parametrize("layers", [[], [0, -1]], ids=["final-hidden", "fused-layers"])
-def test_training_forward_equals_runtime_drafting(target, layers):
-    """Draft a chain of 3 after a prefix with the runtime drafter, then run the training forward on
-    prefix + those 3 tokens: its depth-s logits at the prefix's last position are the drafter's."""
-    head = random_head(target, depth=3, num_layers=2, feature_layers=layers, regression_weight=0.0 if layers else 1.0)
-    gen = torch.Generator().manual_seed(3)
-    prefix = torch.randint(3, 40, (1, 9), generator=gen)
-    t = prefix.shape[1] - 2  # the last position the target has cached; prefix[t + 1] is the root
-    feats = target.features(prefix, layers=head.required_layers())
-    drafter = EagleDrafter(head, target, TreeSpec.chain(3))
-    drafter.reset(prefix)
-    recorded = []
-    original = head.logits
-    head.logits = lambda output, lm_head: recorded.append(original(output, lm_head)) or recorded[-1]
-    try:
-        state = DraftState(
-            tokens=prefix,
-            new_hidden=feats.final_hidden[:, : t + 1],
-            new_layers={i: feats.hidden[i % 3][:, : t + 1] for i in layers},
-        )
-        tree = drafter.propose(state)
-    finally:
-        head.logits = original
-    assert tree.tokens.shape[1] == 4 and len(recorded) == 3
-    chain = tree.tokens[:, 1:]
-    full = torch.cat([prefix, chain], dim=1)
-    with torch.no_grad():
-        logits = head(target.features(full, layers=head.required_layers()))  # [1,T,K,V]
-    for s in range(3):
-        assert torch.allclose(logits[0, t, s], recorded[s][0], atol=1e-4), f"depth {s + 1}"
-    # The chain is the greedy one: each drafted token is the argmax of the step before it.
-    assert chain[0].tolist() == [int(r[0].argmax()) for r in recorded]
-
-
 def test_accept_drops_the_tree_and_the_next_step_continues(target):
     head = random_head(target, depth=2)
-    drafter = EagleDrafter(head, target, DynamicTreeSpec(depth=2, topk=3, budget=5))
+    drafter = HeadDrafter(head, target, DynamicTreeSpec(depth=2, topk=3, budget=5))
     prompt = torch.randint(3, 40, (1, 6), generator=torch.Generator().manual_seed(4))
     feats = target.features(prompt)
     drafter.reset(prompt)
     tree = drafter.propose(DraftState(tokens=prompt, new_hidden=feats.final_hidden[:, :5]))
-    assert tree.size == 6 and drafter.caches[0]["k"].shape[2] > 5
+    assert tree.size == 6 and drafter.session.caches[0]["k"].shape[2] > 5
     from draftsmith.runtime.verify import verify_greedy
 
     result = verify_greedy(tree, target.lm_head(torch.zeros(1, tree.size, 32)))
     drafter.accept(result)
-    assert drafter.caches[0]["k"].shape[2] == 5 == drafter.decided
+    assert drafter.session.caches[0]["k"].shape[2] == 5 == drafter.session.decided
     with pytest.raises(DrafterError, match="holds 5 positions but the state continues at 2"):
         drafter.propose(DraftState(tokens=prompt, new_hidden=feats.final_hidden[:, :3]))
 
@@ -99,12 +66,12 @@ def test_loss_reaches_only_the_head_and_counts_steps(target):
 
 
 def test_bad_configurations_fail_in_one_line(target):
-    with pytest.raises(ValueError, match="train_depth <= depth"):
+    with pytest.raises(ValueError, match=r"'head.train_depth' must be in \[1, head.depth=2\], got 3"):
         EagleHead(EagleConfig(depth=2, train_depth=3), target.dims)
-    with pytest.raises(ValueError, match="regression_weight must be 0 with head.feature_layers"):
-        EagleHead(EagleConfig(feature_layers=[0, 1]), target.dims)
-    with pytest.raises(DrafterError, match="the EAGLE head drafts 2 tokens"):
-        EagleDrafter(random_head(target, depth=2), target, TreeSpec.chain(3))
+    with pytest.raises(ValueError, match="'head.num_key_value_heads'=3 must divide head.num_attention_heads=4"):
+        EagleHead(EagleConfig(num_attention_heads=4, num_key_value_heads=3), target.dims)
+    with pytest.raises(DrafterError, match="the tree is 3 deep but the eagle head drafts 2 tokens"):
+        HeadDrafter(random_head(target, depth=2), target, TreeSpec.chain(3))
 
 
 def test_features_keep_the_padding_out(target):

@@ -32,6 +32,8 @@ def fake_checkpoint(tmp_path: Path, lm_head: str = "own"):
     save_file({f"head.{k}": v.contiguous() for k, v in head.state_dict().items()}, str(ckpt / "model.safetensors"))
     state = {
         "step": 10,
+        "trainer": "heads",
+        "drafter": {"kind": "medusa"},
         "head": {"kind": "medusa", "num_heads": 2, "num_layers": 1, "lm_head": lm_head, "loss_decay": 0.8},
         "target": {"path": "org/tiny", "hidden_size": 32, "vocab_size": 40, "num_layers": 3, "model_type": "llama"},
         "last_eval": {"top1": [0.5, 0.25], "top5": [0.75, 0.5], "simulated_accept_length": 1.625},
@@ -65,17 +67,14 @@ def test_loading_the_wrong_folder_fails_clearly(tmp_path):
     with pytest.raises(ExportError, match="drafter folder not found"):
         load_head(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ExportError, match="neither a checkpoint nor a run folder"):
+    with pytest.raises(ExportError, match="neither a draftsmith checkpoint nor a run folder"):
         load_head(tmp_path / "empty")
 
 
-def test_push_to_local_hub(tmp_path):
-    sys.path.insert(0, str(REPO / "tests"))
-    from hub_server import LocalHub
-
+def test_push_to_local_hub(tmp_path, local_hub):
     _, _, run = fake_checkpoint(tmp_path)
     out = export_heads(run, tmp_path / "export")
-    with LocalHub() as hub:
+    with local_hub() as hub:
         env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_test", "HF_HUB_OFFLINE": "0"}
         proc = subprocess.run(
             [sys.executable, "-m", "draftsmith.cli", "push", str(out), "--repo-id", "me/tiny-medusa"],

@@ -15,23 +15,11 @@ from draftsmith.data import Collator
 from draftsmith.data import features as fc
 from draftsmith.recipe import FeaturesConfig, load_recipe
 from draftsmith.target import FrozenTarget
+from draftsmith.testing import write_chats
 from draftsmith.trainers import TRAINERS
 
-WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree"]
-
-
-def write_chats(path: Path, n: int = 24) -> Path:
-    rng = random.Random(0)
-    with open(path, "w") as fh:
-        for _ in range(n):
-            words = [rng.choice(WORDS) for _ in range(4)]
-            turns = [{"role": "user", "content": "say " + " ".join(words)}, {"role": "assistant", "content": " ".join(words * 2)}]
-            fh.write(json.dumps({"messages": turns}) + "\n")
-    return path
-
-
 def recipe_file(tmp_path: Path, model_dir: Path, name: str, features: str = "") -> Path:
-    data = write_chats(tmp_path / "chats.jsonl")
+    data = write_chats(tmp_path / "chats.jsonl", n=24)
     text = f"""
 trainer: heads
 output_dir: {tmp_path / name}

@@ -11,13 +11,7 @@ from draftsmith.target import FrozenTarget
 from draftsmith.testing import tiny_causal_lm
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: one intra-op thread is faster, and idle OpenMP threads spin on a busy 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 V = 60
 

@@ -22,9 +22,9 @@ def test_blocks_are_distinct_tensors():
     ptrs = [p.data_ptr() for p in head.parameters()]
     assert len(ptrs) == len(set(ptrs)) == 3 * 2 * 2 + 3
     # Training one block's weight must not move another's.
-    head.blocks[0][0].linear.weight.data.fill_(1.0)
-    assert head.blocks[1][0].linear.weight.abs().sum() == 0
-    assert head.blocks[0][1].linear.weight.abs().sum() == 0
+    head.blocks[0].layers[0].weight.data.fill_(1.0)
+    assert head.blocks[1].layers[0].weight.abs().sum() == 0
+    assert head.blocks[0].layers[1].weight.abs().sum() == 0
 
 
 def test_fresh_head_predicts_like_the_target_lm_head():

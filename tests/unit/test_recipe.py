@@ -139,3 +139,45 @@ def test_override_values_may_name_yaml_files():
     paths, overrides = _split_recipe_args(["a.yaml", "runs/x=1/b.yaml", "data.path=chats.yaml", "train.lr=0.1"])
     assert paths == ["a.yaml", "runs/x=1/b.yaml"]
     assert overrides == ["data.path=chats.yaml", "train.lr=0.1"]
+
+
+def test_trainer_sections_exist_only_for_the_trainers_that_read_them(recipe_file, tmp_path):
+    recipe = load_recipe(recipe_file)
+    assert recipe.draft is None and recipe.distill is None and recipe.online is None
+    with pytest.raises(RecipeError, match="recipe section 'distill' is read by trainer 'distill' or 'online', not by this recipe's trainer 'heads'; remove it"):
+        load_recipe(recipe_file, overrides=["distill.divergence=rkl"])
+    with pytest.raises(RecipeError, match="recipe section 'online' is read by trainer 'online'"):
+        load_recipe(recipe_file, overrides=["online.update_every=2"])
+    # A trainer that reads a section gets it typed and checked, defaults filling an absent one.
+    distill = tmp_path / "d.yaml"
+    distill.write_text(f"trainer: distill\noutput_dir: {tmp_path / 'run'}\ntarget: {{path: t}}\ndata: {{path: d}}\ndraft: {{path: small}}\n")
+    recipe = load_recipe(distill)
+    assert recipe.head is None and recipe.distill.divergence == "fkl" and recipe.online is None
+    with pytest.raises(RecipeError, match="recipe section 'head' is read by trainer 'heads'"):
+        load_recipe(distill, overrides=["head.kind=medusa"])
+    with pytest.raises(RecipeError, match="recipe key 'draft' is missing: trainer 'distill' trains a draft LM"):
+        load_recipe(distill, overrides=["draft=null"])
+    assert load_recipe(distill, overrides=["trainer=online"]).online.update_every == 4
+
+
+def test_range_checks_name_the_section_key(recipe_file):
+    cases = {
+        "data.regenerate.top_p=1.5": "recipe key 'data.regenerate.top_p' must be in (0, 1], got 1.5",
+        "data.features.top_k_logits=-1": "recipe key 'data.features.top_k_logits' must be >= 0",
+        "train.min_lr_ratio=2": "recipe key 'train.min_lr_ratio' must be in [0, 1], got 2",
+        "head.num_heads=0": "recipe key 'head.num_heads' must be >= 1, got 0",
+        "deepspeed.zero_stage=4": "recipe key 'deepspeed.zero_stage' must be 0, 1, 2 or 3, got 4",
+        "train.global_batch_size=6": "'train.global_batch_size'=6 is not a multiple of train.micro_batch_size=4",
+    }
+    for override, message in cases.items():
+        with pytest.raises(RecipeError) as err:
+            load_recipe(recipe_file, overrides=[override])
+        assert message in str(err.value), (override, str(err.value))
+
+
+def test_dtypes_default_to_auto(recipe_file):
+    recipe = load_recipe(recipe_file)
+    assert recipe.target.dtype == "auto" and recipe.data.features.dtype == "auto" and recipe.train.mixed_precision == "auto"
+    assert load_recipe(recipe_file, overrides=["target.dtype=float32"]).target.dtype == "float32"
+    with pytest.raises(RecipeError, match="recipe key 'target.dtype'"):
+        load_recipe(recipe_file, overrides=["target.dtype=fp32"])

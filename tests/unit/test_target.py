@@ -37,7 +37,7 @@ def test_target_is_frozen_and_hooks_removed():
 
 def test_bad_layer_index():
     target = FrozenTarget(tiny_causal_lm("llama", num_layers=2))
-    with pytest.raises(IndexError, match="target has 2 decoder layers; layer 5"):
+    with pytest.raises(IndexError, match="has 2 decoder layers; layer 5 does not exist"):
         target.features(torch.zeros(1, 3, dtype=torch.long), layers=[5])
 
 
@@ -91,3 +91,75 @@ def test_hub_id_loads_offline_from_the_local_hub_cache(tiny_qwen2_dir, tmp_path)
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "3 64"
     assert lines[1].startswith("TargetLoadError") and "some-org/not-cached" in lines[1], lines[1]
+
+
+def test_capture_on_a_model_that_trains_lets_gradients_through():
+    """LayerSkip's early-exit losses read captured layers of a model that trains: a loss on a
+    captured layer's output reaches the parameters of that layer and those below it, not above."""
+    from draftsmith.target import capture_layers
+
+    model = tiny_causal_lm("llama", num_layers=3).train()
+    ids = torch.randint(0, 100, (2, 7))
+    with capture_layers(model, [1]) as captured:
+        model(ids)
+    captured[1].pow(2).mean().backward()
+    layers = decoder_layers(model)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layers[0].parameters())
+    assert all(p.grad is not None for p in layers[1].parameters())
+    assert all(p.grad is None for p in layers[2].parameters())
+    assert model.model.embed_tokens.weight.grad is not None
+    assert all(not layer._forward_hooks for layer in layers)
+
+
+def test_dtype_auto_follows_the_machine_and_says_why(monkeypatch, capsys):
+    import draftsmith.target as t
+
+    monkeypatch.delenv("DRAFTSMITH_AUTO_DTYPE")
+    monkeypatch.setattr(t.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(t, "_cpu_flags", lambda: {"avx2", "fma"})
+    assert t.auto_dtype() == ("float32", f"this CPU has no native bf16 ({torch.backends.cpu.get_cpu_capability()}; no avx512_bf16 or amx_bf16 in /proc/cpuinfo)")
+    monkeypatch.setattr(t, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    assert t.auto_dtype() == ("bfloat16", "this CPU computes bf16 natively (avx512_bf16)")
+    monkeypatch.setattr(t, "_ANNOUNCED", set())
+    assert t.resolve_dtype("auto", "target") == "bfloat16" and t.resolve_dtype("float16") == "float16"
+    assert "dtype auto: target in bfloat16 (this CPU computes bf16 natively (avx512_bf16))" in capsys.readouterr().err
+    monkeypatch.setenv("DRAFTSMITH_AUTO_DTYPE", "float32")
+    assert t.auto_dtype() == ("float32", "DRAFTSMITH_AUTO_DTYPE says so")
+    monkeypatch.setenv("DRAFTSMITH_AUTO_DTYPE", "fp8")
+    with pytest.raises(TargetLoadError, match="DRAFTSMITH_AUTO_DTYPE='fp8'"):
+        t.auto_dtype()
+
+
+def test_mixed_precision_auto_is_bf16_only_where_native(monkeypatch):
+    from draftsmith.trainers.engine import resolve_mixed_precision
+
+    monkeypatch.setenv("DRAFTSMITH_AUTO_DTYPE", "bfloat16")
+    assert resolve_mixed_precision("auto") == "bf16"
+    monkeypatch.setenv("DRAFTSMITH_AUTO_DTYPE", "float32")
+    assert resolve_mixed_precision("auto") == "no" and resolve_mixed_precision("fp16") == "fp16"
+
+
+@pytest.mark.slow
+def test_a_float32_load_after_a_bfloat16_load_gives_the_ggufs_float32_logits(tmp_path, monkeypatch):
+    """The dequantized cache holds the GGUF's values in full precision, whichever load wrote it:
+    a bf16 load first (which fills the cache), then an fp32 load from the cache, equals loading the
+    GGUF itself in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.target import builtin_gguf, load_causal_lm
+
+    pytest.importorskip("gguf")
+    try:
+        gguf = builtin_gguf("smollm2-135m")
+    except TargetLoadError as err:
+        pytest.skip(str(err))
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    bf16, _ = load_causal_lm("smollm2-135m", "bfloat16")
+    assert bf16.dtype == torch.bfloat16
+    assert list((tmp_path / "cache" / "models").iterdir()), "the first load writes the cache"
+    fp32, _ = load_causal_lm("smollm2-135m", "float32")
+    direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    ids = torch.tensor([[1, 504, 3459, 314, 253, 1789, 30, 2]])
+    with torch.no_grad():
+        assert torch.equal(fp32(ids).logits, direct(ids).logits)
+        assert not torch.equal(bf16(ids).logits.float(), direct(ids).logits)  # the bf16 model is rounded

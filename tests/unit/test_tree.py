@@ -22,13 +22,7 @@ from draftsmith.runtime.tree import (
 from draftsmith.testing import tiny_causal_lm
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: one intra-op thread is faster, and idle OpenMP threads spin on a busy 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # root 0 -> 1, 2; 1 -> 3, 4; 3 -> 5
 HAND_PARENTS = [-1, 0, 0, 1, 1, 3]

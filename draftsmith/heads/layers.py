@@ -1,0 +1,337 @@
+"""Layers that draft heads share: RMSNorm, rotary positions with the target's scaling, a decoder
+layer with grouped-query attention, the residual SiLU block, and the one attention-mask builder.
+
+Module and parameter names follow Hugging Face's Llama (``input_layernorm``, ``self_attn.q_proj``,
+``post_attention_layernorm``, ``mlp.gate_proj``) and vLLM's Medusa (``layers.J`` inside a residual
+block), so an export to an engine's layout renames prefixes and nothing else.
+
+Shapes: B batch, T or P positions, S keys, D hidden size, H query heads, Hkv key/value heads, Dh
+head size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from draftsmith.target import TargetDims
+
+__all__ = [
+    "MLP",
+    "Attention",
+    "DecoderLayer",
+    "LayerShape",
+    "RMSNorm",
+    "ResidualBlock",
+    "Rotary",
+    "attend",
+    "causal_allowed",
+    "tree_visibility",
+    "truncate_cache",
+]
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps), computed in at least fp32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        y = x.to(dtype)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(dtype) * y).to(x.dtype)
+
+
+class ResidualBlock(nn.Module):
+    """``num_layers`` steps of x + SiLU(W x + b), each started at zero so a fresh block is the
+    identity (Medusa's block; vLLM names its weights ``layers.J.weight`` / ``layers.J.bias``)."""
+
+    def __init__(self, hidden_size: int, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers))
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
+
+
+@dataclass
+class LayerShape:
+    """The shape of a head's decoder layer(s); 0 / None takes the target's value.
+
+    Resolved against the target when the head is built (``resolve``) and written back into the
+    config, so checkpoints and exports record concrete values and a head rebuilds without its target.
+    """
+
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    rms_norm_eps: float = 0.0
+    rope_theta: float = 0.0
+    # The target's rope scaling (rope_type and its parameters, as in an HF config), None for plain RoPE.
+    rope_scaling: Optional[dict[str, Any]] = None
+    # Room for positions when the rope type needs it (llama3, yarn, ...).
+    max_position_embeddings: int = 0
+
+    def resolve(self, dims: TargetDims) -> None:
+        """Fill the zeros from the target's HF config, in place."""
+        hf = dims.hf_config or {}
+        rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+        D = dims.hidden_size
+        self.num_attention_heads = self.num_attention_heads or int(hf.get("num_attention_heads") or max(1, D // 64))
+        self.num_key_value_heads = self.num_key_value_heads or int(hf.get("num_key_value_heads") or self.num_attention_heads)
+        self.head_dim = self.head_dim or int(hf.get("head_dim") or D // self.num_attention_heads)
+        self.intermediate_size = self.intermediate_size or int(hf.get("intermediate_size") or 4 * D)
+        self.rms_norm_eps = self.rms_norm_eps or float(hf.get("rms_norm_eps") or 1e-6)
+        self.rope_theta = self.rope_theta or float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        self.max_position_embeddings = self.max_position_embeddings or int(hf.get("max_position_embeddings") or 4096)
+        if self.rope_scaling is None:
+            scaling = hf.get("rope_scaling") if isinstance(hf.get("rope_scaling"), dict) else rope
+            kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+            if kind not in (None, "default"):
+                self.rope_scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+
+    def check_shape(self, key: str) -> None:
+        """ValueError naming head.<key> when heads and key/value heads do not fit together."""
+        if self.num_attention_heads and self.num_key_value_heads and self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"recipe key '{key}.num_key_value_heads'={self.num_key_value_heads} must divide "
+                f"{key}.num_attention_heads={self.num_attention_heads} (grouped-query attention)"
+            )
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding with the target's rope type (plain, linear, llama3, yarn, ...):
+    inverse frequencies and attention scaling come from transformers' own rope initialisers."""
+
+    def __init__(self, shape: LayerShape) -> None:
+        super().__init__()
+        dim = shape.head_dim
+        if shape.rope_scaling:
+            from transformers import LlamaConfig
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            params = {**shape.rope_scaling, "rope_theta": shape.rope_theta}
+            kind = params.get("rope_type", params.get("type"))
+            params["rope_type"] = kind
+            config = LlamaConfig(
+                hidden_size=dim * shape.num_attention_heads, num_attention_heads=shape.num_attention_heads,
+                head_dim=dim, max_position_embeddings=shape.max_position_embeddings, rope_parameters=params,
+            )
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
+        else:
+            inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+            scaling = 1.0
+        self.register_buffer("inv_freq", inv_freq.to(torch.float64), persistent=False)
+        self.scaling = float(scaling)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [..., P, Dh] for integer positions [..., P] (rotate-half convention)."""
+        angles = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq.to(positions.device)
+        angles = torch.cat([angles, angles], dim=-1)
+        return (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + turned * sin
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: Sequence[tuple[Tensor, Tensor]] = ()) -> Tensor:
+    """Softmax attention with grouped-query key/value heads, in at least fp32.
+
+    q [B,H,P,Dh]; k, v [B,Hkv,S,Dh]; allowed [B or 1,1,P,S] bool. ``own``: extra (k, v) pairs
+    [B,Hkv,P,Dh] that position p alone sees, entry p of each (the training-time-test diagonal: a
+    drafted token's own earlier steps). Returns [B,H,P,Dh].
+    """
+    H, Hkv = q.shape[1], k.shape[1]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    expand = (lambda t: t.to(dtype).repeat_interleave(H // Hkv, dim=1)) if H != Hkv else (lambda t: t.to(dtype))  # noqa: E731
+    q = q.to(dtype)
+    scores = torch.matmul(q, expand(k).transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    diag = [(q * expand(kd)).sum(-1, keepdim=True) * scale for kd, _ in own]  # [B,H,P,1] each
+    weights = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
+    S = k.shape[2]
+    out = torch.matmul(weights[..., :S], expand(v))
+    for j, (_, vd) in enumerate(own):
+        out = out + weights[..., S + j : S + j + 1] * expand(vd)
+    return out
+
+
+def causal_allowed(
+    T: int,
+    device: torch.device,
+    segment_ids: Optional[Tensor] = None,
+    attention_mask: Optional[Tensor] = None,
+) -> Tensor:
+    """Which positions each position may attend to over whole sequences: allowed [B or 1,1,T,T] bool.
+
+    Causal; within one packed example when segment_ids [B,T] is given; only real keys per
+    attention_mask, which is either a padding mask [B,T] (1 = real token) or the packing
+    collator's 4D mask [B,1,T,T] (additive float: 0 = attend; or bool: True = attend). Every
+    position also sees itself, so no row of the softmax is empty.
+    """
+    allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril().view(1, 1, T, T)
+    if segment_ids is not None:
+        allowed = allowed & (segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)).unsqueeze(1)
+    if attention_mask is not None:
+        if attention_mask.dim() == 4:
+            visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        elif attention_mask.dim() == 2:
+            visible = attention_mask.bool()[:, None, None, :]
+        else:
+            raise ValueError(f"attention_mask must be [B,T] or [B,1,T,T], got shape {tuple(attention_mask.shape)}")
+        allowed = allowed & visible
+    return allowed | torch.eye(T, dtype=torch.bool, device=device).view(1, 1, T, T)
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections with grouped-query heads; q, k and v may read a wider input than the
+    hidden size (EAGLE-3's midlayer reads [embedding; feature], 2D)."""
+
+    def __init__(self, hidden_size: int, shape: LayerShape, input_size: Optional[int] = None) -> None:
+        super().__init__()
+        H, Hkv, Dh = shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim
+        if H % Hkv:
+            raise ValueError(f"{H} attention heads cannot share {Hkv} key/value heads")
+        width = input_size or hidden_size
+        self.heads, self.kv_heads, self.head_dim = H, Hkv, Dh
+        self.q_proj = nn.Linear(width, H * Dh, bias=False)
+        self.k_proj = nn.Linear(width, Hkv * Dh, bias=False)
+        self.v_proj = nn.Linear(width, Hkv * Dh, bias=False)
+        self.o_proj = nn.Linear(H * Dh, hidden_size, bias=False)
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B,P,W] -> q [B,H,P,Dh], k and v [B,Hkv,P,Dh], rotary applied (cos/sin [B or 1,P,Dh])."""
+        B, P, _ = x.shape
+        q = self.q_proj(x).view(B, P, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, P, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, P, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def output(self, attended: Tensor, dtype: torch.dtype) -> Tensor:
+        """attended [B,H,P,Dh] -> [B,P,D]."""
+        B, H, P, Dh = attended.shape
+        return self.o_proj(attended.transpose(1, 2).reshape(B, P, H * Dh).to(dtype))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(SiLU(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A Llama-style decoder layer (attention with rotary positions, SwiGLU MLP) whose attention
+    input and residual the caller may choose, with three attention paths over the same weights:
+
+    - ``forward``: causal over whole sequences (a prefix layer, an augmenting block);
+    - ``forward_unrolled``: one step of training-time test (EAGLE), over whole sequences;
+    - ``forward_cached``: drafting, appending to a KV cache with a tree visibility mask.
+
+    ``input_norm=False`` leaves out ``input_layernorm`` (EAGLE's first layer reads its fused input
+    as it is). ``prepare(x)`` gives the usual pre-norm pair (attention input, residual); a head with
+    another input (EAGLE-3's [embedding; feature]) builds that pair itself.
+    """
+
+    def __init__(self, hidden_size: int, shape: LayerShape, input_size: Optional[int] = None, input_norm: bool = True) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, shape.rms_norm_eps) if input_norm else None
+        self.self_attn = Attention(hidden_size, shape, input_size)
+        self.post_attention_layernorm = RMSNorm(hidden_size, shape.rms_norm_eps)
+        self.mlp = MLP(hidden_size, shape.intermediate_size)
+
+    @property
+    def head_dim(self) -> int:
+        return self.self_attn.head_dim
+
+    def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(attention input, residual) of the pre-norm layer: (input_layernorm(x), x)."""
+        return (self.input_layernorm(x) if self.input_layernorm is not None else x), x
+
+    def finish(self, residual: Tensor, attended: Tensor) -> Tensor:
+        """residual + attention output, then the MLP's residual step."""
+        x = residual + self.self_attn.output(attended, residual.dtype)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, attn_in: Tensor, residual: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor) -> Tensor:
+        """Whole sequences: attn_in [B,T,W], residual [B,T,D], allowed [B or 1,1,T,T]."""
+        q, k, v = self.self_attn.qkv(attn_in, cos, sin)
+        return self.finish(residual, attend(q, k, v, allowed))
+
+    def forward_unrolled(
+        self,
+        attn_in: Tensor,
+        residual: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        first: Optional[tuple[Tensor, Tensor]],
+        diagonal: list[tuple[Tensor, Tensor]],
+        allowed: Tensor,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """One unrolled step of training-time test over whole sequences.
+
+        `first`: step 1's (k, v) [B,Hkv,T,Dh] (None at step 1: this step's own); `diagonal`: the
+        (k, v) of steps 2..s-1; allowed [B or 1,1,T,T]: which step-1 positions each position sees.
+        Position t at step s sees step-1 entries t' <= t (real features, as the prefix is at run
+        time) and its own entries of steps 2..s (its drafted ancestors). Returns (output [B,T,D],
+        this step's (k, v)).
+        """
+        q, k, v = self.self_attn.qkv(attn_in, cos, sin)
+        k1, v1 = first if first is not None else (k, v)
+        own = [*diagonal, (k, v)] if first is not None else []
+        return self.finish(residual, attend(q, k1, v1, allowed, own)), (k, v)
+
+    def forward_cached(self, attn_in: Tensor, residual: Tensor, cos: Tensor, sin: Tensor, cache: dict, visible: Tensor) -> Tensor:
+        """Drafting: P new entries [1,P,.] appended after the cache's S entries; visible [P,S+P]
+        bool says which entries each new one sees (prefix, its ancestors, itself). Updates `cache`."""
+        q, k, v = self.self_attn.qkv(attn_in, cos, sin)
+        keys = k if cache.get("k") is None else torch.cat([cache["k"], k], dim=2)
+        values = v if cache.get("v") is None else torch.cat([cache["v"], v], dim=2)
+        cache["k"], cache["v"] = keys, values
+        return self.finish(residual, attend(q, keys, values, visible.view(1, 1, *visible.shape)))
+
+
+def truncate_cache(cache: dict, length: int) -> None:
+    """Keep the first `length` entries of a forward_cached cache."""
+    if cache.get("k") is not None:
+        cache["k"], cache["v"] = cache["k"][:, :, :length], cache["v"][:, :, :length]
+
+
+def tree_visibility(decided: int, cached: int, ancestors: Sequence[Sequence[int]]) -> Tensor:
+    """visible [P, cached+P] for P new tree entries on a cache holding `cached` entries, the first
+    `decided` of them decided positions: each new entry sees those, the cache slots of its
+    ancestors (``ancestors[p]``) and itself."""
+    P = len(ancestors)
+    visible = torch.zeros(P, cached + P, dtype=torch.bool)
+    visible[:, :decided] = True
+    for row, slots in enumerate(ancestors):
+        visible[row, list(slots)] = True
+        visible[row, cached + row] = True
+    return visible
+

@@ -1,0 +1,195 @@
+"""Where the head trainer gets the target's features, per data.features.mode:
+
+- online: the target runs on every batch;
+- cache: a cache built once (``draftsmith prepare``, or the first ``train``) is read; the target's
+  decoder layers are dropped, only its embedding and LM head stay, as callables;
+- hybrid: the target runs during the first epoch, and what it computes is cached for later epochs.
+
+Under several processes the ranks split the cache build; with a ZeRO-3 partitioned target
+(deepspeed.shard_target) the target runs as a collective, so every rank takes the same branch.
+The storage format itself is data/features.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from draftsmith.data import features as fc
+from draftsmith.recipe import Recipe
+from draftsmith.runs import log
+from draftsmith.target import FrozenTarget, TargetFeatures
+from draftsmith.trainers.engine import TrainingError, any_rank
+
+
+class _DroppedDecoderLayer(nn.Module):
+    """Stands in for a target decoder layer when training from the feature cache (frees its memory)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"target decoder layer {self.index} was dropped: this run trains from the feature cache")
+
+
+class FeatureSource:
+    """The target's features of a collated batch of examples, from the target or the cache.
+
+    ``features(split, ids, batch)``: TargetFeatures of examples `ids` of `split` ("train" or "eval"),
+    with final_hidden and the head's layers in `dtype` (the head's parameter dtype).
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        target: FrozenTarget,
+        layers: list[int],
+        data,
+        accelerator,
+        shard_target: bool,
+        padding_collator,
+        dtype: torch.dtype,
+    ) -> None:
+        self.recipe, self.target, self.data, self.accelerator = recipe, target, data, accelerator
+        self.layers, self.shard_target, self.dtype = list(layers), shard_target, dtype
+        self.cache: Optional[fc.FeatureCache] = None
+        self.spec: Optional[fc.FeatureSpec] = None
+        self._first_epoch_written = False
+        if recipe.data.features.mode != "online":
+            self._open(padding_collator)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _open(self, padding_collator) -> None:
+        """Open (and in cache mode build or complete) the cache."""
+        r, acc, data = self.recipe, self.accelerator, self.data
+        cfg = r.data.features
+        folder = Path(cfg.dir) if cfg.dir else r.data_dir() / "features"
+        spec = fc.make_spec(self.target, self.layers, cfg, data.train, data.eval, r.data.max_length)
+        splits = {"train": data.train, "eval": data.eval}
+        if cfg.mode == "cache":
+            if self.shard_target:
+                fc.open_cache(folder, spec, create=False)  # a cache of another target or layer set: one line
+                probe = fc.FeatureCache(folder, spec) if fc.read_spec(folder) is not None else None
+                if probe is None or any(probe.count(s) < len(splits[s]) for s in splits):
+                    raise TrainingError(
+                        f"the feature cache {folder} is missing or incomplete and a partitioned target (deepspeed.shard_target) "
+                        "cannot build it: build it first with `draftsmith prepare` on this recipe (it loads the whole target on each rank)"
+                    )
+            else:
+                fc.build_cache(
+                    self.target, spec, splits, padding_collator, folder, cfg.shard_tokens, cfg.batch_size, cfg.reserve_gb,
+                    rank=acc.process_index, world_size=acc.num_processes, barrier=acc.wait_for_everyone, say=log,
+                    progress=acc.is_main_process,
+                )
+        else:
+            # Every rank checks an existing index, so a cache of another target or layer set stops
+            # them all with the same line (none is left waiting at the barrier below).
+            fc.open_cache(folder, spec, create=False)
+            if acc.is_main_process:
+                tokens = sum(min(len(e["input_ids"]), r.data.max_length) for e in data.train + data.eval)
+                fc.check_disk(folder, spec, tokens, sum(p.stat().st_size for p in folder.glob("*.safetensors")), cfg.reserve_gb, log)
+                fc.open_cache(folder, spec, create=True)
+            acc.wait_for_everyone()
+            fc.open_cache(folder, spec, create=False)
+        cache = fc.FeatureCache(folder, spec, rank=acc.process_index, shard_tokens=cfg.shard_tokens)
+        if cfg.mode == "cache":
+            for split, examples in splits.items():
+                if cache.count(split) < len(examples):
+                    raise fc.FeatureCacheError(f"feature cache {folder} holds {cache.count(split)} of {len(examples)} {split} examples after building")
+            if not self.shard_target:
+                blocks = self.target.layers
+                for i in range(len(blocks)):
+                    blocks[i] = _DroppedDecoderLayer(i)
+        self.cache, self.spec = cache, spec
+
+    # ------------------------------------------------------------------ reading
+
+    def _lengths(self, split: str, ids: list[int]) -> list[int]:
+        examples = self.data.train if split == "train" else self.data.eval
+        return [min(len(examples[i]["input_ids"]), self.recipe.data.max_length) for i in ids]
+
+    def features(self, split: str, ids: list[int], batch: dict) -> TargetFeatures:
+        """From the cache when it holds every example of the batch, else from the target (and, in
+        hybrid mode, added to the cache)."""
+        device = self.accelerator.device
+        cached = self.cache is not None and self.cache.has(split, ids)
+        if self.cache is not None and self.shard_target:
+            # The partitioned target runs as a collective: every rank takes the same branch.
+            cached = not any_rank(self.accelerator, not cached)
+        if cached:
+            rows = self.cache.batch(split, ids, batch["segment_ids"], self._lengths(split, ids), self.dtype)
+            return TargetFeatures(
+                input_ids=batch["input_ids"].to(device),
+                attention_mask=batch["attention_mask"].to(device),
+                logits=None,
+                hidden={i: rows[f"layer_{i}"].to(device) for i in self.spec.layers},
+                final_hidden=rows["final_hidden"].to(device),
+                embed=self.target.embed,
+                lm_head=self.target.lm_head,
+            )
+        features = self.target.features(
+            batch["input_ids"].to(device),
+            attention_mask=batch["attention_mask"].to(device),
+            position_ids=batch["position_ids"].to(device) if "position_ids" in batch else None,
+            layers=self.spec.layers if self.spec is not None else self.layers,
+            need_logits=False,
+        )
+        if self.cache is not None:
+            self.cache.add(split, ids, fc.rows_from_features(self.target, self.spec, features, batch["segment_ids"], self._lengths(split, ids)))
+        # The head trains in its own precision (fp32, or under autocast) whatever the target's.
+        features.final_hidden = features.final_hidden.to(self.dtype)
+        features.hidden = {i: h.to(self.dtype) for i, h in features.hidden.items()}
+        return features
+
+    def after_epoch(self, epoch: int) -> None:
+        """Hybrid mode: once the first epoch is over, write out what it computed on every rank (all
+        cross the epoch boundary at the same step), so later epochs read it instead of the target."""
+        if self.cache is not None and epoch >= 1 and not self._first_epoch_written:
+            self.cache.flush()
+            self.accelerator.wait_for_everyone()
+            self._first_epoch_written = True
+
+    def flush(self) -> None:
+        """Write buffered features, so what was computed survives an interruption."""
+        if self.cache is not None:
+            self.cache.flush()
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.flush()
+            self.cache.close()
+
+
+def prepare_features(recipe: Recipe) -> dict:
+    """`draftsmith prepare` for a head recipe with data.features.mode=cache: the tokenized data, then
+    the feature cache. Under a launcher the ranks split the shards. Returns summary counts."""
+    from draftsmith.data import Collator, prepare_data
+    from draftsmith.heads import HEADS
+    from draftsmith.trainers import engine
+
+    acc = engine.make_accelerator(recipe.train)
+    try:
+        target = FrozenTarget.from_config(recipe.target).to(acc.device)
+        tokenizer = target.tokenizer
+        cache_dir = recipe.data_dir()
+        with acc.main_process_first():
+            data = prepare_data(recipe.data, tokenizer, cache_dir, target_model=target.model, progress=acc.is_main_process)
+        cfg = recipe.data.features
+        head = HEADS[recipe.head.kind](recipe.head, target.dims)
+        spec = fc.make_spec(target, head.required_layers(), cfg, data.train, data.eval, recipe.data.max_length)
+        folder = Path(cfg.dir) if cfg.dir else cache_dir / "features"
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        fc.build_cache(
+            target, spec, {"train": data.train, "eval": data.eval}, Collator(pad_token_id=pad, max_length=recipe.data.max_length),
+            folder, cfg.shard_tokens, cfg.batch_size, cfg.reserve_gb, rank=acc.process_index, world_size=acc.num_processes,
+            barrier=acc.wait_for_everyone, say=log, progress=acc.is_main_process,
+        )
+        size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        return {**data.stats, "features_dir": str(folder), "feature_bytes": size, "bytes_per_token": spec.bytes_per_token()}
+    finally:
+        engine.teardown(acc)
