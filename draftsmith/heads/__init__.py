@@ -1,6 +1,7 @@
 """Draft heads that read a frozen target's features. Adding a head is one import and one line."""
 
 from draftsmith.heads.base import DraftHead, TargetDims, TargetFeatures
+from draftsmith.heads.clover import CloverConfig, CloverHead
 from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.hydra import HydraConfig, HydraHead
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead
@@ -9,9 +10,10 @@ HEADS: dict[str, type[DraftHead]] = {
     "medusa": MedusaHead,
     "hydra": HydraHead,
     "eagle": EagleHead,
+    "clover": CloverHead,
 }
 
 __all__ = [
-    "HEADS", "DraftHead", "EagleConfig", "EagleHead", "HydraConfig", "HydraHead", "MedusaConfig", "MedusaHead",
+    "HEADS", "CloverConfig", "CloverHead", "DraftHead", "EagleConfig", "EagleHead", "HydraConfig", "HydraHead", "MedusaConfig", "MedusaHead",
     "TargetDims", "TargetFeatures",
 ]  # fmt: skip

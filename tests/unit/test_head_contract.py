@@ -31,6 +31,9 @@ VARIANTS = {
     "medusa": [{"lm_head": "own", "num_layers": 2}, {"lm_head": "target"}],
     "hydra": [{"lm_head": "own"}, {"prefix_attention": True, "teacher": True}],
     "eagle": [{"num_layers": 2, "train_depth": 2}, {"teacher": False}],
+    # Clover-2 (two augmenting layers, the root token fused first, FC outputs) and Clover-1's
+    # architecture (one layer, the root token read by the regressive decoder, residual blocks).
+    "clover": [{"depth": 3}, {"depth": 3, "num_layers": 1, "token_first": False, "output": "residual", "teacher": False, "regression_weight": 0.0}],
 }
 CASES = [(kind, extra) for kind in HEADS for extra in VARIANTS.get(kind, [{}])]
 IDS = [f"{kind}-{'-'.join(f'{k}={v}' for k, v in extra.items()) or 'defaults'}" for kind, extra in CASES]
