@@ -238,6 +238,21 @@ def load_causal_lm(path: str, dtype: str = "auto", gguf_file: Optional[str] = No
     return model, tokenizer
 
 
+def load_config(path: str, gguf_file: Optional[str] = None):
+    """The HF config of a model (hub id, folder, GGUF file or built-in name) without its weights."""
+    from transformers import AutoConfig
+
+    folder, gguf = resolve_model_path(path, gguf_file)
+    if gguf is not None:
+        cached = _dequantized_cache_dir(folder, gguf)
+        if (cached / "config.json").is_file():
+            folder, gguf = str(cached), None
+    try:
+        return AutoConfig.from_pretrained(folder, gguf_file=gguf) if gguf else AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as err:
+        raise TargetLoadError(f"cannot read the config of {path}: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}") from None
+
+
 def load_draft(draft_cfg):
     """(draft model, tokenizer) per a recipe's draft: section, LoRA-wrapped (peft) when enabled."""
     model, tokenizer = load_causal_lm(draft_cfg.path, draft_cfg.dtype, draft_cfg.gguf_file, what="draft")

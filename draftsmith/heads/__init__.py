@@ -2,6 +2,7 @@
 
 from draftsmith.heads.base import DraftHead, TargetDims, TargetFeatures
 from draftsmith.heads.eagle import EagleConfig, EagleHead
+from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.hydra import HydraConfig, HydraHead
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead
 
@@ -9,9 +10,10 @@ HEADS: dict[str, type[DraftHead]] = {
     "medusa": MedusaHead,
     "hydra": HydraHead,
     "eagle": EagleHead,
+    "eagle3": Eagle3Head,
 }
 
 __all__ = [
-    "HEADS", "DraftHead", "EagleConfig", "EagleHead", "HydraConfig", "HydraHead", "MedusaConfig", "MedusaHead",
+    "HEADS", "DraftHead", "Eagle3Config", "Eagle3Head", "EagleConfig", "EagleHead", "HydraConfig", "HydraHead", "MedusaConfig", "MedusaHead",
     "TargetDims", "TargetFeatures",
 ]  # fmt: skip
