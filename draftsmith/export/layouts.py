@@ -5,8 +5,8 @@ speculators, anyone) read back into our heads.
 Facts these follow (vLLM 0.32, SGLang as of 2026-05, speculators; docs/export.md has the sources):
 - EAGLE-3: tensors ``fc.weight`` [H, 3H], ``midlayer.*`` (vLLM also takes ``layers.0.*``, which
   speculators writes), ``norm.weight``, ``lm_head.weight`` [Vd, H], ``d2t`` [Vd] (vLLM refuses it
-  when Vd equals the target's vocabulary), ``t2d`` [V] (both engines skip it). No embedding: the
-  engines share the target's when the checkpoint has none. No bias anywhere.
+  when Vd equals the target's vocabulary), ``t2d`` [V] (speculators writes it; both engines skip
+  it). No embedding: the engines share the target's when the checkpoint has none. No bias anywhere.
 - EAGLE-1: ``fc.weight`` (+ ``fc.bias`` in SGLang; vLLM has no fc bias and drops one silently),
   ``layers.{i}.*`` with no ``layers.0.input_layernorm``, no final norm, no LM head.
 - Medusa: ``blocks.{h}.layers.{j}.{weight,bias}`` and ``lm_heads.{h}.weight``, or one shared
@@ -67,9 +67,10 @@ def default_aux_ids(num_layers: int) -> list[int]:
 # ----------------------------------------------------------------------------- EAGLE-3
 
 
-def eagle3_tensors(head, layer_prefix: str = "midlayer.") -> dict[str, Tensor]:
+def eagle3_tensors(head, layer_prefix: str = "midlayer.", with_t2d: bool = False) -> dict[str, Tensor]:
     """An EAGLE-3 head's tensors in the engines' names: the midlayer under `layer_prefix`,
-    ``d2t`` only when the draft vocabulary is smaller than the target's."""
+    ``d2t`` only when the draft vocabulary is smaller than the target's, ``t2d`` only where the
+    layout keeps it (speculators; vLLM and SGLang never read it, d2t says the same)."""
     out = {}
     for name, value in head.runtime_state_dict().items():
         if name.startswith("layers.0."):
@@ -77,6 +78,8 @@ def eagle3_tensors(head, layer_prefix: str = "midlayer.") -> dict[str, Tensor]:
         out[name] = value.detach().to(torch.float32).contiguous() if value.is_floating_point() else value.contiguous()
     if head.cfg.draft_vocab_size == head.dims.vocab_size:
         del out["d2t"]
+    if not with_t2d:
+        del out["t2d"]
     return out
 
 
@@ -150,7 +153,10 @@ def _load_tensors(folder: Path) -> dict[str, Tensor]:
 
 
 def detect_layout(config: dict) -> Optional[str]:
-    """'speculators', 'eagle3' or 'eagle' for a third-party drafter config.json, else None."""
+    """'speculators', 'eagle3' or 'eagle' for a third-party drafter config.json, else None (our own
+    head folders, plain causal LMs, anything else)."""
+    if "draftsmith" in config:
+        return None
     if "speculators_model_type" in config:
         return "speculators"
     archs = " ".join(config.get("architectures") or [])

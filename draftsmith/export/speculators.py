@@ -56,7 +56,7 @@ def write(drafter: Drafter, folder: Path, options: ExportOptions) -> None:
         },
         "draftsmith_source": {"kind": "eagle3", "head": head_config_values(head), "target": {k_: v for k_, v in drafter.target.items() if k_ != "hf_config"}},
     }
-    save_file(eagle3_tensors(head, "layers.0."), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_file(eagle3_tensors(head, "layers.0.", with_t2d=True), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     use = "\n".join([
         "```bash",
