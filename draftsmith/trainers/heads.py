@@ -113,10 +113,7 @@ class HeadTrainer:
                 progress=acc.is_main_process,
             )
 
-        try:
-            self.head = HEADS[r.head.kind](r.head, self.target.dims)
-        except ValueError as err:  # a head setting this target cannot take (e.g. a layer it lacks)
-            raise RecipeError(str(err)) from None
+        self.head = build_head(r, self.target.dims)
         chose = self.head.init_from_data(self.data.train)
         if chose:
             log(f"head {r.head.kind}: {chose}")
@@ -304,6 +301,15 @@ class HeadTrainer:
             self.metrics.close()
         if acc is not None:
             engine.teardown(acc)
+
+
+def build_head(recipe: Recipe, dims) -> DraftHead:
+    """The recipe's head for a target of `dims`; a setting this target cannot take (a layer it
+    lacks, a vocabulary larger than its own) is a RecipeError naming the key."""
+    try:
+        return HEADS[recipe.head.kind](recipe.head, dims)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
 
 
 def load_target(recipe: Recipe, accelerator, shard: bool) -> FrozenTarget:

@@ -105,3 +105,25 @@ def test_bad_configurations_fail_in_one_line(target):
         Eagle3Head(Eagle3Config(aux_layer_ids=[2, 2, 5]), target.dims)
     with pytest.raises(ValueError, match=f"'head.draft_vocab_size'=64 is larger than the target's vocabulary of {V}"):
         Eagle3Head(Eagle3Config(draft_vocab_size=64), target.dims)
+
+
+@pytest.mark.parametrize(
+    "head, message",
+    [
+        ("{kind: eagle3, aux_layer_ids: [1, 2, 9]}", "recipe key 'head.aux_layer_ids'=[1, 2, 9] lies outside the target"),
+        ("{kind: eagle3, aux_layer_ids: [1, 2, 3], draft_vocab_size: 5000}", "recipe key 'head.draft_vocab_size'=5000 is larger than the target's vocabulary"),
+    ],
+)
+def test_cli_refuses_settings_the_target_cannot_take(tmp_path, tiny_llama_dir, capsys, head, message):
+    from draftsmith import cli
+    from draftsmith.testing import write_chats
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"trainer: heads\noutput_dir: {tmp_path / 'run'}\ntarget: {{path: {tiny_llama_dir}}}\n"
+        f"data: {{path: {write_chats(tmp_path / 'chats.jsonl', n=8)}, eval_size: 2}}\nhead: {head}\n"
+    )
+    assert cli.main(["train", str(recipe)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], errors
+    assert not (tmp_path / "run" / "checkpoints").exists()
