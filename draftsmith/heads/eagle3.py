@@ -190,7 +190,7 @@ class Eagle3Head(EagleHead):
         for s in range(1, S + 1):
             needed[:, s:] |= valid[:, : valid.shape[1] - s, s - 1]
         with torch.no_grad():
-            target = features.lm_head(features.final_hidden[needed])[..., self.draft_ids]
+            target = features.lm_head(features.final_hidden[needed], vocab=self.draft_ids)
             dtype = torch.promote_types(target.dtype, torch.float32)
             probs = torch.zeros(*needed.shape, target.shape[-1], dtype=dtype, device=target.device)
             probs[needed] = torch.softmax(target.to(dtype), dim=-1)
