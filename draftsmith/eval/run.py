@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.eval.acceptance import AcceptanceStats
+from draftsmith.export.layouts import detect_layout
 from draftsmith.runs import recorded_target
 from draftsmith.runtime.drafters import DrafterError, HeadDrafter, StandaloneDrafter
 from draftsmith.runtime.generate import autoregressive_generate, speculative_generate
@@ -86,6 +87,10 @@ def load_drafter(
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
 
+    if config and detect_layout(config) is not None:
+        return _foreign(folder, config, target, dtype, spec)
+    if config.get("model_type") == "medusa":
+        raise DrafterError(f"{folder} holds Medusa heads in vLLM's layout; draftsmith reads Medusa heads in its own (draftsmith export --format draftsmith)")
     if config and "draftsmith" not in config and "model_type" in config:
         # A plain HF causal-LM folder: an exported distilled drafter or any small sibling model.
         recorded = recorded_target(folder) or {}
@@ -117,6 +122,32 @@ def load_drafter(
     # The drafter refuses, in one line, a tree deeper than the head drafts.
     drafter = HeadDrafter(head, tgt, spec or default_tree(depth=head.depth))
     return LoadedDrafter(head.cfg.kind, drafter, tgt, folder, target_path, meta={"head": loaded.metrics})
+
+
+def _foreign(folder: Path, config: dict, target: Optional[str], dtype: Optional[str], spec) -> LoadedDrafter:
+    """An EAGLE / EAGLE-3 folder in vLLM's, SGLang's or speculators' layout, written by anyone."""
+    from draftsmith.export import ExportError, read_foreign
+    from draftsmith.export.layouts import head_from_foreign
+
+    try:
+        foreign = read_foreign(folder)
+    except ExportError as err:
+        raise DrafterError(str(err)) from None
+    ours = (config.get("draftsmith_source") or {}).get("target") or {}
+    target_path = target or foreign.target_path or ours.get("path")
+    if not target_path:
+        raise DrafterError(f"{folder} ({foreign.layout} layout) does not name its target: pass --target")
+    tgt = FrozenTarget.load(target_path, dtype or "float32")
+    try:
+        head = head_from_foreign(foreign, tgt.dims).to(tgt.device)
+    except ExportError as err:
+        raise DrafterError(f"{folder}: {err}") from None
+    if foreign.embedding is not None:
+        own = tgt.model.get_input_embeddings().weight
+        if foreign.embedding.shape != own.shape or not torch.allclose(foreign.embedding.to(own.dtype), own, atol=1e-3, rtol=1e-3):
+            raise DrafterError(f"{folder} carries an embedding that is not the target's ({target_path}); draftsmith drafts with the target's embedding")
+    drafter = HeadDrafter(head, tgt, spec or default_tree(depth=min(head.depth, 4)))
+    return LoadedDrafter(head.cfg.kind, drafter, tgt, folder, target_path, meta={"layout": foreign.layout})
 
 
 def load_prompts(spec: str, limit: Optional[int] = None) -> list[list[dict]]:

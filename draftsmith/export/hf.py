@@ -88,8 +88,20 @@ def _hub_id(path: str) -> Optional[str]:
     return path if looks_like_hub_id else None
 
 
-def model_card(kind: str, head_cfg: dict, target: dict, recipe_yaml: str, metrics: Optional[dict]) -> str:
-    """A Hub model card: front matter for search, then what the drafter is and how to run it."""
+DRAFTSMITH_USE = "\n".join([
+    "```bash",
+    "pip install draftsmith",
+    'draftsmith generate --drafter <this folder> --prompt "Write a haiku about the sea."',
+    "draftsmith eval --drafter <this folder> --prompts mtbench --out eval/",
+    "```",
+])
+
+
+def model_card(
+    kind: str, head_cfg: dict, target: dict, recipe_yaml: str, metrics: Optional[dict], use: str = DRAFTSMITH_USE, layout: str = "draftsmith"
+) -> str:
+    """A Hub model card: front matter for search, then what the drafter is and how to run it
+    (`use`: the Use section's markdown, the serve command of the folder's `layout`)."""
     hub_id = _hub_id(str(target["path"]))
     lines = [
         "---",
@@ -99,9 +111,10 @@ def model_card(kind: str, head_cfg: dict, target: dict, recipe_yaml: str, metric
         "- speculative-decoding",
         f"- {kind}",
         "- draftsmith",
+        *([f"- {layout}"] if layout != "draftsmith" else []),
         "---",
         "",
-        f"# {kind.capitalize()} draft head for `{target['path']}`",
+        f"# {kind.capitalize()} draft head for `{target['path']}`" + (f" ({layout} layout)" if layout != "draftsmith" else ""),
         "",
         f"A {kind} draft head trained with draftsmith {__version__} against the frozen target `{target['path']}` "
         f"({target.get('model_type') or 'decoder'}, {target['num_layers']} layers, hidden size {target['hidden_size']}, "
@@ -110,11 +123,7 @@ def model_card(kind: str, head_cfg: dict, target: dict, recipe_yaml: str, metric
         "",
         "## Use",
         "",
-        "```bash",
-        "pip install draftsmith",
-        'draftsmith generate --drafter <this folder> --prompt "Write a haiku about the sea."',
-        "draftsmith eval --drafter <this folder> --prompts mtbench --out eval/",
-        "```",
+        use,
         "",
         "## Head",
         "",
@@ -134,31 +143,37 @@ def model_card(kind: str, head_cfg: dict, target: dict, recipe_yaml: str, metric
     return "\n".join(lines)
 
 
-def export_heads(source: str | Path, out: str | Path) -> Path:
-    """Write an HF folder for the head in `source` (run folder or checkpoint) into `out`, atomically."""
-    loaded = load_head(source)
-    ckpt = loaded.folder
-    recipe_yaml = (ckpt / "recipe.yaml").read_text() if (ckpt / "recipe.yaml").is_file() else ""
-    return write_head_folder(loaded.head, loaded.target, out, recipe_yaml, loaded.metrics)
+def head_config_values(head: DraftHead) -> dict:
+    return {f.name: getattr(head.cfg, f.name) for f in fields(head.cfg)}
 
 
-def write_head_folder(head: DraftHead, target: dict, out: str | Path, recipe_yaml: str = "", metrics: Optional[dict] = None) -> Path:
-    """draftsmith's own head layout: config.json (the head config and the target it drafts for),
-    model.safetensors (the head's own weights), README.md, recipe.yaml, metrics.json; atomically."""
-    out = Path(out)
+def write_head_files(head: DraftHead, target: dict, folder: Path, recipe_yaml: str = "", metrics: Optional[dict] = None) -> None:
+    """draftsmith's own head layout into `folder`: config.json (the head config and the target it
+    drafts for), model.safetensors (the head's own weights), README.md, recipe.yaml, metrics.json."""
     kind = head.cfg.kind
-    head_cfg = {f.name: getattr(head.cfg, f.name) for f in fields(head.cfg)}
+    head_cfg = head_config_values(head)
     config: dict[str, Any] = {
         "architectures": [f"Draftsmith{type(head).__name__}"],
         "model_type": f"draftsmith-{kind}",
         "draftsmith": {"version": __version__, "drafter": "heads", "head": head_cfg, "target": target},
     }
+    save_file(head.runtime_state_dict(), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    write_provenance(folder, recipe_yaml, metrics, model_card(kind, head_cfg, target, recipe_yaml, metrics))
+
+
+def write_provenance(folder: Path, recipe_yaml: str, metrics: Optional[dict], card: str) -> None:
+    """What every export carries beside its weights: the recipe, the last metrics, the model card."""
+    (folder / "recipe.yaml").write_text(recipe_yaml)
+    (folder / "metrics.json").write_text(json.dumps(metrics or {}, indent=2) + "\n")
+    (folder / "README.md").write_text(card)
+
+
+def write_head_folder(head: DraftHead, target: dict, out: str | Path, recipe_yaml: str = "", metrics: Optional[dict] = None) -> Path:
+    """write_head_files into `out`, atomically."""
+    out = Path(out)
     with atomic_path(out, folder=True) as tmp:
-        save_file(head.runtime_state_dict(), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "recipe.yaml").write_text(recipe_yaml)
-        (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2) + "\n")
-        (tmp / "README.md").write_text(model_card(kind, head_cfg, target, recipe_yaml, metrics))
+        write_head_files(head, target, tmp, recipe_yaml, metrics)
     return out
 
 

@@ -9,14 +9,12 @@ speculative-decoding stack load it directly. It never holds target weights.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 from safetensors.torch import load_file
 
 from draftsmith import __version__
-from draftsmith.atomic import atomic_path
 from draftsmith.export.hf import ExportError, _hub_id
 from draftsmith.runs import WEIGHTS_NAME, RunFolderError, drafter_kind, read_state, resolve_checkpoint
 
@@ -67,10 +65,23 @@ def load_lm_drafter(source: str | Path):
     return model.eval(), tokenizer, recipe, ckpt, state.get("last_eval")
 
 
-def lm_model_card(recipe, model, metrics: Optional[dict], recipe_yaml: str) -> str:
-    """A Hub model card for a distilled draft LM."""
+def lm_model_card(recipe, model, metrics: Optional[dict], recipe_yaml: str, use: Optional[str] = None) -> str:
+    """A Hub model card for a distilled draft LM (`use`: the Use section, default transformers'
+    assisted generation and draftsmith eval)."""
     target, draft = recipe.target.path, recipe.draft.path
     hub_target, hub_draft = _hub_id(str(target)), _hub_id(str(draft))
+    use = use or "\n".join([
+        "```python",
+        "from transformers import AutoModelForCausalLM",
+        f'target = AutoModelForCausalLM.from_pretrained("{hub_target or target}")',
+        'draft = AutoModelForCausalLM.from_pretrained("<this folder>")',
+        "out = target.generate(input_ids, assistant_model=draft, max_new_tokens=128)",
+        "```",
+        "",
+        "```bash",
+        "draftsmith eval --drafter <this folder> --prompts mtbench --out eval/",
+        "```",
+    ])
     method = "online speculative decoding" if recipe.trainer == "online" else f"DistillSpec ({recipe.distill.divergence})"
     lines = [
         "---",
@@ -91,16 +102,7 @@ def lm_model_card(recipe, model, metrics: Optional[dict], recipe_yaml: str) -> s
         "",
         "## Use",
         "",
-        "```python",
-        "from transformers import AutoModelForCausalLM",
-        f'target = AutoModelForCausalLM.from_pretrained("{hub_target or target}")',
-        'draft = AutoModelForCausalLM.from_pretrained("<this folder>")',
-        "out = target.generate(input_ids, assistant_model=draft, max_new_tokens=128)",
-        "```",
-        "",
-        "```bash",
-        "draftsmith eval --drafter <this folder> --prompts mtbench --out eval/",
-        "```",
+        use,
         "",
     ]
     if metrics:
@@ -116,15 +118,11 @@ def lm_model_card(recipe, model, metrics: Optional[dict], recipe_yaml: str) -> s
     return "\n".join(lines)
 
 
-def export_lm_drafter(source: str | Path, out: str | Path) -> Path:
-    """Write the draft LM of a distill/online run (folder or checkpoint) as an HF folder, atomically."""
-    model, tokenizer, recipe, ckpt, metrics = load_lm_drafter(source)
-    out = Path(out)
-    recipe_yaml = (ckpt / "recipe.yaml").read_text()
-    with atomic_path(out, folder=True) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "recipe.yaml").write_text(recipe_yaml)
-        (tmp / "metrics.json").write_text(json.dumps(metrics or {}, indent=2) + "\n")
-        (tmp / "README.md").write_text(lm_model_card(recipe, model, metrics, recipe_yaml))
-    return out
+def write_lm_files(model, tokenizer, recipe, metrics: Optional[dict], recipe_yaml: str, folder: Path, card: Optional[str] = None) -> None:
+    """A draft LM as a plain HF causal-LM folder: save_pretrained's files, the tokenizer, the model
+    card (`card`, default the draftsmith one), the recipe and the last metrics."""
+    from draftsmith.export.hf import write_provenance
+
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    write_provenance(folder, recipe_yaml, metrics, card or lm_model_card(recipe, model, metrics, recipe_yaml))

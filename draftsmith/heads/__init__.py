@@ -3,6 +3,7 @@
 from draftsmith.heads.base import DraftHead, TargetDims, TargetFeatures
 from draftsmith.heads.clover import CloverConfig, CloverHead
 from draftsmith.heads.eagle import EagleConfig, EagleHead
+from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.hydra import HydraConfig, HydraHead
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead
 
@@ -10,10 +11,12 @@ HEADS: dict[str, type[DraftHead]] = {
     "medusa": MedusaHead,
     "hydra": HydraHead,
     "eagle": EagleHead,
+    "eagle3": Eagle3Head,
     "clover": CloverHead,
 }
 
 __all__ = [
-    "HEADS", "CloverConfig", "CloverHead", "DraftHead", "EagleConfig", "EagleHead", "HydraConfig", "HydraHead", "MedusaConfig", "MedusaHead",
+    "HEADS", "CloverConfig", "CloverHead", "DraftHead", "Eagle3Config", "Eagle3Head", "EagleConfig", "EagleHead",
+    "HydraConfig", "HydraHead", "MedusaConfig", "MedusaHead",
     "TargetDims", "TargetFeatures",
 ]  # fmt: skip

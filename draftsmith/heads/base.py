@@ -23,7 +23,7 @@ tokens.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -176,6 +176,12 @@ class DraftHead(nn.Module):
     def required_layers(self) -> list[int]:
         """Decoder layers whose outputs the head reads (besides final_hidden)."""
         return []
+
+    def init_from_data(self, examples: Sequence[dict]) -> Optional[str]:
+        """Choose what the head takes from the training data (examples with input_ids and
+        loss_mask), once, before init_from_target and training; a resumed run restores it from the
+        checkpoint instead. Returns a line for the log, or None (default: nothing to choose)."""
+        return None
 
     def init_from_target(self, target: FrozenTarget) -> None:
         """Initialise parameters from the target before training starts (default: nothing)."""

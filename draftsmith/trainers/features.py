@@ -169,8 +169,8 @@ def prepare_features(recipe: Recipe) -> dict:
     """`draftsmith prepare` for a head recipe with data.features.mode=cache: the tokenized data, then
     the feature cache. Under a launcher the ranks split the shards. Returns summary counts."""
     from draftsmith.data import Collator, prepare_data
-    from draftsmith.heads import HEADS
     from draftsmith.trainers import engine
+    from draftsmith.trainers.heads import build_head
 
     acc = engine.make_accelerator(recipe.train)
     try:
@@ -180,7 +180,7 @@ def prepare_features(recipe: Recipe) -> dict:
         with acc.main_process_first():
             data = prepare_data(recipe.data, tokenizer, cache_dir, target_model=target.model, progress=acc.is_main_process)
         cfg = recipe.data.features
-        head = HEADS[recipe.head.kind](recipe.head, target.dims)
+        head = build_head(recipe, target.dims)
         spec = fc.make_spec(target, head.required_layers(), cfg, data.train, data.eval, recipe.data.max_length)
         folder = Path(cfg.dir) if cfg.dir else cache_dir / "features"
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from draftsmith.heads import HEADS, DraftHead
 from draftsmith.heads.base import depth_labels
-from draftsmith.recipe import Recipe
+from draftsmith.recipe import Recipe, RecipeError
 from draftsmith.runs import log
 from draftsmith.target import FrozenTarget, TargetFeatures, gathered_parameters, load_causal_lm
 from draftsmith.trainers import checkpoint, engine, loop
@@ -113,7 +113,10 @@ class HeadTrainer:
                 progress=acc.is_main_process,
             )
 
-        self.head = HEADS[r.head.kind](r.head, self.target.dims)
+        self.head = build_head(r, self.target.dims)
+        chose = self.head.init_from_data(self.data.train)
+        if chose:
+            log(f"head {r.head.kind}: {chose}")
         with self._target_io_weights():
             self.head.init_from_target(self.target)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -298,6 +301,15 @@ class HeadTrainer:
             self.metrics.close()
         if acc is not None:
             engine.teardown(acc)
+
+
+def build_head(recipe: Recipe, dims) -> DraftHead:
+    """The recipe's head for a target of `dims`; a setting this target cannot take (a layer it
+    lacks, a vocabulary larger than its own) is a RecipeError naming the key."""
+    try:
+        return HEADS[recipe.head.kind](recipe.head, dims)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
 
 
 def load_target(recipe: Recipe, accelerator, shard: bool) -> FrozenTarget:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from draftsmith.export import export_heads
+from draftsmith.export import export
 from draftsmith.testing import REPO, heads_recipe, run_trainer, save_tiny_model
 
 
@@ -19,7 +19,7 @@ def head_export(tmp_path_factory, tiny_llama_dir):
     tmp = tmp_path_factory.mktemp("eval")
     recipe = heads_recipe(tmp, tiny_llama_dir, "run", "train.max_steps=8", "head.num_heads=3")
     run_trainer(recipe)
-    return export_heads(recipe.output_dir, tmp / "export"), tmp
+    return export(recipe.output_dir, tmp / "export"), tmp
 
 
 @pytest.fixture(scope="module")
@@ -70,16 +70,16 @@ def test_mismatched_target_bad_prompts_bad_tree(head_export, prompts, tmp_path):
     export, _ = head_export
     other = save_tiny_model(tmp_path / "other", "qwen2", hidden_size=32)
     proc = cli("generate", "--drafter", export, "--target", other, "--prompt", "hi")
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "hidden size 64" in proc.stderr and "hidden size 32" in proc.stderr
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"prompt": "   "}) + "\n")
     proc = cli("eval", "--drafter", export, "--prompts", empty, "--out", tmp_path / "x")
-    assert proc.returncode == 1 and "no usable" in proc.stderr and "empty.jsonl" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "no usable" in proc.stderr and "empty.jsonl" in proc.stderr, proc.stderr[-2000:]
 
     proc = cli("generate", "--drafter", export, "--prompt", "hi", "--tree", "[[0],[0,0],[1,0]]")
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "tree" in proc.stderr.lower(), proc.stderr[-2000:]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "tree" in proc.stderr.lower(), proc.stderr[-2000:]
 
 
 def test_standalone_drafter_that_does_not_fit_the_target(tiny_llama_dir, tmp_path):
@@ -91,14 +91,14 @@ def test_standalone_drafter_that_does_not_fit_the_target(tiny_llama_dir, tmp_pat
     tokenizer.add_tokens(["<extra>"])
     tokenizer.save_pretrained(other_tokens)
     proc = cli("generate", "--drafter", other_tokens, "--target", tiny_llama_dir, "--prompt", "hi")
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "different tokenizer" in proc.stderr and "105 vs 104" in proc.stderr, proc.stderr[-2000:]
 
     wider = tmp_path / "wider-vocab"
     tiny_causal_lm("llama", vocab_size=128, num_layers=1).save_pretrained(wider)
     tiny_tokenizer().save_pretrained(wider)
     proc = cli("generate", "--drafter", wider, "--target", tiny_llama_dir, "--prompt", "hi")
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "vocabulary of 128" in proc.stderr and "of 104" in proc.stderr, proc.stderr[-2000:]
 
 

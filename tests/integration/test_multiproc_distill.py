@@ -83,7 +83,7 @@ def test_ddp_two_processes_give_the_one_process_curve(setup):
 
 
 def test_zero2_with_a_lora_draft_saves_the_adapter_exports_and_resumes_in_one_process(setup, tmp_path):
-    from draftsmith.export import export_lm_drafter
+    from draftsmith.export import export
 
     out = setup["root"] / "z2"
     args = [str(setup["base"]), str(REPO / "recipes/deepspeed/zero2.yaml"), *setup["lora"]]
@@ -99,7 +99,7 @@ def test_zero2_with_a_lora_draft_saves_the_adapter_exports_and_resumes_in_one_pr
     assert set(two) == set(one) and all("lora_" in k for k in two)
     for key in one:
         assert torch.allclose(one[key], two[key], atol=1e-5), key
-    exported = export_lm_drafter(ckpt, tmp_path / "export")
+    exported = export(ckpt, tmp_path / "export")
     assert (exported / "config.json").is_file() and (exported / "model.safetensors").is_file()
 
     resumed = setup["root"] / "z2-resumed"

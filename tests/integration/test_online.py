@@ -73,9 +73,9 @@ def test_acceptance_rises_over_the_stream(setup_dir):
     assert len(updates) == 7  # after requests 3, 6, ..., 21
 
     # The online run exports like a distilled one and runs in the runtime.
-    from draftsmith.export import export_lm_drafter
+    from draftsmith.export import export
 
-    out = export_lm_drafter(recipe.output_dir, Path(recipe.output_dir) / "export")
+    out = export(recipe.output_dir, Path(recipe.output_dir) / "export")
     assert (out / "config.json").is_file() and (out / "README.md").is_file()
 
 

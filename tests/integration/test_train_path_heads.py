@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.export import export_heads
+from draftsmith.export import export
 from draftsmith.runs import list_checkpoints
 from draftsmith.testing import REPO, heads_recipe, logged, run_trainer
 
@@ -47,14 +47,14 @@ def test_path_heads_train_export_and_draft_losslessly(tmp_path, tiny_llama_dir, 
     assert set(weights) == {f"head.{k}" for k in trainer.head.state_dict()}
     assert len(summary["top1"]) == 3 and summary["top1"][0] > 0.3
 
-    export = export_heads(recipe.output_dir, tmp_path / "export")
+    exported = export(recipe.output_dir, tmp_path / "export")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("say red cat sun", "say dog moon", "say tree blue")))
     for tree in ("default", "dynamic:3,3,8"):
         args = [] if tree == "default" else ["--tree", tree]
         out = tmp_path / f"report-{tree.split(':')[0]}"
         proc = subprocess.run(
-            [sys.executable, "-m", "draftsmith.cli", "eval", "--drafter", str(export), "--prompts", str(prompts),
+            [sys.executable, "-m", "draftsmith.cli", "eval", "--drafter", str(exported), "--prompts", str(prompts),
              "--max-new-tokens", "24", "--out", str(out), *args],
             capture_output=True, text=True, cwd=REPO,
         )  # fmt: skip

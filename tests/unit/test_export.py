@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.export import ExportError, export_heads, load_head
+from draftsmith.export import ExportError, export, load_head
 from draftsmith.heads import MedusaConfig, MedusaHead
 from draftsmith.target import FrozenTarget
 from draftsmith.testing import tiny_causal_lm
@@ -45,7 +45,7 @@ def fake_checkpoint(tmp_path: Path, lm_head: str = "own"):
 
 def test_export_round_trip_and_model_card(tmp_path):
     target, head, run = fake_checkpoint(tmp_path)
-    out = export_heads(run, tmp_path / "export")
+    out = export(run, tmp_path / "export")
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "metrics.json", "model.safetensors", "recipe.yaml"]
     config = json.loads((out / "config.json").read_text())["draftsmith"]
     assert config["drafter"] == "heads" and config["head"]["kind"] == "medusa" and config["target"]["path"] == "org/tiny"
@@ -73,7 +73,7 @@ def test_loading_the_wrong_folder_fails_clearly(tmp_path):
 
 def test_push_to_local_hub(tmp_path, local_hub):
     _, _, run = fake_checkpoint(tmp_path)
-    out = export_heads(run, tmp_path / "export")
+    out = export(run, tmp_path / "export")
     with local_hub() as hub:
         env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_test", "HF_HUB_OFFLINE": "0"}
         proc = subprocess.run(

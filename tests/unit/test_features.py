@@ -248,6 +248,6 @@ def test_cli_refuses_a_cache_of_another_target_in_one_line(tmp_path, tiny_llama_
     capsys.readouterr()
     code = cli.main(["train", str(path), f"target.path={other}", f"output_dir={tmp_path / 'second'}"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert code == 1
+    assert code == 2
     assert len(errors) == 1 and "built for another target" in errors[0], errors
     assert not (tmp_path / "second" / "checkpoints").exists()

@@ -1,0 +1,64 @@
+"""--format sglang: the layouts SGLang loads with ``--speculative-algorithm EAGLE3`` or ``EAGLE``.
+
+SGLang loads by name and skips what it does not know without a word, so names must be exact:
+EAGLE-3's layer is ``midlayer.*``; EAGLE-1's fc always has a bias (written as zeros for a head
+trained without one, which computes the same). SGLang reads auxiliary layer ids only from
+``eagle_config`` and, since 2026-05, takes them as they are unless the first id is 1 (then it adds
+1 to all, the older "output of layer L" convention): ids are written there only when they differ
+from the default, and ids starting at 1 are refused as ambiguous between SGLang versions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from safetensors.torch import save_file
+
+from draftsmith.export.hf import head_config_values, model_card, write_provenance
+from draftsmith.export.layouts import EAGLE3_TARGETS, default_aux_ids, eagle3_config, eagle3_tensors, eagle_config, eagle_tensors
+from draftsmith.export.source import Drafter, ExportOptions
+from draftsmith.runs import WEIGHTS_NAME
+
+NAME = "sglang"
+ALGORITHMS = {"eagle3": "EAGLE3", "eagle": "EAGLE"}
+
+
+def refusal(drafter: Drafter, out: Path, options: ExportOptions) -> Optional[str]:
+    if drafter.kind not in ALGORITHMS:
+        return f"SGLang runs EAGLE-3 and EAGLE drafters (as draft heads), not {drafter.kind}"
+    model_type = drafter.target.get("model_type") or ""
+    if drafter.kind == "eagle3":
+        if model_type and model_type not in EAGLE3_TARGETS:
+            return f"EAGLE-3 reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
+        ids = list(drafter.head.cfg.aux_layer_ids)
+        if ids != default_aux_ids(drafter.head.dims.num_layers) and ids[0] == 1:
+            return (
+                f"auxiliary layer ids {ids} start at 1, which SGLang reads as {[i + 1 for i in ids]} since 2026-05 and as "
+                f"{ids} before: train with ids >= 2 or the default (2, N//2, N-3) to serve in SGLang"
+            )
+    return None
+
+
+def write(drafter: Drafter, folder: Path, options: ExportOptions) -> None:
+    head = drafter.head
+    if drafter.kind == "eagle3":
+        tensors, config = eagle3_tensors(head, "midlayer."), eagle3_config(head)
+        if list(head.cfg.aux_layer_ids) != default_aux_ids(head.dims.num_layers):
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(head.cfg.aux_layer_ids)}
+    else:
+        tensors, config = eagle_tensors(head, with_fc_bias=True), eagle_config(head, "LlamaForCausalLMEagle")
+    config["draftsmith_source"] = {"kind": drafter.kind, "head": head_config_values(head), "target": {k: v for k, v in drafter.target.items() if k != "hf_config"}}
+    save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    k = options.num_speculative_tokens
+    use = "\n".join([
+        "```bash",
+        f"python -m sglang.launch_server --model-path {drafter.target_name()} --speculative-algorithm {ALGORITHMS[drafter.kind]} "
+        f"--speculative-draft-model-path <this folder> --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
+        "```",
+        "",
+        "SGLang shares the target's embedding" + (" and LM head." if drafter.kind == "eagle" else "."),
+    ])
+    write_provenance(folder, drafter.recipe_yaml, drafter.metrics, model_card(drafter.kind, head_config_values(head), drafter.target, drafter.recipe_yaml, drafter.metrics, use, NAME))

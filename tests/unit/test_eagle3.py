@@ -1,0 +1,129 @@
+"""EAGLE-3 heads: the draft vocabulary chosen from the data and its d2t/t2d, the loss against its
+definition, the engines' auxiliary-layer convention, and bad configurations in one line. That the
+training forward computes what the runtime drafts is the head contract's (test_head_contract.py);
+that vLLM computes the same is tests/interop's."""
+
+import pytest
+import torch
+
+from draftsmith.heads import HEADS
+from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+from draftsmith.heads.vocab import draft_vocabulary
+from draftsmith.target import FrozenTarget
+from draftsmith.testing import tiny_causal_lm
+
+V = 48
+
+
+@pytest.fixture(scope="module")
+def target():
+    return FrozenTarget(tiny_causal_lm("llama", vocab_size=V, hidden_size=32, num_layers=8, seed=0))
+
+
+def test_registered_and_default_layers_follow_vllm(target):
+    assert HEADS["eagle3"] is Eagle3Head
+    head = Eagle3Head(Eagle3Config(), target.dims)
+    # vLLM's default (2, N//2, N-3) for N = 8; id L is the output of our decoder layer L - 1.
+    assert head.cfg.aux_layer_ids == [2, 4, 5] and head.required_layers() == [1, 3, 4]
+    assert head.cfg.draft_vocab_size == V  # min(32000, the target's vocabulary)
+    feats = target.features(torch.randint(3, V, (1, 6)), layers=head.required_layers())
+    ref = target.model(feats.input_ids, output_hidden_states=True).hidden_states
+    for layer, vllm_id in zip(head.required_layers(), head.cfg.aux_layer_ids):
+        # HF's hidden_states[L] is the input of decoder layer L (for L < N): vLLM's id L.
+        torch.testing.assert_close(feats.hidden[layer], ref[vllm_id])
+
+
+def test_draft_vocabulary_by_frequency_and_its_maps():
+    examples = [
+        {"input_ids": [5, 7, 7, 9, 9, 9, 2], "loss_mask": [0, 1, 1, 1, 1, 1, 1]},
+        {"input_ids": [3, 3, 3, 11, 9], "loss_mask": [0, 0, 0, 1, 1]},  # the 3s are prompt: not counted
+    ]
+    vocab = draft_vocabulary(examples, vocab_size=16, draft_vocab_size=3)
+    # Scored counts: 9 x4, 7 x2, 2 x1, 11 x1 -> the 3 most frequent, ties to the lower id, ascending.
+    assert vocab.ids.tolist() == [2, 7, 9]
+    assert (torch.arange(3) + vocab.d2t).tolist() == [2, 7, 9]
+    assert vocab.t2d.nonzero().flatten().tolist() == [2, 7, 9]
+    assert vocab.coverage == pytest.approx(7 / 8)
+    # Fewer distinct scored tokens than asked: the lowest unused ids fill the rest.
+    assert draft_vocabulary(examples, 16, 6).ids.tolist() == [0, 1, 2, 7, 9, 11]
+    with pytest.raises(ValueError, match="a draft vocabulary of 17 tokens does not fit a target vocabulary of 16"):
+        draft_vocabulary(examples, 16, 17)
+
+
+def test_init_from_data_sets_the_maps_and_the_lm_head_rows(target):
+    head = Eagle3Head(Eagle3Config(draft_vocab_size=8), target.dims)
+    gen = torch.Generator().manual_seed(0)
+    examples = [{"input_ids": torch.randint(3, V, (20,), generator=gen).tolist(), "loss_mask": [1] * 20} for _ in range(6)]
+    note = head.init_from_data(examples)
+    head.init_from_target(target)
+    expected = draft_vocabulary(examples, V, 8)
+    assert torch.equal(head.d2t, expected.d2t) and torch.equal(head.t2d, expected.t2d)
+    assert "draft vocabulary of 8 tokens covers" in note
+    # The LM head starts as the target's rows of those tokens, and logits land on those target ids.
+    torch.testing.assert_close(head.lm_head.weight, target.lm_head_weight()[expected.ids])
+    logits = head.logits(torch.randn(2, 32))
+    assert logits.shape == (2, V)
+    assert torch.isfinite(logits).sum(-1).tolist() == [8, 8]
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == expected.ids.tolist()
+
+
+def test_loss_is_the_soft_cross_entropy_on_the_draft_vocabulary(target):
+    torch.manual_seed(1)
+    head = Eagle3Head(Eagle3Config(draft_vocab_size=24, depth=2, train_depth=2), target.dims)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    ids = torch.randint(3, V, (2, 12), generator=torch.Generator().manual_seed(2))
+    feats = target.features(ids, layers=head.required_layers())
+    mask = torch.ones_like(ids)
+    loss, stats = head.loss(feats, mask)
+    vocab = head.draft_ids
+    with torch.no_grad():
+        outputs, _ = head.unroll(feats, 2)
+        expected, counts = [], []
+        for s in (1, 2):
+            T = 12 - 1 - s  # positions t with a label x_{t+1+s}
+            labels = ids[:, 1 + s :]
+            keep = head.t2d[labels]  # the label must lie in the draft vocabulary
+            draft = torch.log_softmax(head.draft_logits(outputs[s - 1][:, :T]), dim=-1)
+            teacher = torch.softmax(feats.logits[:, s : s + T][..., vocab], dim=-1)
+            expected.append(-(teacher * draft).sum(-1)[keep].mean())
+            counts.append(float(keep.sum()))
+    assert stats["count"].tolist() == counts and 0 < counts[0] < 2 * 9  # some labels fell outside
+    torch.testing.assert_close(stats["ce"], torch.stack(expected))
+    weights = torch.tensor([1.0, 0.8])
+    torch.testing.assert_close(loss, (weights * torch.stack(expected)).sum() / weights.sum())
+
+
+def test_bad_configurations_fail_in_one_line(target):
+    small = FrozenTarget(tiny_causal_lm("llama", vocab_size=V, hidden_size=32, num_layers=3))
+    with pytest.raises(ValueError, match=r"default auxiliary layers \(2, N//2, N-3\) = \(2, 1, 0\) of a 3-layer target"):
+        Eagle3Head(Eagle3Config(), small.dims)
+    with pytest.raises(ValueError, match=r"'head.aux_layer_ids'=\[1, 5, 9\] lies outside the target: ids run from 1 .* to 8"):
+        Eagle3Head(Eagle3Config(aux_layer_ids=[1, 5, 9]), target.dims)
+    with pytest.raises(ValueError, match="must name 3 distinct layers"):
+        Eagle3Head(Eagle3Config(aux_layer_ids=[2, 2, 5]), target.dims)
+    with pytest.raises(ValueError, match=f"'head.draft_vocab_size'=64 is larger than the target's vocabulary of {V}"):
+        Eagle3Head(Eagle3Config(draft_vocab_size=64), target.dims)
+
+
+@pytest.mark.parametrize(
+    "head, message",
+    [
+        ("{kind: eagle3, aux_layer_ids: [1, 2, 9]}", "recipe key 'head.aux_layer_ids'=[1, 2, 9] lies outside the target"),
+        ("{kind: eagle3, aux_layer_ids: [1, 2, 3], draft_vocab_size: 5000}", "recipe key 'head.draft_vocab_size'=5000 is larger than the target's vocabulary"),
+    ],
+)
+def test_cli_refuses_settings_the_target_cannot_take(tmp_path, tiny_llama_dir, capsys, head, message):
+    from draftsmith import cli
+    from draftsmith.testing import write_chats
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"trainer: heads\noutput_dir: {tmp_path / 'run'}\ntarget: {{path: {tiny_llama_dir}}}\n"
+        f"data: {{path: {write_chats(tmp_path / 'chats.jsonl', n=8)}, eval_size: 2}}\nhead: {head}\n"
+    )
+    assert cli.main(["train", str(recipe)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], errors
+    assert not (tmp_path / "run" / "checkpoints").exists()

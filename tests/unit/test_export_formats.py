@@ -1,0 +1,255 @@
+"""Export layouts for the serving engines (vLLM, SGLang, speculators): the exact tensor names and
+config keys each engine reads, refusals in one line (exit 2, nothing written), and the way back:
+folders in those layouts, ours or written by anyone, load into draftsmith with the same logits.
+That the engines themselves load them is tests/interop's."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.export import ExportError, ExportOptions, export, write_head_folder
+from draftsmith.heads import HEADS
+from draftsmith.target import FrozenTarget
+from draftsmith.testing import REPO, tiny_causal_lm, tiny_tokenizer
+
+V, H, N = len(tiny_tokenizer()), 64, 8
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    tok = tiny_tokenizer()
+    model = tiny_causal_lm("llama", vocab_size=len(tok), hidden_size=H, num_layers=N, seed=0)
+    folder = tmp_path_factory.mktemp("target") / "tiny"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder, FrozenTarget(model, tok, source=str(folder))
+
+
+def head_folder(target, tmp_path, kind, **cfg):
+    """A random head of `kind` saved as a draftsmith export, the source every format starts from."""
+    folder, tgt = target
+    cls = HEADS[kind]
+    torch.manual_seed(0)
+    head = cls(cls.config_class(**cfg), tgt.dims)
+    head.init_from_target(tgt)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    if kind == "eagle3" and head.cfg.draft_vocab_size < tgt.dims.vocab_size:
+        # A draft vocabulary that is not a prefix of the target's: every 2nd id from 10.
+        ids = torch.arange(head.cfg.draft_vocab_size) * 2 + 10
+        head.d2t.copy_(ids - torch.arange(head.cfg.draft_vocab_size))
+        head.t2d.zero_()
+        head.t2d[ids] = True
+    dims = tgt.dims
+    info = {"path": str(folder), "hidden_size": dims.hidden_size, "vocab_size": dims.vocab_size, "num_layers": dims.num_layers,
+            "model_type": "llama", "hf_config": dims.hf_config}  # fmt: skip
+    return write_head_folder(head.eval(), info, tmp_path / f"src-{kind}"), head
+
+
+def same_logits(fixture, head, folder, **load):
+    """The folder loaded back through draftsmith's drafter loader computes the head's logits."""
+    from draftsmith.eval.run import load_drafter
+
+    _, tgt = fixture
+    loaded = load_drafter(folder, **load)
+    ids = torch.randint(3, V, (1, 12), generator=torch.Generator().manual_seed(1))
+    feats = tgt.features(ids, layers=head.required_layers())
+    with torch.no_grad():
+        want, got = head(feats), loaded.drafter.head(feats)
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got))
+    torch.testing.assert_close(got[finite], want[finite])
+    return loaded
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_eagle3_in_each_engine_layout(target, tmp_path, fmt):
+    src, head = head_folder(target, tmp_path, "eagle3", draft_vocab_size=24, aux_layer_ids=[2, 4, 5])
+    out = export(src, tmp_path / f"eagle3-{fmt}", fmt, ExportOptions(num_speculative_tokens=3, verifier=str(target[0])))
+    tensors = load_file(str(out / "model.safetensors"))
+    layer = "layers.0." if fmt == "speculators" else "midlayer."
+    expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t"} | ({"t2d"} if fmt == "speculators" else set()) | {
+        layer + n for n in (
+            "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+            "mlp.up_proj.weight", "mlp.down_proj.weight",
+        )
+    }  # fmt: skip
+    assert set(tensors) == expected  # no bias (an engine drops unknown *.bias silently), no embedding
+    assert tensors["fc.weight"].shape == (H, 3 * H) and tensors[layer + "self_attn.q_proj.weight"].shape[1] == 2 * H
+    assert tensors["lm_head.weight"].shape == (24, H)
+    assert (torch.arange(24) + tensors["d2t"]).tolist() == list(range(10, 58, 2))
+    if fmt == "speculators":
+        assert tensors["t2d"].nonzero().flatten().tolist() == list(range(10, 58, 2))
+    config = json.loads((out / "config.json").read_text())
+    if fmt == "speculators":
+        assert "model_type" not in config and config["speculators_model_type"] == "eagle3"
+        assert config["speculators_config"]["verifier"]["name_or_path"] == str(target[0])
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+        layer_config = config["transformer_layer_config"]
+        assert config["norm_before_residual"] is False  # written: vLLM's default on this path is true
+    else:
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+        layer_config = config
+    assert layer_config["num_hidden_layers"] == 1 and layer_config["hidden_act"] == "silu"
+    assert layer_config["num_key_value_heads"] == head.cfg.num_key_value_heads and layer_config["tie_word_embeddings"] is False
+    assert config["draft_vocab_size"] == 24 and config["target_hidden_size"] == H
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM's convention, at the top level
+    assert "eagle_config" not in config  # the default ids (2, N//2, N-3) for N = 8: SGLang's default too
+    card = (out / "README.md").read_text()
+    assert {"vllm": "vllm serve", "sglang": "--speculative-algorithm EAGLE3", "speculators": "vllm serve <this folder>"}[fmt] in card
+    loaded = same_logits(target, head, out)
+    assert loaded.kind == "eagle3" and loaded.meta["layout"] == ("speculators" if fmt == "speculators" else "eagle3")
+
+
+def test_eagle3_with_the_full_vocabulary_has_no_d2t_and_sglang_gets_non_default_ids(target, tmp_path):
+    src, head = head_folder(target, tmp_path, "eagle3", aux_layer_ids=[3, 5, 7])
+    out = export(src, tmp_path / "full-vllm", "vllm")
+    assert "d2t" not in load_file(str(out / "model.safetensors"))  # vLLM refuses d2t when Vd == V
+    sgl = export(src, tmp_path / "full-sglang", "sglang")
+    assert json.loads((sgl / "config.json").read_text())["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [3, 5, 7]}
+    same_logits(target, head, sgl)
+
+
+def test_eagle1_in_vllm_and_sglang_layouts(target, tmp_path):
+    src, head = head_folder(target, tmp_path, "eagle", num_layers=2, fc_bias=False)
+    vllm = export(src, tmp_path / "e1-vllm", "vllm")
+    names = set(load_file(str(vllm / "model.safetensors")))
+    assert "fc.weight" in names and "fc.bias" not in names and "layers.1.input_layernorm.weight" in names
+    assert not {"layers.0.input_layernorm.weight", "norm.weight", "lm_head.weight"} & names
+    assert json.loads((vllm / "config.json").read_text())["architectures"] == ["EagleLlamaForCausalLM"]
+    same_logits(target, head, vllm)
+    sglang = export(src, tmp_path / "e1-sglang", "sglang")
+    tensors = load_file(str(sglang / "model.safetensors"))
+    assert torch.equal(tensors["fc.bias"], torch.zeros(H))  # SGLang's fc always has a bias
+    assert json.loads((sglang / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
+    same_logits(target, head, sglang)
+
+
+def test_medusa_in_vllm_layout(target, tmp_path):
+    src, head = head_folder(target, tmp_path, "medusa", num_heads=3, num_layers=2, lm_head="own")
+    out = export(src, tmp_path / "medusa-vllm", "vllm")
+    tensors = load_file(str(out / "model.safetensors"))
+    expected = {f"blocks.{h}.layers.{j}.{p}" for h in range(3) for j in range(2) for p in ("weight", "bias")} | {f"lm_heads.{h}.weight" for h in range(3)}
+    assert set(tensors) == expected
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "medusa" and config["num_heads"] == 3 and config["num_hidden_layers"] == 2
+    assert config["medusa_fc_bias"] is True and config["original_lm_head"] is False
+    # Heads sharing the target's LM head carry one copy of it: vLLM's Medusa cannot point at the target's.
+    src2, _ = head_folder(target, tmp_path / "b", "medusa", num_heads=2, lm_head="target")
+    shared = export(src2, tmp_path / "medusa-shared", "vllm")
+    tensors = load_file(str(shared / "model.safetensors"))
+    assert torch.equal(tensors["lm_head.weight"], target[1].lm_head_weight())
+    assert json.loads((shared / "config.json").read_text())["original_lm_head"] is True
+
+
+@pytest.mark.parametrize(
+    "kind, cfg, fmt, message",
+    [
+        ("hydra", {}, "vllm", "vLLM has no drafter of kind hydra"),
+        ("hydra", {}, "sglang", "SGLang runs EAGLE-3 and EAGLE drafters"),
+        ("medusa", {}, "speculators", "a medusa drafter has no speculators layout"),
+        ("eagle", {"fc_bias": True}, "vllm", "vLLM's EAGLE-1 fc has no bias and drops one without an error"),
+        ("eagle3", {"aux_layer_ids": [1, 4, 6]}, "sglang", "start at 1, which SGLang reads as [2, 5, 7] since 2026-05"),
+    ],
+)
+def test_a_format_that_cannot_carry_the_drafter_refuses_in_one_line(target, tmp_path, kind, cfg, fmt, message):
+    src, _ = head_folder(target, tmp_path, kind, **cfg)
+    out = tmp_path / "out"
+    with pytest.raises(ExportError, match=f"--format {fmt} cannot carry this {kind} drafter: .*" + message.replace("[", r"\[").replace("(", r"\(")):
+        export(src, out, fmt)
+    assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_cli_refusals_exit_2_with_one_line_and_write_nothing(target, tmp_path):
+    src, _ = head_folder(target, tmp_path, "hydra")
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "draftsmith.cli", "export", *map(str, args)], capture_output=True, text=True, cwd=REPO)
+
+    for args, words in (
+        ((src, "--format", "vllm", "--out", tmp_path / "a"), "vLLM has no drafter of kind hydra"),
+        ((tmp_path, "--format", "vllm", "--out", tmp_path / "b"), "neither a draftsmith checkpoint nor a run folder"),
+    ):
+        proc = cli(*args)
+        errors = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(errors) == 1 and words in errors[0], proc.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    ok = cli(head_folder(target, tmp_path, "eagle3", aux_layer_ids=[2, 4, 5])[0], "--format", "vllm", "--out", tmp_path / "c")
+    assert ok.returncode == 0 and "README.md" in ok.stdout, ok.stderr
+
+
+def test_a_vllm_path_that_names_another_method_is_refused(target, tmp_path):
+    src, _ = head_folder(target, tmp_path, "medusa", num_heads=2, lm_head="own")
+    with pytest.raises(ExportError, match="whose path contains 'eagle3' as method eagle3"):
+        export(src, tmp_path / "my-eagle3-medusa", "vllm")
+
+
+# ----------------------------------------------------------------------------- folders written by others
+
+
+def _specforge_folder(target, tmp_path):
+    """An EAGLE-3 draft as SpecForge saves one: midlayer names, a copy of the target's embedding,
+    t2d, and auxiliary ids in eagle_config in the older "output of layer L" convention."""
+    _, tgt = target
+    src, head = head_folder(target, tmp_path, "eagle3", draft_vocab_size=24, aux_layer_ids=[2, 4, 6])
+    tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in head.state_dict().items()}
+    tensors["embed_tokens.weight"] = tgt.model.get_input_embeddings().weight.detach().clone()
+    folder = tmp_path / "specforge"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    cfg = head.cfg
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads, "num_hidden_layers": 1,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": 1024, "vocab_size": V,
+        "draft_vocab_size": 24, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]},
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, head
+
+
+def test_a_specforge_folder_loads_with_its_older_layer_ids(target, tmp_path):
+    folder, head = _specforge_folder(target, tmp_path)
+    loaded = same_logits(target, head, folder, target=str(target[0]))
+    assert loaded.drafter.head.cfg.aux_layer_ids == [2, 4, 6]  # [1, 3, 5] + 1, as SGLang reads them
+
+
+def test_a_speculators_folder_names_its_target(target, tmp_path):
+    src, head = head_folder(target, tmp_path, "eagle3", aux_layer_ids=[2, 4, 5], norm_before_residual=True)
+    out = export(src, tmp_path / "spec", "speculators", ExportOptions(verifier=str(target[0])))
+    config = json.loads((out / "config.json").read_text())
+    del config["draftsmith_source"]  # as speculators itself writes it: only the verifier names the target
+    (out / "config.json").write_text(json.dumps(config))
+    loaded = same_logits(target, head, out)
+    assert loaded.target_path == str(target[0]) and loaded.drafter.head.cfg.norm_before_residual is True
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda c, t: c.update(draft_vocab_size=30), "lm_head.weight has 24 rows but the config says draft_vocab_size 30"),
+        (lambda c, t: t.pop("norm.weight"), "describes a tensor norm.weight that the weights do not hold"),
+        (lambda c, t: t.update({"midlayer.extra.weight": torch.zeros(2)}), "tensor layers.0.extra.weight"),
+        (lambda c, t: c.update(num_attention_heads=2, num_key_value_heads=2, head_dim=0), "tensor layers.0.self_attn"),
+        (lambda c, t: t.update({"embed_tokens.weight": torch.zeros(V, H)}), "carries an embedding that is not the target's"),
+    ],
+)
+def test_a_foreign_folder_whose_config_and_tensors_disagree_fails_in_one_line(target, tmp_path, damage, message):
+    from draftsmith.eval.run import load_drafter
+    from draftsmith.runtime.drafters import DrafterError
+
+    folder, _ = _specforge_folder(target, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    damage(config, tensors)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(DrafterError) as err:
+        load_drafter(folder, target=str(target[0]))
+    assert message in str(err.value) and "\n" not in str(err.value)
