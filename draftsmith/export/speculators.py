@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from draftsmith.export.hf import head_config_values, model_card, write_provenance
 from draftsmith.export.layouts import EAGLE3_TARGETS, eagle3_tensors, llama_layer_config
 from draftsmith.export.source import Drafter, ExportOptions
+from draftsmith.export.vllm import METHODS as VLLM_METHODS
 from draftsmith.runs import WEIGHTS_NAME
 
 NAME = "speculators"
@@ -24,7 +25,9 @@ NAME = "speculators"
 
 def refusal(drafter: Drafter, out: Path, options: ExportOptions) -> Optional[str]:
     if drafter.kind != "eagle3":
-        return f"draftsmith writes speculators' eagle3 type; a {drafter.kind} drafter has no speculators layout here (try --format vllm)"
+        # Point at vLLM's own layout only for the kinds vLLM runs (not Hydra or Clover).
+        hint = " (try --format vllm)" if drafter.kind in VLLM_METHODS else ""
+        return f"draftsmith writes speculators' eagle3 type; a {drafter.kind} drafter has no speculators layout here{hint}"
     model_type = drafter.target.get("model_type") or ""
     if model_type and model_type not in EAGLE3_TARGETS:
         return f"EAGLE-3 reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"

@@ -11,6 +11,7 @@ import pytest
 import torch
 from scipy import stats
 
+from draftsmith.heads.clover import CloverConfig, CloverHead
 from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.hydra import HydraConfig, HydraHead
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead
@@ -70,6 +71,19 @@ def _random_hydra(target, seed, **cfg):
     return head
 
 
+def _random_clover(target, seed, **cfg):
+    """A Clover head started from the target (its augmenting block a copy of the last layer), then
+    perturbed so it drafts unlike the target."""
+    torch.manual_seed(seed)
+    head = CloverHead(CloverConfig(**cfg), target.dims)
+    head.init_from_target(target)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return head.eval()
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def setup(request):
     arch = request.param
@@ -96,6 +110,14 @@ DRAFTERS = {
     "eagle-chain": (lambda t, o, n: HeadDrafter(_random_eagle(t, 3), t, TreeSpec.chain(4)), False),
     "eagle-tree": (lambda t, o, n: HeadDrafter(_random_eagle(t, 4, num_layers=2), t, default_tree(4, (4, 2, 2, 1))), False),
     "eagle-dynamic": (lambda t, o, n: HeadDrafter(_random_eagle(t, 5), t, DynamicTreeSpec(depth=4, topk=3, budget=10)), False),
+    # Clover-2 (the root token fused before the augmenting block) and Clover-1's order and outputs.
+    "clover-tree": (lambda t, o, n: HeadDrafter(_random_clover(t, 9, depth=4), t, default_tree(4, (4, 2, 2, 1))), False),
+    "clover1-dynamic": (
+        lambda t, o, n: HeadDrafter(
+            _random_clover(t, 10, depth=4, num_layers=1, token_first=False, output="residual"), t, DynamicTreeSpec(depth=4, topk=3, budget=10)
+        ),
+        False,
+    ),
     "medusa-dynamic": (lambda t, o, n: HeadDrafter(_random_medusa(t, 8), t, DynamicTreeSpec(depth=3, topk=3, budget=8)), False),
     "other-lm-chain": (lambda t, o, n: StandaloneDrafter(o, TreeSpec.chain(3)), False),
     "noisy-chain": (lambda t, o, n: StandaloneDrafter(n, TreeSpec.chain(4)), False),
@@ -121,8 +143,10 @@ def test_greedy_speculative_equals_hf_greedy(setup, kind):
             # The target drafting for itself: every drafted token of every step is accepted.
             assert stats_.accept_lens == stats_.draft_depths[: len(stats_.accept_lens)]
             assert all(d > 0 for d in stats_.draft_depths[1:])
-    if kind.startswith("noisy"):
-        assert 0 < accepted < drafted_depth  # partial acceptance: rollbacks really happen
+    if kind.startswith(("noisy", "clover")):
+        # Partial acceptance: rollbacks really happen (Clover: its node states are forgotten and the
+        # augmenting block's cache must hold decided positions only).
+        assert 0 < accepted < drafted_depth
 
 
 # ---------------------------------------------------------------- sampling
@@ -153,10 +177,13 @@ def _target_joint(model):
     return (first.unsqueeze(1) * second).flatten()
 
 
-def _speculative_joint_p_value(n, seed):
-    target_model, draft_model = _peaky(0), _peaky(1)
+def _speculative_joint_p_value(n, seed, head=None):
+    """Chi-square p-value of n sampled pairs of first tokens against the target's law; the drafter is
+    a second peaky model, or `head(target)` drafting the same static tree."""
+    target_model = _peaky(0)
     target = FrozenTarget(target_model)
-    drafter = StandaloneDrafter(draft_model, TreeSpec.from_choices([(0,), (1,), (0, 0), (1, 0)]))
+    tree = TreeSpec.from_choices([(0,), (1,), (0, 0), (1, 0)])
+    drafter = StandaloneDrafter(_peaky(1), tree) if head is None else HeadDrafter(head(target), target, tree)
     gen = torch.Generator().manual_seed(seed)
     cells = []
     for _ in range(n):
@@ -175,6 +202,10 @@ def _speculative_joint_p_value(n, seed):
 
 def test_sampled_speculative_tokens_follow_the_target():
     assert _speculative_joint_p_value(500, seed=0) > 1e-3
+
+
+def test_sampled_speculative_tokens_follow_the_target_with_a_clover_head():
+    assert _speculative_joint_p_value(500, seed=0, head=lambda t: _random_clover(t, 11, depth=2)) > 1e-3
 
 
 def test_the_sampling_check_rejects_a_verifier_that_always_accepts(monkeypatch):

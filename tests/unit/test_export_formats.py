@@ -166,6 +166,30 @@ def test_a_format_that_cannot_carry_the_drafter_refuses_in_one_line(target, tmp_
     assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
 
 
+def test_clover_exports_in_draftsmith_format_only(target, tmp_path):
+    """No engine runs Clover: --format draftsmith writes it and loads back with the same logits; each
+    engine layout refuses it in one line (the speculators refusal points nowhere else, since vLLM
+    refuses it too) and writes nothing."""
+    src, head = head_folder(target, tmp_path, "clover", depth=3)
+    native = export(src, tmp_path / "native", "draftsmith")
+    assert json.loads((native / "config.json").read_text())["draftsmith"]["head"]["kind"] == "clover"
+    loaded = same_logits(target, head, native)
+    assert type(loaded.drafter.head).__name__ == "CloverHead"
+    for fmt, words in (
+        ("vllm", "vLLM has no drafter of kind clover"),
+        ("sglang", "SGLang runs EAGLE-3 and EAGLE drafters (as draft heads), not clover"),
+        ("speculators", "a clover drafter has no speculators layout here"),
+    ):
+        out = tmp_path / f"out-{fmt}"
+        with pytest.raises(ExportError) as err:
+            export(src, out, fmt)
+        message = str(err.value)
+        assert message.startswith(f"--format {fmt} cannot carry this clover drafter: ") and words in message, message
+        assert "\n" not in message and "--format vllm)" not in message, message
+        assert not out.exists()
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
 def test_cli_refusals_exit_2_with_one_line_and_write_nothing(target, tmp_path):
     src, _ = head_folder(target, tmp_path, "hydra")
 
