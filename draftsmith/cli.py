@@ -175,6 +175,14 @@ def _bounded(kind, low, high=None, low_open=False):
     return parse
 
 
+def _exit_layers(text: str):
+    """--exit-layer of eval: E (>= 1), "sweep", or a comma-separated list of exits to sweep."""
+    if text == "sweep":
+        return text
+    values = [_bounded(int, 1)(part) for part in text.split(",")]
+    return values[0] if len(values) == 1 and "," not in text else values
+
+
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help="an export folder, a run/checkpoint folder, an HF causal-LM folder, or a built-in model name")
     p.add_argument("--target", default=None, help="override the target the drafter recorded")
@@ -190,7 +198,7 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     from draftsmith.eval.run import generate_one, load_drafter
 
-    loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype)
+    loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer)
     text, new, stats = generate_one(
         loaded, [{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed
     )
@@ -209,11 +217,23 @@ def cmd_eval(args) -> int:
     from draftsmith.eval.run import evaluate, load_drafter, load_prompts
 
     prompts = load_prompts(args.prompts, args.limit)
-    loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype)
-    stats, extra = evaluate(
-        loaded, prompts, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-        baseline=True, assisted=loaded.kind == "standalone" and not args.no_assisted,
-    )
+    if isinstance(args.exit_layer, list) or args.exit_layer == "sweep":
+        from draftsmith.eval.early_exit import sweep_exit_layers
+
+        loaded, stats, extra, rows = sweep_exit_layers(
+            args.drafter, None if args.exit_layer == "sweep" else args.exit_layer, prompts, args.tree, args.dtype, args.target,
+            assisted=not args.no_assisted, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+            top_p=args.top_p, seed=args.seed,
+        )
+        extra["exit_sweep"] = rows
+    else:
+        loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer)
+        stats, extra = evaluate(
+            loaded, prompts, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+            baseline=True, assisted=loaded.kind in ("standalone", "early_exit") and not args.no_assisted,
+        )
+    if loaded.kind == "early_exit":
+        extra = {**loaded.meta, **extra}
     meta = {
         "target": loaded.target_path,
         "drafter": str(loaded.folder),
@@ -233,6 +253,8 @@ def cmd_eval(args) -> int:
         f"mean accepted length {report['mean_accepted_length']:.3f}, acceptance rate {report['acceptance_rate']:.3f}, "
         f"speedup {report['speedup']:.2f}x over plain decoding"
     )
+    if loaded.kind == "early_exit":
+        print(f"exit layer {report['exit_layer']} ({report['exit_layer_chosen_by']})")
     print(f"report: {Path(args.out).resolve()}/report.md (also report.json, report.png)")
     return 0
 
@@ -274,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="speculative generation for one prompt, with acceptance statistics")
     _add_decoding_args(p)
+    p.add_argument("--exit-layer", type=_bounded(int, 1), default=None, help="the model drafts for itself with its first E layers (LayerSkip)")
     p.add_argument("--prompt", required=True)
     p.set_defaults(func=cmd_generate)
 
@@ -282,7 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, help='a JSONL/JSON file (prompt or messages) or "mtbench", "humaneval", "sharegpt"')
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     p.add_argument("--out", required=True, help="folder for report.json, report.md, report.png")
-    p.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation (standalone drafters)")
+    p.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation (standalone and early-exit drafters)")
+    p.add_argument(
+        "--exit-layer", type=_exit_layers, default=None,
+        help="the model drafts for itself with its first E layers (LayerSkip); 'sweep' tries every E (or a list: 4,8,12) and keeps the fastest",
+    )
     p.set_defaults(func=cmd_eval)
     return parser
 

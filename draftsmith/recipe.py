@@ -183,7 +183,8 @@ class TrainConfig:
 
 @dataclass
 class LoraConfig:
-    """Low-rank adapters (peft) on a draft LM instead of training all of its weights."""
+    """Low-rank adapters (peft) instead of training all of a model's weights (a draft LM, or the
+    target itself under trainer layerskip)."""
 
     enabled: bool = False
     r: int = 8
@@ -262,6 +263,63 @@ class OnlineConfig:
 
 
 @dataclass
+class LayerDropoutConfig:
+    """LayerSkip's layer dropout: layer l of a training sample is skipped (its residual passes
+    through) with probability curriculum(step) * max_rate * D(l), D rising from 0 at the first layer
+    to 1 at the last. Never during evaluation or decoding."""
+
+    # The last layer's drop rate, in [0, 1); 0 turns layer dropout off.
+    max_rate: float = 0.1
+    # D(l): exp is 2^(l/(L-1)) - 1 (the paper's), linear is l/(L-1).
+    scale: Literal["exp", "linear"] = "exp"
+    # Over optimizer steps: constant (fine-tuning, continual pre-training), or rising from 0 to 1
+    # (exp, linear; pre-training from scratch).
+    curriculum: Literal["constant", "exp", "linear"] = "constant"
+
+    def check(self, key: str) -> None:
+        _within(f"{key}.max_rate", self.max_rate, 0.0, 1.0, high_open=True)
+
+
+@dataclass
+class EarlyExitLossConfig:
+    """LayerSkip's early-exit loss: the outputs of earlier layers go through the model's final norm
+    and LM head, and their cross-entropies join the last layer's, weighted by depth."""
+
+    # e_scale in [0, 1]: the weight of the early exits relative to the last layer (0: none).
+    scale: float = 1.0
+    # Which exits carry a loss at a step: all, rotational (every `rotation`-th layer, moving up one
+    # layer per step) or gradual (switched on from the last layer down during the first half).
+    curriculum: Literal["all", "rotational", "gradual"] = "rotational"
+    rotation: int = 8
+
+    def check(self, key: str) -> None:
+        _within(f"{key}.scale", self.scale, 0.0, 1.0)
+        _positive(key, {"rotation": self.rotation})
+
+
+@dataclass
+class LayerSkipConfig:
+    """LayerSkip (trainer: layerskip): the target's own weights (all of them, or LoRA adapters)
+    learn to predict from early exits, so its first layers can draft for the rest."""
+
+    layer_dropout: LayerDropoutConfig = field(default_factory=LayerDropoutConfig)
+    early_exit: EarlyExitLossConfig = field(default_factory=EarlyExitLossConfig)
+    # The exit the model drafts with (its first exit_layer decoder layers), 1..L-1, written into
+    # the export; None: chosen from the held-out evaluation (or by `draftsmith eval --exit-layer sweep`).
+    exit_layer: Optional[int] = None
+    # Exit layers the held-out evaluation reports (each costs one LM-head projection of the held-out
+    # answers); empty: every exit 1..L-1.
+    eval_exits: list[int] = field(default_factory=list)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def check(self, key: str) -> None:
+        for name, values in (("exit_layer", [self.exit_layer] if self.exit_layer is not None else []), ("eval_exits", self.eval_exits)):
+            for value in values:
+                if value < 1:
+                    raise RecipeError(f"recipe key '{key}.{name}' must be in 1..L-1 (L = the model's decoder layers), got {value}")
+
+
+@dataclass
 class DeepSpeedConfig:
     """DeepSpeed ZeRO (merge recipes/deepspeed/zero{1,2,3}.yaml). Batch sizes, accumulation,
     precision, clipping, optimizer and schedule come from train:, never from here."""
@@ -323,10 +381,10 @@ DEEPSPEED_OWNED_KEYS = {
 @dataclass
 class Recipe:
     """One experiment. `head` is checked against HEADS[head.kind].config_class; the trainer
-    sections (head, draft, distill, online) exist exactly for the trainers that read them
+    sections (head, draft, distill, online, layerskip) exist exactly for the trainers that read them
     (TRAINER_RULES) and are None otherwise."""
 
-    trainer: Literal["heads", "distill", "online"] = "heads"
+    trainer: Literal["heads", "distill", "online", "layerskip"] = "heads"
     output_dir: str = MISSING
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -335,6 +393,7 @@ class Recipe:
     draft: Optional[DraftConfig] = None
     distill: Optional[DistillConfig] = None
     online: Optional[OnlineConfig] = None
+    layerskip: Optional[LayerSkipConfig] = None
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     description: str = ""
 
@@ -370,12 +429,20 @@ def _check_online_under_deepspeed(recipe: Recipe) -> None:
         )
 
 
+def _check_layerskip_under_deepspeed(recipe: Recipe) -> None:
+    if recipe.deepspeed.shard_target:
+        raise RecipeError(
+            "recipe key 'deepspeed.shard_target': the layerskip trainer trains the target itself, which ZeRO-3 "
+            "partitions anyway; drop the key"
+        )
+
+
 @dataclass(frozen=True)
 class TrainerRules:
     """What a trainer reads from a recipe and where it runs; the trainer classes themselves live in
     draftsmith.trainers.TRAINERS (a test keeps both lists equal)."""
 
-    # Trainer sections this trainer reads (head, draft, distill, online); the others must be absent.
+    # Trainer sections this trainer reads (head, draft, distill, online, layerskip); the others must be absent.
     sections: tuple[str, ...]
     # DeepSpeed ZeRO: whether the trainer runs under it, and what it cannot do there (RecipeError).
     deepspeed: bool = True
@@ -388,10 +455,11 @@ TRAINER_RULES: dict[str, TrainerRules] = {
     "heads": TrainerRules(sections=("head",), feature_cache=True),
     "distill": TrainerRules(sections=("draft", "distill"), deepspeed_limits=_check_distill_under_deepspeed),
     "online": TrainerRules(sections=("draft", "distill", "online"), deepspeed_limits=_check_online_under_deepspeed),
+    "layerskip": TrainerRules(sections=("layerskip",), deepspeed_limits=_check_layerskip_under_deepspeed),
 }
 # Sections whose values have no default worth guessing: the recipe must give them.
 _REQUIRED_SECTIONS = {"head": "a draft head (head.kind: one of {heads})", "draft": "a draft LM (draft.path: a folder, hub id, .gguf or built-in name)"}
-_SECTION_SCHEMAS = {"draft": DraftConfig, "distill": DistillConfig, "online": OnlineConfig}
+_SECTION_SCHEMAS = {"draft": DraftConfig, "distill": DistillConfig, "online": OnlineConfig, "layerskip": LayerSkipConfig}
 
 
 def _schema_fields(schema: Any) -> dict[str, Any]:
@@ -499,7 +567,7 @@ def _check_head(raw: Any) -> Any:
 
 
 def _trainer_section(recipe: Recipe, name: str, raw: Any) -> Any:
-    """A trainer section (head, draft, distill, online) as the recipe's trainer reads it: typed and
+    """A trainer section (head, draft, distill, online, layerskip) as the recipe's trainer reads it: typed and
     checked when the trainer reads it (defaults filling an absent optional one), None otherwise."""
     readers = [t for t, rules in TRAINER_RULES.items() if name in rules.sections]
     if recipe.trainer not in readers:
@@ -617,7 +685,10 @@ __all__ = [
     "DeepSpeedConfig",
     "DistillConfig",
     "DraftConfig",
+    "EarlyExitLossConfig",
     "FeaturesConfig",
+    "LayerDropoutConfig",
+    "LayerSkipConfig",
     "LoraConfig",
     "OnlineConfig",
     "Recipe",

@@ -257,13 +257,18 @@ def load_config(path: str, gguf_file: Optional[str] = None):
 def load_draft(draft_cfg):
     """(draft model, tokenizer) per a recipe's draft: section, LoRA-wrapped (peft) when enabled."""
     model, tokenizer = load_causal_lm(draft_cfg.path, draft_cfg.dtype, draft_cfg.gguf_file, what="draft")
-    lora = draft_cfg.lora
-    if lora.enabled:
-        from peft import LoraConfig, get_peft_model
+    return with_lora(model, draft_cfg.lora), tokenizer
 
-        config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
-        model = get_peft_model(model, config)
-    return model, tokenizer
+
+def with_lora(model: nn.Module, lora) -> nn.Module:
+    """`model` wrapped with peft LoRA adapters per a recipe's lora: section (the model itself when
+    lora.enabled is false). Only the adapters train; the base weights are frozen."""
+    if not lora.enabled:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
 
 
 def _save_dequantized(model, tokenizer, out: Path) -> None:
@@ -301,6 +306,73 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
             return layers
     raise TargetLoadError(f"{type(model).__name__} has no list of decoder layers (base_model.layers); draftsmith supports HF decoder-only models such as Llama and Qwen2")
+
+
+class DecoderStack:
+    """An HF decoder-only LM taken apart so that its decoder layers run in slices: the first E
+    layers alone (early-exit drafting, LayerSkip) or layers E..L-1 from given hidden states
+    (verification that reuses the draft's work). Same modules as the model, no copies.
+
+    Built by :func:`decoder_stack` for families whose base model holds ``layers``, ``norm`` and
+    ``rotary_emb`` and whose layers take ``position_embeddings`` and ``past_key_values`` (Llama,
+    Qwen2, Mistral and their kin); a LoRA-wrapped (peft) model is unwrapped.
+    """
+
+    def __init__(self, model: nn.Module, base: nn.Module) -> None:
+        self.model = model
+        self.embed = base.embed_tokens
+        self.layers = base.layers
+        self.rotary = base.rotary_emb
+        self.norm = base.norm
+        self.lm_head = model.get_output_embeddings()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def run(
+        self, hidden: Tensor, start: int, stop: int, position_ids: Tensor, attention_mask: Optional[Tensor] = None, cache=None
+    ) -> Tensor:
+        """Decoder layers start..stop-1 on hidden [B,N,D] at position_ids [B,N] (attention_mask: an
+        additive 4D mask [B,1,N,cached+N], or None for full visibility); each layer appends its N
+        keys and values to its own entry of `cache` (an HF Cache) when one is given. Returns [B,N,D]."""
+        position_embeddings = self.rotary(hidden, position_ids)
+        for layer in self.layers[start:stop]:
+            out = layer(
+                hidden, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+                use_cache=cache is not None, position_embeddings=position_embeddings,
+            )
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def exit_logits(self, hidden: Tensor) -> Tensor:
+        """Logits [..., V] of decoder-layer outputs [..., D] through the final norm and the LM head:
+        what the model predicts when it exits after that layer."""
+        return self.lm_head(self.norm(hidden))
+
+
+def decoder_stack(model: nn.Module) -> DecoderStack:
+    """The DecoderStack of an HF causal LM (or its peft wrapper), or a TargetLoadError naming the
+    class when its layers cannot be run in slices (skipped past) this way."""
+    import inspect
+
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = getattr(hf, "base_model", hf)
+    layers = getattr(base, "layers", None)
+    parts = {"layers": isinstance(layers, nn.ModuleList) and len(layers) > 0}
+    for name in ("embed_tokens", "norm", "rotary_emb"):
+        parts[name] = isinstance(getattr(base, name, None), nn.Module)
+    if all(parts.values()):
+        accepted = inspect.signature(type(layers[0]).forward).parameters
+        parts["layers taking position_embeddings and past_key_values"] = {"position_embeddings", "past_key_values"} <= set(accepted)
+    missing = [name for name, ok in parts.items() if not ok]
+    if missing or hf.get_output_embeddings() is None:
+        kind = getattr(getattr(hf, "config", None), "model_type", "?")
+        raise TargetLoadError(
+            f"{type(hf).__name__} (model_type {kind}): its decoder layers cannot be skipped for early exit "
+            f"(missing: {', '.join(missing) or 'an LM head'}); LayerSkip supports Llama-like decoders (Llama, Qwen2, Mistral)"
+        )
+    return DecoderStack(hf, base)
 
 
 @contextlib.contextmanager

@@ -30,13 +30,16 @@ from draftsmith.target import BUILTIN_MODELS, FrozenTarget, load_causal_lm, reso
 class LoadedDrafter:
     """A drafter ready to run, the target it drafts for, and where both came from."""
 
-    kind: str  # "medusa", ... or "standalone"
+    kind: str  # "medusa", ..., "standalone" or "early_exit"
     drafter: Any
     target: FrozenTarget
     folder: Path
     target_path: str
     draft_model: Any = None  # the HF model of a standalone drafter (for assisted generation)
     meta: dict = field(default_factory=dict)
+    # transformers generate() arguments of the assisted generation to compare with, when it is not
+    # assistant_model=draft_model (early exit: assistant_early_exit=E).
+    assist: dict = field(default_factory=dict)
 
 
 def _check_vocab(draft_tokenizer, target_tokenizer, folder: Path, target_path: str) -> None:
@@ -71,10 +74,16 @@ def load_drafter(
     target: Optional[str] = None,
     tree: Optional[str] = None,
     dtype: Optional[str] = None,
+    exit_layer: Optional[int] = None,
 ) -> LoadedDrafter:
-    """Load a drafter folder and its target. `tree` is a spec for parse_tree (default per drafter)."""
+    """Load a drafter folder and its target. `tree` is a spec for parse_tree (default per drafter).
+    With `exit_layer`, or for a LayerSkip run or export, the model drafts for itself with its
+    first layers (eval/early_exit.py)."""
+    from draftsmith.eval.early_exit import is_early_exit, load_early_exit
     from draftsmith.export import ExportError, is_lm_checkpoint, load_head, load_lm_drafter
 
+    if exit_layer is not None or is_early_exit(folder):
+        return load_early_exit(folder, exit_layer, tree, dtype, target)
     spec = parse_tree(tree) if tree else None
     if str(folder) in BUILTIN_MODELS and not Path(folder).exists():
         # A built-in model as it ships (e.g. qwen2.5-coder-0.5b): the untrained baseline drafter.
@@ -216,11 +225,14 @@ def generate_one(
 
 
 def _count_forwards(model):
-    """Count a model's forward calls (assisted generation's target passes)."""
+    """Count a model's forward calls at its full depth (assisted generation's target passes; an
+    early-exit assistant runs the same model with fewer layers, and those passes do not count)."""
     counter = {"n": 0}
+    depth = getattr(model.config, "num_hidden_layers", None)
 
-    def hook(*_):
-        counter["n"] += 1
+    def hook(module, *_):
+        if getattr(module.config, "num_hidden_layers", None) == depth:
+            counter["n"] += 1
 
     return counter, model.register_forward_pre_hook(hook)
 
@@ -260,14 +272,15 @@ def evaluate(
             base, b = autoregressive_generate(target, ids, max_new_tokens, eos_token_id=eos, generator=gen, **sampling)
             stats.add_baseline(b.new_tokens, b.wall_time)
             identical += int(torch.equal(base, out))
-        if assisted and loaded.draft_model is not None:
+        assist = loaded.assist or ({"assistant_model": loaded.draft_model} if loaded.draft_model is not None else {})
+        if assisted and assist:
             counter, handle = _count_forwards(target.model)
             kwargs = {"do_sample": False} if sampling["mode"] == "greedy" else {
                 "do_sample": True, "temperature": temperature, "top_k": top_k or None, "top_p": top_p}
             started = time.perf_counter()
             try:
                 res = target.model.generate(
-                    ids, attention_mask=torch.ones_like(ids), assistant_model=loaded.draft_model,
+                    ids, attention_mask=torch.ones_like(ids), **assist,
                     max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=tok.pad_token_id or eos[0], **kwargs,
                 )
             finally:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from draftsmith.atomic import atomic_path
 from draftsmith.export import native, sglang, speculators, vllm
+from draftsmith.export.early_exit import export_early_exit, is_early_exit_run
 from draftsmith.export.hf import ExportError, HeadExport, load_head, model_card, push_folder, write_head_folder
 from draftsmith.export.layouts import ForeignHead, detect_layout, read_foreign
 from draftsmith.export.lm import is_lm_checkpoint, load_lm_drafter
@@ -29,6 +30,13 @@ def export(source: str | Path, out: str | Path, format: str = "draftsmith", opti
     cannot carry it."""
     if format not in FORMATS:
         raise ExportError(f"unknown export format '{format}'; one of: {', '.join(FORMATS)}")
+    if is_early_exit_run(source):  # LayerSkip: the trained model itself, a plain HF causal LM with its exit layer
+        if format != "draftsmith":
+            raise ExportError(
+                f"--format {format} cannot carry this early_exit drafter: {format} has no self-speculative (early-exit) "
+                "method; --format draftsmith writes a plain HF causal LM that transformers (assistant_early_exit) and draftsmith decode with"
+            )
+        return export_early_exit(source, out)
     drafter = load_source(source)
     converter = FORMATS[format]
     reason = converter.refusal(drafter, Path(out), options)

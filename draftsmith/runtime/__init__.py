@@ -3,11 +3,13 @@
     tree.py      TreeSpec / DynamicTreeSpec / DraftTree, masks and positions, build_dynamic_tree
     verify.py    reference verification in torch (greedy, lossless sampling); the kernels match it
     drafters.py  the Drafter protocol and its adapters (HeadDrafter for every head kind, StandaloneDrafter)
+    early_exit.py  EarlyExitDrafter: the target drafting with its first layers (LayerSkip), sharing its cache
     generate.py  speculative_generate and the autoregressive baseline (batch size 1)
     kernels/     the fused Triton verification kernel
 """
 
 from draftsmith.runtime.drafters import DrafterError, Drafter, DraftState, HeadDrafter, StandaloneDrafter
+from draftsmith.runtime.early_exit import EarlyExitDrafter
 from draftsmith.runtime.generate import GenerationStats, TargetSession, autoregressive_generate, speculative_generate
 from draftsmith.runtime.tree import DraftTree, DynamicTreeSpec, TreeError, TreeSpec, default_tree, parse_tree
 # The function verify stays in its module: re-exported here it would shadow the submodule
@@ -20,6 +22,7 @@ __all__ = [
     "Drafter",
     "DrafterError",
     "DynamicTreeSpec",
+    "EarlyExitDrafter",
     "GenerationStats",
     "HeadDrafter",
     "SamplingParams",

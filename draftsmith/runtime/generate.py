@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from draftsmith.runtime.drafters import Drafter, DrafterError, DraftState, compact_cache
 from draftsmith.runtime.tree import DraftTree, tree_attention_mask, tree_positions
 from draftsmith.runtime.verify import SamplingParams, VerifyResult, logits_to_probs, verify
+from draftsmith.target import DecoderStack, decoder_stack
 
 __all__ = ["GenerationStats", "TargetSession", "autoregressive_generate", "default_verify_fn", "speculative_generate"]
 
@@ -93,6 +94,7 @@ class TargetSession:
         self.cache = DynamicCache(config=target.model.config)
         self.length = 0
         self._tree_base: Optional[int] = None
+        self._stack: Optional[DecoderStack] = None
 
     def _run(self, ids: Tensor, positions: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, dict[int, Tensor]]:
         base = self.target.model.base_model
@@ -117,6 +119,43 @@ class TargetSession:
         self._tree_base = self.length
         self.length += tree.size
         return self.target.lm_head(hidden), hidden, layers
+
+    @property
+    def stack(self) -> DecoderStack:
+        """The target's layers as a DecoderStack, for forwards that start or stop mid-model."""
+        if self._stack is None:
+            self._stack = decoder_stack(self.target.model)
+        return self._stack
+
+    def cached_lengths(self) -> list[int]:
+        """Entries held by each decoder layer's cache (they differ while a self-drafter drafts)."""
+        return [layer.get_seq_length() for layer in self.cache.layers]
+
+    @torch.no_grad()
+    def run_layers(self, hidden: Tensor, start: int, stop: int, positions: Tensor, mask: Optional[Tensor]) -> Tensor:
+        """Decoder layers start..stop-1 on hidden [1,N,D] at positions [1,N] on this cache (mask: 4D
+        additive over the layers' cached entries plus the N new ones, None for all visible). Appends
+        N entries to those layers' caches only; ``length`` is unchanged (see forward_tree_from)."""
+        return self.stack.run(hidden, start, stop, positions, mask, self.cache)
+
+    @torch.no_grad()
+    def forward_tree_from(self, tree: DraftTree, layer: int, hidden: Tensor) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
+        """forward_tree for a self-drafter that already ran the tree's N nodes through decoder layers
+        0..layer-1 on this cache (those layers hold ``length + N`` entries, the others ``length``):
+        hidden [1,N,D] is layer layer-1's output at the nodes. Runs layers layer..L-1 on it, then
+        the final norm and LM head. Returns (logits [1,N,V], final hidden [1,N,D], {}); ``keep``
+        then works as after forward_tree."""
+        N = tree.size
+        lengths = self.cached_lengths()
+        want = [self.length + N] * layer + [self.length] * (len(lengths) - layer)
+        if lengths != want:
+            raise DrafterError(f"forward_tree_from(layer={layer}) needs layer caches of {want[0]} and {want[-1]} entries, found {sorted(set(lengths))}")
+        mask = tree_attention_mask(tree.parents, self.length, self.target.dtype)
+        out = self.run_layers(hidden, layer, len(lengths), tree_positions(tree.depths, self.length), mask)
+        final = self.stack.norm(out)
+        self._tree_base = self.length
+        self.length += N
+        return self.target.lm_head(final), final, {}
 
     def keep(self, path: Union[Tensor, Sequence[int]]) -> None:
         """Keep the entries of tree nodes ``path`` (ascending node indices, root first) of the last
@@ -188,6 +227,10 @@ def speculative_generate(
     stats = GenerationStats()
     start = time.perf_counter()
     session = TargetSession(target, drafter.required_layers())
+    # A self-drafter (early exit) drafts on the target's own cache and verifies from its exit layer.
+    shares_cache = hasattr(drafter, "bind")
+    if shares_cache:
+        drafter.bind(session)
     drafter.reset(input_ids)
     tokens = input_ids
     # The last prompt token is the first root: it enters the cache with the first tree.
@@ -204,7 +247,7 @@ def speculative_generate(
         stats.draft_time += time.perf_counter() - t0
         if tree.batch_size != 1 or int(tree.tokens[0, 0]) != state.root:
             raise DrafterError(f"{type(drafter).__name__} proposed a tree whose root is not the last decided token")
-        logits, tree_hidden, tree_layers = session.forward_tree(tree)
+        logits, tree_hidden, tree_layers = drafter.verify_forward(tree) if shares_cache else session.forward_tree(tree)
         stats.target_forwards += 1
         if sampling.greedy:
             result = verify_fn(tree, logits, mode="greedy")

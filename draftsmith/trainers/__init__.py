@@ -2,12 +2,14 @@
 
 from draftsmith.trainers.distill import DistillTrainer
 from draftsmith.trainers.heads import HeadTrainer
+from draftsmith.trainers.layerskip import LayerSkipTrainer
 from draftsmith.trainers.online import OnlineTrainer
 
 TRAINERS = {
     "heads": HeadTrainer,
     "distill": DistillTrainer,
     "online": OnlineTrainer,
+    "layerskip": LayerSkipTrainer,
 }
 
 __all__ = ["TRAINERS"]

@@ -1,0 +1,340 @@
+"""The LayerSkip trainer: the target's own weights learn to predict from early exits, so that its
+first layers can draft for the whole model (Elhoushi et al., 2024; the objective is in
+distill/early_exit.py).
+
+Per micro-batch: every sample skips layers at random (layer dropout: rates rising with depth, a
+skipped layer's output is its input, the draw a function of seed, step and the sample's place in
+the global batch); the model runs once; the outputs of the exits the curriculum enables at this step
+go through the model's final norm and LM head at the answer positions, and their cross-entropies,
+weighted by depth, are the loss. The last exit is the model's own output, so the ordinary LM loss is
+always part of it. A skipped row still runs through its layer (its output is then discarded): the
+forward and the gradients equal the skip, and every rank and engine sees the same computation.
+
+What trains: every weight (a float32 master copy whatever target.dtype says; train.mixed_precision
+sets the compute precision), or with layerskip.lora only peft adapters, which are then all a
+checkpoint holds. Checkpoints record the drafter kind "early_exit": export writes the trained model
+as a plain HF causal LM with its exit layer, eval decodes with it (runtime/early_exit.py).
+
+Held-out evaluation (no dropout, the whole model): per exit layer E = 1..L-1 (the first E layers,
+then the final norm and LM head), the top-1 agreement with the full model, the expected acceptance
+1 - TVD of a token drafted from the exit, and its cross-entropy; and the full model's cross-entropy
+on the held-out answers, which says what the training cost the model itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from draftsmith.distill.early_exit import (
+    best_exit, dropout_curriculum, early_exit_loss, exit_agreement, exit_cross_entropy, exit_curriculum, exit_loss_scales,
+    layer_drop_mask, layer_dropout_rates,
+)
+from draftsmith.recipe import Recipe, RecipeError
+from draftsmith.runs import log
+from draftsmith.runtime.early_exit import DEFAULT_DRAFT_LENGTH
+from draftsmith.target import TargetLoadError, capture_layers, decoder_stack, load_causal_lm, resolve_dtype, with_lora
+from draftsmith.trainers import checkpoint, engine, loop
+from draftsmith.trainers.distill import draft_checkpoint_weights, keep_adapter_weights, predicted_mask
+
+class LayerSkipStep(nn.Module):
+    """The module the engine wraps: the model under training, with layer dropout hooks on its
+    decoder layers. forward returns, at the selected positions, each requested exit's logits (or
+    its post-norm hidden state), so DDP and DeepSpeed see one call that touches every weight used."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.stack = decoder_stack(model)
+        self.num_layers = self.stack.num_layers
+        self._drop: Optional[Tensor] = None
+        for index, layer in enumerate(self.stack.layers):
+            layer.register_forward_hook(self._dropout_hook(index), with_kwargs=True)
+
+    def _dropout_hook(self, index: int):
+        def hook(_module, args, kwargs, output):
+            drop = self._drop
+            if drop is None or not bool(drop[:, index].any()):
+                return None
+            given = args[0] if args else kwargs["hidden_states"]
+            out = output[0] if isinstance(output, tuple) else output
+            # A skipped row's output is its input: x_{l+1} = x_l, no rescaling.
+            mixed = torch.where(drop[:, index].view(-1, 1, 1).to(out.device), given, out)
+            return (mixed, *output[1:]) if isinstance(output, tuple) else mixed
+
+        return hook
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Optional[Tensor],
+        select: Tensor,
+        exits: Sequence[int],
+        drop: Optional[Tensor] = None,
+        unembed: bool = True,
+    ) -> tuple[Tensor, ...]:
+        """input_ids [B,T]; select [B,T] bool, the positions whose predictions are wanted (N of them);
+        exits: layer indices l (exit after layer l; L-1 is the model's output); drop [B,L] bool, the
+        layers each row skips (training only). Returns one tensor per exit, in order: logits [N,V],
+        or without `unembed` the final-norm output [N,D]. (A tuple: DeepSpeed's hooks walk outputs.)"""
+        self._drop = drop if self.training else None
+        last = self.num_layers - 1
+        try:
+            with capture_layers(self.stack.model, [l for l in exits if l != last]) as captured:
+                out = self.stack.model.base_model(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                )
+        finally:
+            self._drop = None
+        result = []
+        for l in exits:
+            hidden = out.last_hidden_state[select] if l == last else self.stack.norm(captured[l][select])
+            result.append(self.stack.lm_head(hidden) if unembed else hidden)
+        return tuple(result)
+
+
+def batch_inputs(batch: dict, device) -> tuple[Tensor, Tensor, Optional[Tensor], Tensor, Tensor]:
+    """(input_ids, attention_mask, position_ids, select [B,T], labels [N]) of a collated batch:
+    position t is trained when token t+1 is an answer token of the same example."""
+    ids = batch["input_ids"].to(device)
+    keep = predicted_mask(batch["loss_mask"], batch.get("segment_ids", None)).to(device)
+    select = torch.zeros_like(ids, dtype=torch.bool)
+    select[:, :-1] = keep
+    labels = ids[:, 1:][keep]
+    positions = batch["position_ids"].to(device) if "position_ids" in batch else None
+    return ids, batch["attention_mask"].to(device), positions, select, labels
+
+
+class LayerSkipTrainer:
+    def __init__(self, recipe: Recipe, argv: Optional[list[str]] = None) -> None:
+        self.recipe = recipe
+        self.argv = argv if argv is not None else loop.command_line()
+        self.output_dir = Path(recipe.output_dir)
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> "LayerSkipTrainer":
+        from draftsmith.data import BatchStream, Collator, prepare_data
+
+        r, ls = self.recipe, self.recipe.layerskip
+        self.accelerator = acc = engine.make_accelerator(r.train, r.deepspeed)
+        torch.manual_seed(r.train.seed)
+        self.resume_from = checkpoint.open_run(acc, self.output_dir, r.train.resume)
+
+        # The weights that train are float32 whatever target.dtype says; mixed precision is train:'s.
+        model, tokenizer = load_causal_lm(r.target.path, "float32", r.target.gguf_file, what="target")
+        try:
+            self.num_layers = decoder_stack(model).num_layers
+        except TargetLoadError as err:
+            raise RecipeError(f"recipe key 'target.path' ({r.target.path}): {err}") from None
+        L = self.num_layers
+        for name, values in (("exit_layer", [ls.exit_layer] if ls.exit_layer is not None else []), ("eval_exits", ls.eval_exits)):
+            for value in values:
+                if not 1 <= value <= L - 1:
+                    raise RecipeError(f"recipe key 'layerskip.{name}' must be in 1..{L - 1} ({r.target.path} has {L} decoder layers), got {value}")
+        self.eval_exits = sorted(set(ls.eval_exits)) or list(range(1, L))
+        self.tokenizer = tokenizer
+        # Answers the recipe asks the target to rewrite are written by the model before training, in
+        # target.dtype as `draftsmith prepare` and the other trainers write them (they share caches).
+        writer = model
+        if r.data.regenerate.enabled and resolve_dtype(r.target.dtype, "target") != "float32":
+            writer, _ = load_causal_lm(r.target.path, r.target.dtype, r.target.gguf_file, what="target")
+        with acc.main_process_first():
+            self.data = prepare_data(r.data, tokenizer, r.data_dir(), target_model=writer, progress=acc.is_main_process)
+        del writer
+
+        self.lm = with_lora(model, ls.lora)
+        self.step_module = LayerSkipStep(self.lm)
+        optimizer = engine.build_optimizer(self.step_module.parameters(), r.train)
+        self.scheduler = engine.build_scheduler(optimizer, r.train)
+        load_from = checkpoint.prepare_resume(acc, self.resume_from) if self.resume_from is not None else None
+        self.model, self.optimizer = acc.prepare(self.step_module, optimizer)
+        acc.register_for_checkpointing(self.scheduler)
+        if ls.lora.enabled:
+            acc.register_save_state_pre_hook(keep_adapter_weights)
+
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.collator = Collator(pad_token_id=pad, max_length=r.data.max_length, packing=r.data.packing)
+        self.stream = BatchStream(
+            self.data.train, batch_size=r.train.micro_batch_size, collator=self.collator, seed=r.data.seed,
+            shuffle=True, rank=acc.process_index, world_size=acc.num_processes,
+        )
+        self.drop_rates = layer_dropout_rates(L, ls.layer_dropout.max_rate, ls.layer_dropout.scale)
+        self.metrics = loop.MetricsLog(self.output_dir, enabled=acc.is_main_process)
+        self.step = 0
+        if self.resume_from is not None:
+            # strict=False: a LoRA checkpoint holds the adapter only (the base is the target's own files).
+            state = checkpoint.load_checkpoint(acc, self.resume_from, load_from, strict=False)
+            self.step = state["step"]
+            self.stream.load_state_dict(state["data"])
+            self.metrics.truncate_after(self.step)
+            log(f"resumed from {self.resume_from} at step {self.step}")
+        checkpoint.record_run(acc, r, self.output_dir, self.argv)
+        n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in self.step_module.parameters() if p.requires_grad)
+        ee, ld = ls.early_exit, ls.layer_dropout
+        log(
+            f"target {r.target.path} ({L} decoder layers; {n_params:,} trainable parameters{', LoRA' if ls.lora.enabled else ''}); "
+            f"layer dropout up to {ld.max_rate} ({ld.scale}, {ld.curriculum}); early-exit loss scale {ee.scale}, "
+            f"{ee.curriculum}{f' every {ee.rotation} layers' if ee.curriculum == 'rotational' else ''}; "
+            f"{len(self.data.train)} train / {len(self.data.eval)} eval examples; " + engine.describe_engine(acc, r)
+        )
+        return self
+
+    # ------------------------------------------------------------------ steps
+
+    def exits_now(self) -> tuple[list[int], Tensor]:
+        """The exits trained at this step (layer indices whose loss weight is positive) and their weights."""
+        ee, L = self.recipe.layerskip.early_exit, self.num_layers
+        enabled = exit_curriculum(ee.curriculum, L, self.step, self.recipe.train.max_steps, ee.rotation)
+        scales = exit_loss_scales(L, ee.scale, enabled)
+        exits = [l for l in range(L) if scales[l] > 0]
+        return exits, scales[exits]
+
+    def drop_mask(self, micro: int, rows: int) -> Tensor:
+        """Layer dropout of this micro-batch's rows [B,L]: sample ids are places in the global batch
+        (micro-batch, then rank), the order in which the data stream hands out examples."""
+        acc, r = self.accelerator, self.recipe
+        ld = r.layerskip.layer_dropout
+        rates = self.drop_rates * dropout_curriculum(self.step, r.train.max_steps, ld.curriculum)
+        first = (micro * acc.num_processes + acc.process_index) * r.train.micro_batch_size
+        return layer_drop_mask(rates, range(first, first + rows), self.step, r.train.seed).to(acc.device)
+
+    def advance(self) -> tuple[int, dict]:
+        """One optimizer step over grad_accum_steps micro-batches. Returns (step, logged values)."""
+        acc, r = self.accelerator, self.recipe
+        exits, scales = self.exits_now()
+        losses, last_losses = [], []
+
+        def micro_loss(micro: int) -> Tensor:
+            batch = self.stream.next_batch()
+            ids, attention, positions, select, labels = batch_inputs(batch, acc.device)
+            logits = self.model(ids, attention, positions, select, exits, drop=self.drop_mask(micro, ids.shape[0]))
+            loss, per_exit = early_exit_loss(logits, labels, scales)
+            losses.append(loss.detach())
+            last_losses.append(per_exit[-1])
+            return loss
+
+        grad_norm = loop.optimizer_step(self, [lambda m=m: micro_loss(m) for m in range(r.train.grad_accum_steps)], self.step_module.parameters())
+        means = torch.stack([torch.stack(losses).mean(), torch.stack(last_losses).mean()]).float()
+        means = acc.reduce(means, reduction="mean") if acc.num_processes > 1 else means
+        self.step += 1
+        return self.step, {
+            "loss": float(means[0]),
+            "last_layer_loss": float(means[1]),
+            "exits": [l + 1 for l in exits],
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """On held-out answers, no dropout: per exit layer E (layerskip.eval_exits, default 1..L-1)
+        the top-1 agreement with the full model, the expected acceptance 1 - TVD and the
+        cross-entropy; the full model's cross-entropy; the exit with the best modeled speedup."""
+        acc, r, L = self.accelerator, self.recipe, self.num_layers
+        module = self.step_module
+        module.eval()
+        layers = [e - 1 for e in self.eval_exits] + [L - 1]
+        # Rows: agreement, acceptance, cross-entropy per evaluated layer (the last: the full model).
+        sums = torch.zeros(3, len(layers), dtype=torch.float64, device=acc.device)
+        count = torch.zeros(1, dtype=torch.float64, device=acc.device)
+        examples = self.data.eval[acc.process_index :: acc.num_processes]
+        mbs = r.train.micro_batch_size
+        # Every rank runs the same number of batches (ZeRO-3 gathers weights collectively); a rank
+        # short of examples runs a stand-in batch and does not count it.
+        rounds = math.ceil(math.ceil(len(self.data.eval) / acc.num_processes) / mbs)
+        for b in range(rounds):
+            chunk = examples[b * mbs : (b + 1) * mbs]
+            ids, attention, positions, select, labels = batch_inputs(self.collator(chunk or self.data.eval[:1]), acc.device)
+            hidden = module(ids, attention, positions, select, layers, unembed=False)
+            full = module.stack.lm_head(hidden[-1])
+            for i, l in enumerate(layers):
+                logits = full if l == L - 1 else module.stack.lm_head(hidden[i])
+                if not chunk:
+                    continue
+                sums[2, i] += exit_cross_entropy(logits, labels).double().sum()
+                if l < L - 1:
+                    agree, accept = exit_agreement(logits, full)
+                    sums[0, i] += agree.double().sum()
+                    sums[1, i] += accept.double().sum()
+            if chunk:
+                count += labels.numel()
+        if acc.num_processes > 1:
+            sums, count = acc.reduce(sums, reduction="sum"), acc.reduce(count, reduction="sum")
+        module.train()
+        n = max(1.0, float(count))
+        mean = (sums / n).tolist()
+        acceptance = mean[1][:-1]
+        # Ranked for the chain the runtime drafts by default.
+        chosen = best_exit(self.eval_exits, acceptance, L, DEFAULT_DRAFT_LENGTH)
+        return {
+            "full_loss": mean[2][-1],
+            "eval_exits": list(self.eval_exits),
+            "exit_top1_agreement": mean[0][:-1],
+            "exit_expected_acceptance": acceptance,
+            "exit_loss": mean[2][:-1],
+            "best_exit": chosen,
+            "best_exit_expected_acceptance": acceptance[self.eval_exits.index(chosen)],
+            "positions": int(count),
+        }
+
+    def describe(self, step: int, result: dict) -> str:
+        return format_eval(step, result)
+
+    def save(self) -> Path:
+        ls = self.recipe.layerskip
+        state = {
+            "data": self.stream.state_dict(),
+            "layerskip": {"num_layers": self.num_layers, "lora": ls.lora.enabled, "exit_layer": ls.exit_layer},
+            "last_eval": getattr(self, "last_eval", None),
+        }
+        acc = self.accelerator
+        weights = draft_checkpoint_weights(acc, self.step_module, ls.lora.enabled)
+        path = checkpoint.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, "early_exit", weights, self.argv)
+        self.last_checkpoint = path
+        return path
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> dict:
+        acc = self.accelerator
+        self.last_checkpoint = self.resume_from
+        self.step_module.train()
+        first = {}
+        if self.step == 0:
+            # Where the model starts: the figure every later evaluation compares with.
+            first = self.first_eval = self.evaluate()
+            self.metrics.write(0, "eval", first)
+            if acc.is_main_process:
+                print(format_eval(0, first), flush=True)
+        result, elapsed = loop.run_loop(self, loop.Schedule.steps(self.recipe.train), self.step, "layerskip")
+        summary = {"step": self.step, "seconds": round(elapsed, 1), **(result or first), "checkpoint": str(self.last_checkpoint)}
+        if acc.is_main_process:
+            (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def close(self) -> None:
+        """Release the engine and the process group so every rank exits cleanly (also after a failed setup)."""
+        acc = getattr(self, "accelerator", None)
+        self.model = self.optimizer = self.step_module = self.lm = None
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
+        if acc is not None:
+            engine.teardown(acc)
+
+
+def format_eval(step: int, result: dict) -> str:
+    exits, acceptance = result["eval_exits"], result["exit_expected_acceptance"]
+    best = exits.index(result["best_exit"])
+    return (
+        f"step {step}: full-model loss {result['full_loss']:.4f}; exit {exits[best]} (best modeled speedup): top-1 agreement "
+        f"{result['exit_top1_agreement'][best]:.3f}, expected acceptance {acceptance[best]:.3f}; expected acceptance at exits "
+        + ", ".join(f"{e}: {a:.3f}" for e, a in zip(exits, acceptance))
+        + f"  ({result['positions']} positions)"
+    )
