@@ -37,6 +37,7 @@ from draftsmith.runtime.tree import (
     build_dynamic_tree,
 )
 from draftsmith.runtime.verify import SamplingParams, VerifyResult, logits_to_probs
+from draftsmith.target import check_attention
 
 __all__ = [
     "DrafterError",
@@ -282,6 +283,7 @@ class StandaloneDrafter:
     """
 
     def __init__(self, model: nn.Module, tree: Union[TreeSpec, DynamicTreeSpec] = TreeSpec.chain(4)) -> None:
+        check_attention(model, "draft")  # its tree levels attend through a custom mask too
         self.model = model.eval()
         self.tree = tree
         self.cache = None

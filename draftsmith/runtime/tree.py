@@ -305,7 +305,8 @@ def tree_attention_mask(parents: Tensor, prefix_len: int, dtype: torch.dtype = t
     Every node sees the whole cached prefix and, among the tree nodes, its ancestors and itself.
     Visible entries are 0 and hidden ones ``finfo(dtype).min``. transformers (5.x) hands a 4D mask
     to the attention function untouched; eager attention adds it to the scores, SDPA accepts it as a
-    float mask, so one additive mask serves both. (Flash-attention kernels take no custom mask.)
+    float mask, so one additive mask serves both. Flash-attention kernels take no custom mask:
+    FrozenTarget and StandaloneDrafter refuse such models (``target.check_attention``).
     """
     B, N = parents.shape
     visible = torch.cat(
