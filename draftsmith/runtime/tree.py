@@ -128,8 +128,8 @@ class DynamicTreeSpec:
     """An EAGLE-2 style dynamic tree: ``depth`` levels, the best ``topk`` frontier nodes expanded per
     level with ``topk`` children each, and the best ``budget`` drafted nodes kept (see build_dynamic_tree).
 
-    Dynamic trees choose children by rank of draft probability, so they draft greedily only: a
-    kept node set that depends on the sampled tokens' own probabilities would bias sampling.
+    Its children are chosen by rank of draft probability, not drawn, so when sampling the tree is
+    verified as deterministic candidates (``DraftTree.deterministic``: EAGLE's rule, lossless).
     """
 
     depth: int
@@ -195,6 +195,11 @@ class DraftTree:
     distribution at node i from which i's children were drawn, after the same temperature / top-k /
     top-p processing the target gets (``logits_to_probs``). Sampled verification needs it; rows of
     nodes without children are unused (zeros are fine).
+
+    ``deterministic``: the children of every node are fixed candidates chosen without randomness
+    (the draft's top-k, an EAGLE-2 dynamic tree), not draws from draft_probs. Sampled verification
+    then tests each candidate as a draw from a point mass (runtime/verify.py) and needs no
+    draft_probs.
     """
 
     tokens: Tensor
@@ -202,10 +207,11 @@ class DraftTree:
     depths: Tensor
     num_nodes: Tensor
     draft_probs: Optional[Tensor] = None
+    deterministic: bool = False
 
     @classmethod
     def from_lists(
-        cls, tokens: Sequence[int], parents: Sequence[int], draft_probs: Optional[Tensor] = None, device=None
+        cls, tokens: Sequence[int], parents: Sequence[int], draft_probs: Optional[Tensor] = None, device=None, deterministic: bool = False
     ) -> "DraftTree":
         """One tree (B = 1) from python lists; depths are computed. draft_probs [N,V] or None."""
         depths = []
@@ -217,6 +223,7 @@ class DraftTree:
             depths=torch.tensor([depths], dtype=torch.long, device=device),
             num_nodes=torch.tensor([len(tokens)], dtype=torch.long, device=device),
             draft_probs=None if draft_probs is None else draft_probs.unsqueeze(0),
+            deterministic=deterministic,
         )
         tree.validate()
         return tree
@@ -331,7 +338,7 @@ class Frontier:
 
 
 def build_dynamic_tree(
-    expand: Callable[[Frontier], Tensor], root_token: int, depth: int, topk: int, budget: int, device=None
+    expand: Callable[[Frontier], Tensor], root_token: int, depth: int, topk: int, budget: int, device=None, deterministic: bool = False
 ) -> tuple[DraftTree, list[int]]:
     """Grow an EAGLE-2 style dynamic tree for one sequence (B = 1) and keep its best nodes.
 
@@ -342,8 +349,9 @@ def build_dynamic_tree(
     A child's cumulative log-prob never exceeds its parent's and ties go to the earlier-created node,
     so every kept node's ancestors are kept too.
 
-    Returns (tree with 1 + kept nodes, in topological order, on ``device``; ids) where ``ids[i]`` is the creation
-    id that ``expand`` saw for tree node i (ids[0] = 0, the root).
+    Returns (tree with 1 + kept nodes, in topological order, on ``device``, marked ``deterministic``
+    as asked; ids) where ``ids[i]`` is the creation id that ``expand`` saw for tree node i
+    (ids[0] = 0, the root).
     """
     tokens, parents, depths, scores = [int(root_token)], [-1], [0], [0.0]
     frontier = [0]
@@ -372,6 +380,6 @@ def build_dynamic_tree(
     kept = [0] + sorted(drafted)  # creation order is topological
     new_index = {old: new for new, old in enumerate(kept)}
     tree = DraftTree.from_lists(
-        [tokens[i] for i in kept], [-1] + [new_index[parents[i]] for i in kept[1:]], device=device
+        [tokens[i] for i in kept], [-1] + [new_index[parents[i]] for i in kept[1:]], device=device, deterministic=deterministic
     )
     return tree, kept
