@@ -243,6 +243,12 @@ class OnlineConfig:
     steps_per_update: int = 4
     # Replay buffer capacity in verified sequences; the oldest go first.
     buffer_size: int = 64
+    # Positions an update trains on: "rejected", where the target replaced a drafted token (online
+    # speculative decoding's choice), or "verified", every token the target verified.
+    train_on: Literal["rejected", "verified"] = "rejected"
+    # Empty the buffer after each update (online speculative decoding), or keep it as a FIFO of
+    # buffer_size sequences that later updates draw from again.
+    clear_buffer: bool = True
     max_new_tokens: int = 48
     # Tokens drafted per step (a chain).
     draft_length: int = 4
@@ -259,6 +265,11 @@ class OnlineConfig:
         })  # fmt: skip
         if self.temperature < 0:
             raise RecipeError(f"recipe key '{key}.temperature' must be >= 0, got {self.temperature}")
+        if self.clear_buffer and self.buffer_size < self.update_every:
+            raise RecipeError(
+                f"recipe key '{key}.buffer_size'={self.buffer_size} must hold the {key}.update_every={self.update_every} "
+                f"requests served between updates when {key}.clear_buffer is true (older ones would be dropped unseen)"
+            )
 
 
 @dataclass
