@@ -158,6 +158,10 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100
+    # Heads trainer: drafted nodes of the sparse tree built at every evaluation from the held-out
+    # per-depth, per-rank accuracies (Medusa's tree search); checkpoints and exports store it and
+    # eval/generate draft it unless --tree says otherwise. 0 stores none.
+    tree_nodes: int = 8
     save_every: int = 200
     # Complete checkpoints kept on disk; older ones are deleted after a newer one is written.
     keep_last: int = 2
@@ -172,6 +176,8 @@ class TrainConfig:
             "keep_last": self.keep_last,
         })  # fmt: skip
         _within(f"{key}.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        if self.tree_nodes < 0:
+            raise RecipeError(f"recipe key '{key}.tree_nodes' must be >= 0, got {self.tree_nodes}")
         if self.global_batch_size is not None:
             _positive(key, {"global_batch_size": self.global_batch_size})
             if self.global_batch_size % self.micro_batch_size:

@@ -38,6 +38,8 @@ __all__ = [
     "tree_positions",
     "tree_attention_mask",
     "build_dynamic_tree",
+    "sparse_tree",
+    "SparseTree",
 ]
 
 
@@ -155,6 +157,79 @@ def default_tree(depth: int = 4, widths: Sequence[int] = (4, 2, 2, 1)) -> TreeSp
         best_path = (0,) * d
         choices.extend(best_path + (r,) for r in range(int(widths[d])))
     return TreeSpec.from_choices(choices)
+
+
+@dataclass(frozen=True)
+class SparseTree:
+    """A static tree chosen from measured per-depth, per-rank accuracies (``sparse_tree``).
+
+    ``spec``: the tree; ``expected_accept_length``: 1 + the sum over its nodes of the product of
+    the accuracies along each node's path (tokens per target forward if ranks and depths were
+    independent); ``rank_accuracy`` [K][R]: the accuracies it was built from. ``to_dict`` is what
+    checkpoints and exports store under "tree"; ``from_dict`` reads it back.
+    """
+
+    spec: TreeSpec
+    expected_accept_length: float
+    rank_accuracy: tuple[tuple[float, ...], ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "sparse",
+            "choices": [list(c) for c in self.spec.choices],
+            "nodes": len(self.spec.choices),
+            "expected_accept_length": self.expected_accept_length,
+            "rank_accuracy": [list(row) for row in self.rank_accuracy],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SparseTree":
+        if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+            raise TreeError(f"a stored tree needs a list of choices, got {data!r:.80}")
+        spec = TreeSpec.from_choices([tuple(c) if isinstance(c, list) else c for c in data["choices"]])
+        rows = tuple(tuple(float(a) for a in row) for row in data.get("rank_accuracy", []))
+        return cls(spec, float(data.get("expected_accept_length", 0.0)), rows)
+
+
+def sparse_tree(rank_accuracy: Sequence[Sequence[float]], nodes: int) -> SparseTree:
+    """The tree of ``nodes`` drafted nodes with the largest expected accepted length (Medusa's
+    tree search).
+
+    rank_accuracy [K][R]: rank_accuracy[d-1][r] is the measured probability that the rank-r
+    candidate at depth d is the target's token, given that the path above it was accepted. A node
+    whose path takes ranks (r_1, ..., r_d) is accepted with probability prod_j a[j-1][r_j] under
+    independence, and the expected accepted length of a tree is 1 + the sum of that over its nodes.
+    A child's product never exceeds its parent's, so the ``nodes`` largest products form a tree:
+    adding the best child of the tree so far, one node at a time, finds it (ties go to the
+    shallower, then the lexicographically smaller node). Ranks may leave gaps when a lower rank
+    measured better than a higher one.
+    """
+    if nodes < 1:
+        raise _not_a_tree(f"a sparse tree needs at least one node, got {nodes}")
+    rows = [[min(max(float(a), 0.0), 1.0) for a in row] for row in rank_accuracy]
+    if not rows or not all(rows):
+        raise _not_a_tree("a sparse tree needs an accuracy for at least one rank at every depth")
+    value = {(): 1.0}
+    chosen: list[tuple[int, ...]] = []
+    while len(chosen) < nodes:
+        best = None
+        for path, v in value.items():
+            if len(path) >= len(rows):
+                continue
+            for r, a in enumerate(rows[len(path)]):
+                child = path + (r,)
+                if child in value:
+                    continue
+                key = (-v * a, len(child), child)
+                if best is None or key < best[0]:
+                    best = (key, child, v * a)
+        if best is None:
+            break  # every rank of every depth is in the tree already
+        value[best[1]] = best[2]
+        chosen.append(best[1])
+    spec = TreeSpec.from_choices(chosen)
+    expected = 1.0 + sum(value[c] for c in chosen)
+    return SparseTree(spec, expected, tuple(tuple(row) for row in rows))
 
 
 def parse_tree(text: str):
