@@ -191,21 +191,48 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=_bounded(float, 0.0), default=0.0, help="0 decodes greedily")
     p.add_argument("--top-k", type=_bounded(int, 0), default=0, help="0 keeps the whole vocabulary")
     p.add_argument("--top-p", type=_bounded(float, 0.0, 1.0, low_open=True), default=1.0)
-    p.add_argument("--tree", default=None, help='widths per depth "4,2,2,1", a JSON choice list, or "dynamic:DEPTH,TOPK,BUDGET"')
+    p.add_argument(
+        "--tree", default=None,
+        help='widths per depth "4,2,2,1", a JSON choice list, or "dynamic:DEPTH,TOPK,BUDGET" '
+        "(default: the sparse tree a head's checkpoint or export stores, else the default tree; a chain of 4 for draft LMs)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--verify", default="exact", choices=["exact", "typical"],
+        help="exact: greedy, or lossless sampling at --temperature > 0 (default). typical: Medusa's typical "
+        "acceptance at --temperature > 0, NOT lossless (output does not follow the target's distribution)",
+    )  # fmt: skip
+    p.add_argument("--posterior-threshold", type=_bounded(float, 0.0, 1.0, low_open=True), default=0.09, help="--verify typical: epsilon")
+    p.add_argument("--posterior-alpha", type=_bounded(float, 0.0, low_open=False), default=0.3, help="--verify typical: alpha (sqrt(epsilon) in Medusa)")
+
+
+def _verification(args):
+    """The --verify choice, its settings checked against the sampling flags before any model loads."""
+    from draftsmith.eval.run import Verification
+
+    verification = Verification(args.verify, args.posterior_threshold, args.posterior_alpha)
+    verification.check(args.temperature, args.top_k, args.top_p)
+    return verification
 
 
 def cmd_generate(args) -> int:
     from draftsmith.eval.run import generate_one, load_drafter
 
+    verification = _verification(args)
     loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer)
     text, new, stats = generate_one(
-        loaded, [{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed
-    )
+        loaded, [{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+        args.seed, verification,
+    )  # fmt: skip
     print(text)
     tau = (sum(stats.accept_lens) + stats.steps) / max(stats.steps, 1)
+    if loaded.kind == "early_exit":
+        drafting = f"exit layer {loaded.meta['exit_layer']}, chain of {loaded.meta['draft_length']}"
+    else:
+        drafting = f"tree: {loaded.meta.get('tree', 'given')}"
     print(
-        f"\n[{loaded.kind} drafter] {stats.new_tokens} tokens in {stats.steps} target steps: "
+        f"\n[{loaded.kind} drafter, {drafting}; verification: {verification.describe()}] "
+        f"{stats.new_tokens} tokens in {stats.steps} target steps: "
         f"mean accepted length {tau:.2f}, {stats.new_tokens / max(stats.wall_time, 1e-9):.1f} tokens/s",
         file=sys.stderr,
     )
@@ -216,6 +243,7 @@ def cmd_eval(args) -> int:
     from draftsmith.eval.report import write_report
     from draftsmith.eval.run import evaluate, load_drafter, load_prompts
 
+    verification = _verification(args)
     prompts = load_prompts(args.prompts, args.limit)
     if isinstance(args.exit_layer, list) or args.exit_layer == "sweep":
         from draftsmith.eval.early_exit import sweep_exit_layers
@@ -223,14 +251,14 @@ def cmd_eval(args) -> int:
         loaded, stats, extra, rows = sweep_exit_layers(
             args.drafter, None if args.exit_layer == "sweep" else args.exit_layer, prompts, args.tree, args.dtype, args.target,
             assisted=not args.no_assisted, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, seed=args.seed,
+            top_p=args.top_p, seed=args.seed, verification=verification,
         )
         extra["exit_sweep"] = rows
     else:
         loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer)
         stats, extra = evaluate(
             loaded, prompts, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-            baseline=True, assisted=loaded.kind in ("standalone", "early_exit") and not args.no_assisted,
+            baseline=True, assisted=loaded.kind in ("standalone", "early_exit") and not args.no_assisted, verification=verification,
         )
     if loaded.kind == "early_exit":
         extra = {**loaded.meta, **extra}
@@ -244,7 +272,9 @@ def cmd_eval(args) -> int:
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,
-        "tree": args.tree or "default",
+        "tree": loaded.meta.get("tree", args.tree or "default"),
+        "verification": verification.describe(),
+        "lossless": verification.kind == "exact",
         "target_dtype": str(loaded.target.dtype).replace("torch.", ""),
         **extra,
     }
@@ -252,6 +282,7 @@ def cmd_eval(args) -> int:
     print(
         f"mean accepted length {report['mean_accepted_length']:.3f}, acceptance rate {report['acceptance_rate']:.3f}, "
         f"speedup {report['speedup']:.2f}x over plain decoding"
+        + ("  [typical acceptance: NOT lossless]" if verification.kind == "typical" else "")
     )
     if loaded.kind == "early_exit":
         print(f"exit layer {report['exit_layer']} ({report['exit_layer_chosen_by']})")

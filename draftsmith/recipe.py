@@ -158,6 +158,10 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100
+    # Heads trainer: drafted nodes of the sparse tree built at every evaluation from the held-out
+    # per-depth, per-rank accuracies (Medusa's tree search); checkpoints and exports store it and
+    # eval/generate draft it unless --tree says otherwise. 0 stores none.
+    tree_nodes: int = 8
     save_every: int = 200
     # Complete checkpoints kept on disk; older ones are deleted after a newer one is written.
     keep_last: int = 2
@@ -172,6 +176,8 @@ class TrainConfig:
             "keep_last": self.keep_last,
         })  # fmt: skip
         _within(f"{key}.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        if self.tree_nodes < 0:
+            raise RecipeError(f"recipe key '{key}.tree_nodes' must be >= 0, got {self.tree_nodes}")
         if self.global_batch_size is not None:
             _positive(key, {"global_batch_size": self.global_batch_size})
             if self.global_batch_size % self.micro_batch_size:
@@ -244,6 +250,12 @@ class OnlineConfig:
     steps_per_update: int = 4
     # Replay buffer capacity in verified sequences; the oldest go first.
     buffer_size: int = 64
+    # Positions an update trains on: "rejected", where the target replaced a drafted token (online
+    # speculative decoding's choice), or "verified", every token the target verified.
+    train_on: Literal["rejected", "verified"] = "rejected"
+    # Empty the buffer after each update (online speculative decoding), or keep it as a FIFO of
+    # buffer_size sequences that later updates draw from again.
+    clear_buffer: bool = True
     max_new_tokens: int = 48
     # Tokens drafted per step (a chain).
     draft_length: int = 4
@@ -260,6 +272,11 @@ class OnlineConfig:
         })  # fmt: skip
         if self.temperature < 0:
             raise RecipeError(f"recipe key '{key}.temperature' must be >= 0, got {self.temperature}")
+        if self.clear_buffer and self.buffer_size < self.update_every:
+            raise RecipeError(
+                f"recipe key '{key}.buffer_size'={self.buffer_size} must hold the {key}.update_every={self.update_every} "
+                f"requests served between updates when {key}.clear_buffer is true (older ones would be dropped unseen)"
+            )
 
 
 @dataclass

@@ -401,10 +401,29 @@ def capture_layers(model: nn.Module, layers: Sequence[int]) -> Iterator[dict[int
             handle.remove()
 
 
+# Attention implementations that apply a custom 4D attention mask as given: eager adds it to the
+# scores, SDPA takes it as its float mask. Tree verification, tree drafting and packed rows all need one;
+# flash-attention kernels take no arbitrary mask and would silently attend across tree branches.
+MASKED_ATTENTION = ("eager", "sdpa")
+
+
+def check_attention(model: nn.Module, what: str = "target") -> None:
+    """TargetLoadError, one line, unless the model's attention implementation honours a custom 4D mask."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl not in MASKED_ATTENTION:
+        raise TargetLoadError(
+            f"the {what}'s attention implementation {impl!r} does not apply the custom 4D attention mask that tree "
+            "verification and packed rows need; load it with attn_implementation='sdpa' or 'eager' "
+            "(from_pretrained(..., attn_implementation='sdpa') or model.set_attn_implementation('sdpa'))"
+        )
+
+
 class FrozenTarget:
-    """A frozen HF causal LM plus the hooks that capture the decoder layers heads ask for."""
+    """A frozen HF causal LM plus the hooks that capture the decoder layers heads ask for. The
+    model's attention must honour a custom 4D mask (``check_attention``: eager or SDPA)."""
 
     def __init__(self, model: nn.Module, tokenizer=None, source: str = "") -> None:
+        check_attention(model, "target")
         self.model = model.eval()
         for param in self.model.parameters():
             param.requires_grad_(False)

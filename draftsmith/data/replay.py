@@ -5,6 +5,11 @@ masks over the sequence: ``loss_mask`` (1 on every token the target verified: dr
 accepted and the tokens it chose itself) and ``rejected_mask`` (1 where the target's token
 replaced a drafted token it rejected: the positions where the draft was wrong).
 
+What an update trains on (``train_on``): "rejected", online speculative decoding's choice, keeps
+only the positions where the draft was wrong (``rejected_mask``: the draft already agrees with the
+target elsewhere); "verified" keeps every verified token (``loss_mask``). Sampled records come
+back with the chosen mask as their ``loss_mask``, so the collator and the loss need not know.
+
 The buffer keeps tokens, not distributions. The target is frozen, so its distribution at any
 verified position is a pure function of the tokens before it, and the trainer recomputes it in
 one forward when it samples a batch; storing it instead would cost V floats per token (600 KB a
@@ -52,15 +57,22 @@ def verified_record(prompt: Sequence[int], emitted: Sequence[int], accept_lens: 
     }
 
 
-class ReplayBuffer:
-    """A bounded FIFO of verified records (see module docstring). ``capacity`` records at most."""
+TRAIN_ON = {"rejected": "rejected_mask", "verified": "loss_mask"}
 
-    def __init__(self, capacity: int, seed: int = 0) -> None:
+
+class ReplayBuffer:
+    """A bounded FIFO of verified records (see module docstring). ``capacity`` records at most;
+    ``train_on`` ("rejected" or "verified") picks the positions updates train on."""
+
+    def __init__(self, capacity: int, seed: int = 0, train_on: str = "rejected") -> None:
         if capacity <= 0:
             raise ValueError(f"the replay buffer needs a positive capacity, got {capacity}")
+        if train_on not in TRAIN_ON:
+            raise ValueError(f"train_on must be one of {sorted(TRAIN_ON)}, got {train_on!r}")
         self.capacity = capacity
         self.records: deque[dict] = deque(maxlen=capacity)
         self.seed = seed
+        self.mask_key = TRAIN_ON[train_on]
         self.draws = 0  # batches drawn so far: seeds the next draw, so a resumed run draws the same
 
     def __len__(self) -> int:
@@ -73,20 +85,25 @@ class ReplayBuffer:
         for record in records:
             self.add(record)
 
+    def clear(self) -> None:
+        """Forget every record (online speculative decoding empties its buffer after each update)."""
+        self.records.clear()
+
     @property
-    def verified_tokens(self) -> int:
-        """Tokens the target verified across the buffer: what an update can train on."""
-        return sum(sum(r["loss_mask"]) for r in self.records)
+    def trainable_tokens(self) -> int:
+        """Positions an update can train on across the buffer (per ``train_on``)."""
+        return sum(sum(r[self.mask_key]) for r in self.records)
 
     def sample(self, batch_size: int, count: int = 1) -> Optional[list[list[dict]]]:
-        """``count`` batches of ``batch_size`` records drawn uniformly with replacement (one draw,
-        seeded by the buffer's seed and draw counter), or None when nothing verified is held.
-        Processes holding the same buffer draw the same batches and each takes its share."""
-        if self.verified_tokens == 0:
+        """``count`` batches of ``batch_size`` records drawn uniformly with replacement among those
+        with a trainable position (one draw, seeded by the buffer's seed and draw counter), or None
+        when there is none. Each record's ``loss_mask`` is the ``train_on`` mask. Processes holding
+        the same buffer draw the same batches and each takes its share."""
+        if self.trainable_tokens == 0:
             return None
         rng = random.Random(f"draftsmith-replay:{self.seed}:{self.draws}")
         self.draws += 1
-        usable = [r for r in self.records if any(r["loss_mask"])]
+        usable = [{**r, "loss_mask": r[self.mask_key]} for r in self.records if any(r[self.mask_key])]
         return [[rng.choice(usable) for _ in range(batch_size)] for _ in range(count)]
 
     def state_dict(self) -> dict:

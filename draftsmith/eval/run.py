@@ -22,7 +22,8 @@ from draftsmith.export.layouts import detect_layout
 from draftsmith.runs import recorded_target
 from draftsmith.runtime.drafters import DrafterError, HeadDrafter, StandaloneDrafter
 from draftsmith.runtime.generate import autoregressive_generate, speculative_generate
-from draftsmith.runtime.tree import TreeSpec, default_tree, parse_tree
+from draftsmith.runtime.tree import SparseTree, TreeError, TreeSpec, default_tree, parse_tree
+from draftsmith.runtime.verify import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, check_typical
 from draftsmith.target import BUILTIN_MODELS, FrozenTarget, load_causal_lm, resolve_dtype
 
 
@@ -66,7 +67,8 @@ def _standalone(model, tokenizer, folder: Path, recorded: dict, target: Optional
         )
     model = model.to(tgt.device).eval()
     drafter = StandaloneDrafter(model, spec or TreeSpec.chain(4))
-    return LoadedDrafter("standalone", drafter, tgt, folder, target_path, draft_model=model)
+    chosen = "given" if spec is not None else "chain of 4"
+    return LoadedDrafter("standalone", drafter, tgt, folder, target_path, draft_model=model, meta={"tree": chosen})
 
 
 def load_drafter(
@@ -76,9 +78,11 @@ def load_drafter(
     dtype: Optional[str] = None,
     exit_layer: Optional[int] = None,
 ) -> LoadedDrafter:
-    """Load a drafter folder and its target. `tree` is a spec for parse_tree (default per drafter).
-    With `exit_layer`, or for a LayerSkip run or export, the model drafts for itself with its
-    first layers (eval/early_exit.py)."""
+    """Load a drafter folder and its target. `tree` is a spec for parse_tree; without one a head
+    drafts the sparse tree its checkpoint or export stores (built from held-out accuracies at the
+    end of training), else the default tree of its depth, and a standalone LM a chain of 4
+    (``meta["tree"]`` says which). With `exit_layer`, or for a LayerSkip run or export, the model
+    drafts for itself with its first layers (eval/early_exit.py)."""
     from draftsmith.eval.early_exit import is_early_exit, load_early_exit
     from draftsmith.export import ExportError, is_lm_checkpoint, load_head, load_lm_drafter
 
@@ -128,9 +132,21 @@ def load_drafter(
             f"{want['vocab_size']}; {target_path} has hidden size {have.hidden_size} and vocabulary {have.vocab_size}"
         )
     head = loaded.head.to(tgt.device)
+    if spec is not None:
+        chosen = f"given: {tree}"
+    elif loaded.tree is not None:
+        try:
+            stored = SparseTree.from_dict(loaded.tree)
+        except TreeError as err:
+            raise DrafterError(f"{loaded.folder}: the stored tree is unreadable ({err})") from None
+        spec = stored.spec
+        chosen = f"stored sparse tree, {len(spec.choices)} nodes (expected accepted length {stored.expected_accept_length:.3f} from held-out accuracies)"
+    else:
+        spec = default_tree(depth=head.depth)
+        chosen = f"default tree of depth {head.depth}, {len(spec.choices)} nodes"
     # The drafter refuses, in one line, a tree deeper than the head drafts.
-    drafter = HeadDrafter(head, tgt, spec or default_tree(depth=head.depth))
-    return LoadedDrafter(head.cfg.kind, drafter, tgt, folder, target_path, meta={"head": loaded.metrics})
+    drafter = HeadDrafter(head, tgt, spec)
+    return LoadedDrafter(head.cfg.kind, drafter, tgt, folder, target_path, meta={"head": loaded.metrics, "tree": chosen})
 
 
 def _foreign(folder: Path, config: dict, target: Optional[str], dtype: Optional[str], spec) -> LoadedDrafter:
@@ -202,7 +218,43 @@ def _eos(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-def _sampling(temperature: float, top_k: int, top_p: float) -> dict:
+@dataclass(frozen=True)
+class Verification:
+    """How drafted tokens are judged: "exact" (greedy or lossless sampling, per the temperature) or
+    "typical" (Medusa's typical acceptance with posterior_threshold / posterior_alpha: NOT lossless)."""
+
+    kind: str = "exact"
+    posterior_threshold: float = POSTERIOR_THRESHOLD
+    posterior_alpha: float = POSTERIOR_ALPHA
+
+    def check(self, temperature: float, top_k: int, top_p: float) -> None:
+        """DrafterError, one line, for sampling settings the mode does not support."""
+        if self.kind not in ("exact", "typical"):
+            raise DrafterError(f"verification must be 'exact' or 'typical', got {self.kind!r}")
+        if self.kind == "typical":
+            try:
+                check_typical(temperature, top_k, top_p, self.posterior_threshold, self.posterior_alpha)
+            except ValueError as err:
+                raise DrafterError(f"--verify typical: {err}") from None
+
+    def describe(self) -> str:
+        if self.kind == "typical":
+            return (
+                f"typical acceptance (NOT lossless): posterior_threshold={self.posterior_threshold}, "
+                f"posterior_alpha={self.posterior_alpha}"
+            )
+        return "exact (greedy, or lossless rejection sampling)"
+
+
+EXACT = Verification()
+
+
+def _sampling(temperature: float, top_k: int, top_p: float, verification: Verification = EXACT) -> dict:
+    if verification.kind == "typical":
+        return {
+            "mode": "typical", "temperature": temperature,
+            "posterior_threshold": verification.posterior_threshold, "posterior_alpha": verification.posterior_alpha,
+        }  # fmt: skip
     if temperature <= 0:
         return {"mode": "greedy"}
     return {"mode": "sample", "temperature": temperature, "top_k": top_k, "top_p": top_p}
@@ -210,15 +262,16 @@ def _sampling(temperature: float, top_k: int, top_p: float) -> dict:
 
 def generate_one(
     loaded: LoadedDrafter, messages: list[dict], max_new_tokens: int, temperature: float = 0.0,
-    top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+    top_k: int = 0, top_p: float = 1.0, seed: int = 0, verification: Verification = EXACT,
 ):
     """Speculative generation for one prompt. Returns (completion text, new token ids, GenerationStats)."""
+    verification.check(temperature, top_k, top_p)
     tok = loaded.target.tokenizer
     ids = encode_prompt(tok, messages, loaded.target.device)
     gen = torch.Generator(device=loaded.target.device).manual_seed(seed)
     out, stats = speculative_generate(
         loaded.target, loaded.drafter, ids, max_new_tokens, eos_token_id=_eos(tok, loaded.target.model),
-        generator=gen, **_sampling(temperature, top_k, top_p),
+        generator=gen, **_sampling(temperature, top_k, top_p, verification),
     )
     new = out[0, ids.shape[1]:]
     return tok.decode(new, skip_special_tokens=True), new, stats
@@ -248,15 +301,19 @@ def evaluate(
     baseline: bool = True,
     assisted: bool = False,
     progress: bool = True,
+    verification: Verification = EXACT,
 ) -> tuple[AcceptanceStats, dict]:
     """Speculative decoding over `prompts`, plus plain decoding of the same target in the same
     process, plus transformers' assisted generation when asked (standalone drafters). Returns the
-    stats and extra figures (greedy outputs identical to the baseline, draft time)."""
+    stats and extra figures (greedy outputs identical to the baseline, draft time). With typical
+    verification the baseline samples the target at the same temperature."""
     from tqdm.auto import tqdm
 
+    verification.check(temperature, top_k, top_p)
     target, tok = loaded.target, loaded.target.tokenizer
     eos = _eos(tok, target.model)
-    sampling = _sampling(temperature, top_k, top_p)
+    sampling = _sampling(temperature, top_k, top_p, verification)
+    plain = _sampling(temperature, top_k, top_p)
     stats = AcceptanceStats()
     identical, draft_time = 0, 0.0
     for i, messages in enumerate(tqdm(prompts, desc="eval", disable=not progress, dynamic_ncols=True)):
@@ -269,13 +326,13 @@ def evaluate(
         draft_time += g.draft_time
         if baseline:
             gen = torch.Generator(device=target.device).manual_seed(seed + i)
-            base, b = autoregressive_generate(target, ids, max_new_tokens, eos_token_id=eos, generator=gen, **sampling)
+            base, b = autoregressive_generate(target, ids, max_new_tokens, eos_token_id=eos, generator=gen, **plain)
             stats.add_baseline(b.new_tokens, b.wall_time)
             identical += int(torch.equal(base, out))
         assist = loaded.assist or ({"assistant_model": loaded.draft_model} if loaded.draft_model is not None else {})
         if assisted and assist:
             counter, handle = _count_forwards(target.model)
-            kwargs = {"do_sample": False} if sampling["mode"] == "greedy" else {
+            kwargs = {"do_sample": False} if plain["mode"] == "greedy" else {
                 "do_sample": True, "temperature": temperature, "top_k": top_k or None, "top_p": top_p}
             started = time.perf_counter()
             try:

@@ -34,6 +34,8 @@ class HeadExport:
     target: dict  # path, hidden_size, vocab_size, num_layers, model_type
     folder: Path
     metrics: Optional[dict] = None
+    # The sparse tree the trainer built from held-out accuracies (runtime.tree.SparseTree.to_dict), if any.
+    tree: Optional[dict] = None
 
 
 def _head_config(kind: str, values: dict):
@@ -64,7 +66,7 @@ def load_head(path: str | Path) -> HeadExport:
         head = HEADS[config["head"]["kind"]](_head_config(config["head"]["kind"], config["head"]), _dims(config["target"]))
         head.load_state_dict(load_file(str(path / WEIGHTS_NAME)))
         metrics = json.loads((path / "metrics.json").read_text()) if (path / "metrics.json").is_file() else None
-        return HeadExport(head.eval(), config["target"], path, metrics)
+        return HeadExport(head.eval(), config["target"], path, metrics, config.get("tree"))
     try:
         ckpt = resolve_checkpoint(path)
         state = read_state(ckpt)
@@ -75,7 +77,7 @@ def load_head(path: str | Path) -> HeadExport:
     head = HEADS[state["head"]["kind"]](_head_config(state["head"]["kind"], state["head"]), _dims(state["target"]))
     weights = load_file(str(ckpt / WEIGHTS_NAME))
     head.load_state_dict({k[len(HEAD_PREFIX) :]: v for k, v in weights.items() if k.startswith(HEAD_PREFIX)})
-    return HeadExport(head.eval(), state["target"], ckpt, state.get("last_eval"))
+    return HeadExport(head.eval(), state["target"], ckpt, state.get("last_eval"), state.get("tree"))
 
 
 def _hub_id(path: str) -> Optional[str]:
@@ -147,9 +149,12 @@ def head_config_values(head: DraftHead) -> dict:
     return {f.name: getattr(head.cfg, f.name) for f in fields(head.cfg)}
 
 
-def write_head_files(head: DraftHead, target: dict, folder: Path, recipe_yaml: str = "", metrics: Optional[dict] = None) -> None:
-    """draftsmith's own head layout into `folder`: config.json (the head config and the target it
-    drafts for), model.safetensors (the head's own weights), README.md, recipe.yaml, metrics.json."""
+def write_head_files(
+    head: DraftHead, target: dict, folder: Path, recipe_yaml: str = "", metrics: Optional[dict] = None, tree: Optional[dict] = None
+) -> None:
+    """draftsmith's own head layout into `folder`: config.json (the head config, the target it
+    drafts for and, under "tree", the sparse tree eval and generate draft by default),
+    model.safetensors (the head's own weights), README.md, recipe.yaml, metrics.json."""
     kind = head.cfg.kind
     head_cfg = head_config_values(head)
     config: dict[str, Any] = {
@@ -157,6 +162,8 @@ def write_head_files(head: DraftHead, target: dict, folder: Path, recipe_yaml: s
         "model_type": f"draftsmith-{kind}",
         "draftsmith": {"version": __version__, "drafter": "heads", "head": head_cfg, "target": target},
     }
+    if tree is not None:
+        config["draftsmith"]["tree"] = tree
     save_file(head.runtime_state_dict(), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     write_provenance(folder, recipe_yaml, metrics, model_card(kind, head_cfg, target, recipe_yaml, metrics))
@@ -169,11 +176,13 @@ def write_provenance(folder: Path, recipe_yaml: str, metrics: Optional[dict], ca
     (folder / "README.md").write_text(card)
 
 
-def write_head_folder(head: DraftHead, target: dict, out: str | Path, recipe_yaml: str = "", metrics: Optional[dict] = None) -> Path:
+def write_head_folder(
+    head: DraftHead, target: dict, out: str | Path, recipe_yaml: str = "", metrics: Optional[dict] = None, tree: Optional[dict] = None
+) -> Path:
     """write_head_files into `out`, atomically."""
     out = Path(out)
     with atomic_path(out, folder=True) as tmp:
-        write_head_files(head, target, tmp, recipe_yaml, metrics)
+        write_head_files(head, target, tmp, recipe_yaml, metrics, tree)
     return out
 
 

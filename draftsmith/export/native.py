@@ -23,6 +23,6 @@ def refusal(drafter: Drafter, out: Path, options: ExportOptions) -> Optional[str
 
 def write(drafter: Drafter, folder: Path, options: ExportOptions) -> None:
     if drafter.is_head:
-        write_head_files(drafter.head, drafter.target, folder, drafter.recipe_yaml, drafter.metrics)
+        write_head_files(drafter.head, drafter.target, folder, drafter.recipe_yaml, drafter.metrics, drafter.tree)
     else:
         write_lm_files(drafter.model, drafter.tokenizer, drafter.recipe, drafter.metrics, drafter.recipe_yaml, folder)

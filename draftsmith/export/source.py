@@ -40,6 +40,8 @@ class Drafter:
     model: Any = None
     tokenizer: Any = None
     recipe: Any = None
+    # The sparse tree a head's trainer built from held-out accuracies (draftsmith's layout keeps it).
+    tree: Optional[dict] = None
 
     @property
     def is_head(self) -> bool:
@@ -66,7 +68,7 @@ class Drafter:
 def _from_head(loaded: HeadExport) -> Drafter:
     folder = loaded.folder
     recipe_yaml = (folder / "recipe.yaml").read_text() if (folder / "recipe.yaml").is_file() else ""
-    return Drafter(loaded.head.cfg.kind, folder, loaded.target, recipe_yaml, loaded.metrics, head=loaded.head)
+    return Drafter(loaded.head.cfg.kind, folder, loaded.target, recipe_yaml, loaded.metrics, head=loaded.head, tree=loaded.tree)
 
 
 def load_source(path: str | Path) -> Drafter:

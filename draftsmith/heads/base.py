@@ -68,6 +68,7 @@ def depth_loss(
     extra: Optional[Callable[[int, Tensor], Tensor]] = None,
     ce_weight: float = 1.0,
     predicted: Optional[Callable[[Tensor], Tensor]] = None,
+    label_weight: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The weighted per-depth loss every head trains with, over trained positions only.
 
@@ -76,8 +77,10 @@ def depth_loss(
     the vocabulary projection, which dominates the cost (V >> D) while most chat positions carry no
     label. The depth's term is ``ce_weight`` x the cross-entropy against the labels, or against
     ``soft_targets(k, rows, logits)`` (probabilities [M,V], e.g. the target's own distribution), plus
-    ``extra(k, rows)`` (e.g. a feature regression). ``predicted(logits) -> ids`` maps a draft's
-    argmax to the labels' vocabulary (default: argmax itself). A depth without positions adds 0 x
+    ``label_weight`` x the cross-entropy against the labels when soft targets replace them (both
+    objectives at once, Hydra++'s), plus ``extra(k, rows)`` (e.g. a feature regression).
+    ``predicted(logits) -> ids`` maps a draft's argmax to the labels' vocabulary (default: argmax
+    itself). A depth without positions adds 0 x
     its logits, which keeps every parameter in the graph (DDP expects a gradient for each).
 
     Returns (sum_k w_k term_k / sum_k w_k, stats: ce, top1, count per depth [K]).
@@ -103,6 +106,8 @@ def depth_loss(
             else:
                 depth_ce = F.cross_entropy(logits, target)
             term = ce_weight * depth_ce
+            if soft_targets is not None and label_weight:
+                term = term + label_weight * F.cross_entropy(logits, target)
             if extra is not None:
                 term = term + extra(k, rows)
             terms.append(term)

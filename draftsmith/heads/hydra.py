@@ -1,50 +1,106 @@
 """Hydra heads on a frozen target (Ankner et al., 2024): Medusa-style heads made sequentially
-dependent, and the Hydra++ options.
+dependent. The defaults are Hydra++, the paper's tuned recipe as its reference code builds it.
 
-Head k (k = 1..K) predicts x_{t+1+k} from the target's last hidden state h_t and the embeddings of
-the tokens between: x_{t+1} (the target's own next token, the tree root at run time) and the
-drafted x_{t+2}, ..., x_{t+k}. Its input is concat(h_t, e(x_{t+1}), ..., e(x_{t+k})) [(k+1)D],
-projected to D (started at h_t: the embeddings' columns are zero), then a residual SiLU block
-(started at the identity) and an LM head: the target's frozen one, or an own copy. A fresh head is
-therefore Medusa's fresh head; training teaches it to use the path.
+Head k (k = 1..K) predicts x_{t+1+k} from a context c_t of position t and the embeddings of the
+tokens between: x_{t+1} (the target's own next token, the tree root at run time) and the drafted
+x_{t+2}, ..., x_{t+k}. Its MLP is, as in the reference:
 
-Hydra++ options: `prefix_attention` runs one decoder layer over the target's hidden states first
-(causal; heads read its output at t instead of h_t), `teacher` trains each head on the target's own
-distribution at the position it predicts (soft cross-entropy) instead of the data token.
+- a first block on the whole concatenation x = concat(c_t, e(x_{t+1}), ..., e(x_{t+k})) [(k+1)D]:
+  R x + SiLU(W x + b), where R [(k+1)D -> D] carries the residual past the width change and W
+  starts at zero;
+- ``num_layers - 1`` residual blocks h + SiLU(W h + b) on the hidden size (Hydra++: 4 layers in all);
+- an LM head: an own copy of the target's (the reference's) or the target's frozen one.
+
+R starts at [I, 0, ...] (reading c_t only) and every W at zero, so a fresh head is Medusa's fresh
+head: the target's next-token logits at t (the reference initialises R at random).
+
+The context (``prefix_attention``, Hydra++): one decoder layer over the target's hidden states,
+causal, followed by a final RMSNorm (the reference builds it as a one-layer Llama model, whose
+output is normed); c_t is its output at t. Without it c_t is the target's last hidden state h_t.
+
+Training (Hydra++): ``token_weight`` x the cross-entropy against the data token plus
+``teacher_weight`` x the soft cross-entropy against the target's own distribution at the predicted
+position, per head, heads weighted ``loss_decay ** (k - 1)`` (1: the reference sums them); NEFTune
+noise on the token embeddings (``input_noise``: uniform in +-alpha / sqrt(L D), L the row's real
+tokens), and on h_t too without the prefix layer, as the reference does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.heads.base import HeadSession, TargetDims, TargetFeatures, depth_labels, depth_loss, path_tokens
 from draftsmith.heads.eagle import shifted
-from draftsmith.heads.layers import DecoderLayer, LayerShape, Rotary, causal_allowed
+from draftsmith.heads.layers import DecoderLayer, LayerShape, RMSNorm, Rotary, causal_allowed
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead
 
 
 @dataclass
 class HydraConfig(LayerShape, MedusaConfig):
-    """Medusa's keys (num_heads, num_layers, lm_head, loss_decay), the Hydra++ options, and the
-    prefix layer's shape (LayerShape; 0 takes the target's value)."""
+    """Medusa's keys (num_heads, num_layers, lm_head, loss_decay) with Hydra++'s defaults, the
+    Hydra++ options, and the prefix layer's shape (LayerShape; 0 takes the target's value)."""
 
     kind: str = "hydra"
-    # Hydra++: one decoder layer over the target's hidden states before the heads.
-    prefix_attention: bool = False
-    # Hydra++: soft cross-entropy against the target's distribution instead of the data token.
-    teacher: bool = False
+    # MLP layers per head, the concatenation block included (Hydra++: 4).
+    num_layers: int = 4
+    # Each head its own LM head, initialised from the target's (the reference's).
+    lm_head: Literal["own", "target"] = "own"
+    # The reference sums the heads' losses unweighted.
+    loss_decay: float = 1.0
+    # Hydra++: one decoder layer and a final norm over the target's hidden states before the heads.
+    prefix_attention: bool = True
+    # Weights of the cross-entropy against the data token and of the soft cross-entropy against
+    # the target's distribution at the predicted position (Hydra++ adds both).
+    token_weight: float = 1.0
+    teacher_weight: float = 1.0
+    # NEFTune alpha of the training noise on the token embeddings (0: none).
+    input_noise: float = 5.0
 
     def check(self) -> None:
         MedusaConfig.check(self)
+        if self.num_layers < 1:
+            raise ValueError(f"recipe key 'head.num_layers' must be >= 1 for hydra (the concatenation block), got {self.num_layers}")
+        if self.token_weight < 0 or self.teacher_weight < 0 or self.token_weight + self.teacher_weight == 0:
+            raise ValueError(
+                f"recipe keys 'head.token_weight' and 'head.teacher_weight' must be >= 0 and not both 0, got {self.token_weight}, {self.teacher_weight}"
+            )
+        if self.input_noise < 0:
+            raise ValueError(f"recipe key 'head.input_noise' must be >= 0, got {self.input_noise}")
         self.check_shape("head")
 
 
+class ConcatBlock(nn.Module):
+    """R x + SiLU(W x + b) from a concatenation [in_size] down to the hidden size [out_size]: the
+    nonlinearity sees the whole input. R starts at [I, 0, ...] and W, b at zero, so a fresh block
+    returns the first out_size features of its input."""
+
+    def __init__(self, in_size: int, out_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_size, out_size)
+        self.residual = nn.Linear(in_size, out_size, bias=False)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        nn.init.zeros_(self.residual.weight)
+        with torch.no_grad():
+            self.residual.weight[:, :out_size].copy_(torch.eye(out_size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.residual(x) + F.silu(self.linear(x))
+
+
+def neftune_noise(like: Tensor, alpha: float, lengths: Tensor) -> Tensor:
+    """Uniform noise in +-alpha / sqrt(L D) shaped like [B,T,D], L = lengths [B] (real tokens per row)."""
+    scale = alpha / torch.sqrt(lengths.clamp_min(1).to(like.dtype) * like.shape[-1])
+    return (torch.rand_like(like) * 2 - 1) * scale.view(-1, 1, 1)
+
+
 class HydraHead(MedusaHead):
-    """Medusa's heads, blocks, LM heads, initialisation and depth weights, with path inputs."""
+    """Medusa's heads, residual blocks, LM heads and their initialisation, with path inputs."""
 
     config_class = HydraConfig
 
@@ -52,20 +108,20 @@ class HydraHead(MedusaHead):
         cfg.resolve(dims)
         super().__init__(cfg, dims)
         D = dims.hidden_size
-        # Head k reads h and k token embeddings; it starts at h (Medusa's fresh head).
-        self.inputs = nn.ModuleList(nn.Linear((k + 1) * D, D) for k in range(1, cfg.num_heads + 1))
-        for proj in self.inputs:
-            nn.init.zeros_(proj.weight)
-            nn.init.zeros_(proj.bias)
-            with torch.no_grad():
-                proj.weight[:, :D].copy_(torch.eye(D))
+        # Head k reads the context and k token embeddings.
+        self.inputs = nn.ModuleList(ConcatBlock((k + 1) * D, D) for k in range(1, cfg.num_heads + 1))
         self.prefix = DecoderLayer(D, cfg) if cfg.prefix_attention else None
+        self.prefix_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.prefix_attention else None
         self.rotary = Rotary(cfg) if cfg.prefix_attention else None
+
+    def block_layers(self) -> int:
+        """The concatenation block is the first of num_layers."""
+        return self.cfg.num_layers - 1
 
     # ------------------------------------------------------------------ pieces
 
     def context(self, hidden: Tensor, attention_mask: Optional[Tensor] = None, segment_ids: Optional[Tensor] = None) -> Tensor:
-        """What the heads read at every position [B,T,D]: h, or the prefix layer's causal output."""
+        """What the heads read at every position [B,T,D]: h, or the prefix layer's causal output, normed."""
         hidden = hidden.to(self._dtype)
         if self.prefix is None:
             return hidden
@@ -73,32 +129,48 @@ class HydraHead(MedusaHead):
         allowed = causal_allowed(T, hidden.device, segment_ids, attention_mask)
         cos, sin = self.rotary(torch.arange(T, device=hidden.device), hidden.dtype)
         attn_in, residual = self.prefix.prepare(hidden)
-        return self.prefix(attn_in, residual, cos.unsqueeze(0), sin.unsqueeze(0), allowed)
+        return self.prefix_norm(self.prefix(attn_in, residual, cos.unsqueeze(0), sin.unsqueeze(0), allowed))
 
     def path_logits(self, k: int, context: Tensor, path_embeddings: Tensor, lm_head) -> Tensor:
         """Head k (1-based): context [...,D] and the k path embeddings [...,k,D] -> logits [...,V]."""
         flat = path_embeddings.to(self._dtype).flatten(-2)
         return self.project(k, self.blocks[k - 1](self.inputs[k - 1](torch.cat([context, flat], dim=-1))), lm_head)
 
-    def _paths(self, features: TargetFeatures) -> Tensor:
-        """Teacher-forced path embeddings [B,T,K,D]: e(x_{t+1}), ..., e(x_{t+K}) (0 past the row)."""
-        ids = features.input_ids
-        return features.embed(torch.stack([shifted(ids, j) for j in range(1, self.depth + 1)], dim=-1))
+    def _paths(self, embeddings: Tensor) -> Tensor:
+        """Teacher-forced path embeddings [B,T,K,D] from the row's token embeddings [B,T,D]:
+        e(x_{t+1}), ..., e(x_{t+K}) (0 past the row)."""
+        return torch.stack([shifted(embeddings, j) for j in range(1, self.depth + 1)], dim=2)
+
+    def _inputs(
+        self, features: TargetFeatures, segment_ids: Optional[Tensor] = None, noise: float = 0.0
+    ) -> tuple[Tensor, Tensor]:
+        """(context [B,T,D], path embeddings [B,T,K,D]), with NEFTune noise of alpha `noise`."""
+        hidden = features.final_hidden.to(self._dtype)
+        embeddings = features.embed(features.input_ids).to(self._dtype)
+        if noise:
+            if segment_ids is not None:
+                lengths = (segment_ids > 0).sum(-1)
+            elif features.attention_mask is not None and features.attention_mask.dim() == 2:
+                lengths = features.attention_mask.sum(-1)
+            else:
+                lengths = torch.full((hidden.shape[0],), hidden.shape[1], device=hidden.device)
+            embeddings = embeddings + neftune_noise(embeddings, noise, lengths)
+            if self.prefix is None:
+                hidden = hidden + neftune_noise(hidden, noise, lengths)
+        return self.context(hidden, features.attention_mask, segment_ids), self._paths(embeddings)
 
     # ------------------------------------------------------------------ training
 
     def forward(self, features: TargetFeatures) -> Tensor:
         """Logits [B,T,K,V], teacher forced."""
-        context = self.context(features.final_hidden, features.attention_mask)
-        paths = self._paths(features)
+        context, paths = self._inputs(features)
         return torch.stack(
             [self.path_logits(k, context, paths[:, :, :k], features.lm_head) for k in range(1, self.depth + 1)], dim=-2
         )
 
     def top_tokens(self, features: TargetFeatures, k: int) -> Tensor:
         """[B,T,K,k], one head at a time."""
-        context = self.context(features.final_hidden, features.attention_mask)
-        paths = self._paths(features)
+        context, paths = self._inputs(features)
         picks = []
         for head in range(1, self.depth + 1):
             logits = self.path_logits(head, context, paths[:, :, :head], features.lm_head)
@@ -108,21 +180,26 @@ class HydraHead(MedusaHead):
     def loss(
         self, features: TargetFeatures, loss_mask: Optional[Tensor], segment_ids: Optional[Tensor] = None
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Weighted (soft, with `teacher`) cross-entropy per head over positions whose label is
-        trained; only those rows reach the LM head. Stats: ce/top1/count per head [K]."""
+        """Per head: token_weight x the cross-entropy against the data token + teacher_weight x the
+        soft cross-entropy against the target's distribution, over positions whose label is
+        trained; only those rows reach the LM head. Stats: ce/top1/count per head [K] (ce: the
+        teacher term when it is on)."""
+        cfg = self.cfg
         labels, valid = depth_labels(features.input_ids, loss_mask, self.depth, segment_ids)
-        context = self.context(features.final_hidden, features.attention_mask, segment_ids)
-        paths = self._paths(features)
+        context, paths = self._inputs(features, segment_ids, cfg.input_noise if self.training else 0.0)
 
         def teacher(k: int, rows: Tensor, _logits: Tensor) -> Tensor:
             # The target's distribution over x_{t+1+k}: its own logits at position t + k.
             with torch.no_grad():
                 return torch.softmax(features.lm_head(shifted(features.final_hidden, k)[rows]).float(), dim=-1)
 
+        with_teacher = cfg.teacher_weight > 0
         return depth_loss(
             labels, valid, self.depth_weights(),
             logits_at=lambda k, rows: self.path_logits(k, context[rows], paths[:, :, :k][rows], features.lm_head),
-            soft_targets=teacher if self.cfg.teacher else None,
+            soft_targets=teacher if with_teacher else None,
+            ce_weight=cfg.teacher_weight if with_teacher else cfg.token_weight,
+            label_weight=cfg.token_weight if with_teacher else 0.0,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ drafting
@@ -152,7 +229,8 @@ class HydraSession(HeadSession):
             visible = torch.ones(M, start + M, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
             cos, sin = head.rotary(torch.arange(start, start + M, device=hidden.device).unsqueeze(0), hidden.dtype)
             attn_in, residual = head.prefix.prepare(hidden)
-            self.context = head.prefix.forward_cached(attn_in, residual, cos, sin, self.cache, visible)[0, -1]
+            out = head.prefix.forward_cached(attn_in, residual, cos, sin, self.cache, visible)
+            self.context = head.prefix_norm(out[0, -1])
         self.decided = start + M
 
     def expand(self, frontier: Any) -> Tensor:

@@ -47,10 +47,14 @@ class MedusaHead(DraftHead):
         super().__init__(cfg, dims)
         D, V = dims.hidden_size, dims.vocab_size
         # A comprehension, not [block] * n: every head and every layer must be its own module.
-        self.blocks = nn.ModuleList(ResidualBlock(D, cfg.num_layers) for _ in range(cfg.num_heads))
+        self.blocks = nn.ModuleList(ResidualBlock(D, self.block_layers()) for _ in range(cfg.num_heads))
         self.lm_heads = (
             nn.ModuleList(nn.Linear(D, V, bias=False) for _ in range(cfg.num_heads)) if cfg.lm_head == "own" else None
         )
+
+    def block_layers(self) -> int:
+        """Residual layers of each head's block on the hidden size."""
+        return self.cfg.num_layers
 
     @property
     def depth(self) -> int:

@@ -15,9 +15,11 @@ EAGLE: features along the accepted path) and Medusa (the last of them) read; sta
 early-exit self-drafting only need the tokens. A drafter names the decoder layers it wants with
 ``required_layers()``; the loop captures them during its target forwards.
 
-Sampling contract (see ``verify``): in "sample" mode the children of a node are distinct tokens
-drawn without replacement, in index order, from the node's processed draft distribution, which goes
-into ``DraftTree.draft_probs``. Drafters here draw them with Gumbel top-k.
+Sampling contract (see ``verify``): in "sample" mode the children of a node of a static tree are
+distinct tokens drawn without replacement, in index order, from the node's processed draft
+distribution, which goes into ``DraftTree.draft_probs``; drafters here draw them with Gumbel top-k.
+A dynamic tree's children are chosen by rank (EAGLE-2), so it is marked ``deterministic`` and
+verified as fixed candidates. In "typical" mode (NOT lossless) every tree drafts by rank.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from draftsmith.runtime.tree import (
     build_dynamic_tree,
 )
 from draftsmith.runtime.verify import SamplingParams, VerifyResult, logits_to_probs
+from draftsmith.target import check_attention
 
 __all__ = [
     "DrafterError",
@@ -126,8 +129,8 @@ def grow_static_tree(
     """Draft the shape ``spec`` level by level (B = 1); the tree's tensors land on ``device``.
 
     ``level_logits(frontier) -> logits [F,V]``: the draft's logits after each frontier node (ids
-    are tree node indices of the tree being grown, root = 0). Greedy: the child of rank r is the
-    r-th most likely token. Sample: a node's children are drawn without replacement from
+    are tree node indices of the tree being grown, root = 0). Greedy (and typical): the child of
+    rank r is the r-th most likely token. Sample: a node's children are drawn without replacement from
     ``logits_to_probs`` of its logits, in rank order; when the processed distribution has fewer
     tokens than the node has children, the extra children (and their subtrees) are left out.
 
@@ -145,7 +148,7 @@ def grow_static_tree(
         next_level = []
         for row, node in enumerate(frontier):
             kids = spec.children(spec_ids[node])
-            if sampling.greedy:
+            if not sampling.sampled:
                 ranks = [spec.ranks[k] for k in kids]
                 top = torch.topk(logits[row], min(max(ranks) + 1, logits.shape[-1])).indices.tolist()
                 chosen = [(k, top[r]) for k, r in zip(kids, ranks) if r < len(top)]
@@ -177,17 +180,22 @@ def grow_tree(
 
     ``node_logits(frontier) -> [F,V]``: the draft's logits after each frontier node. A TreeSpec
     grows level by level (greedy or sampled, ``grow_static_tree``); a DynamicTreeSpec grows EAGLE-2
-    style (``build_dynamic_tree``, greedy only). Returns (tree, ids): ids[i] is the frontier id
+    style (``build_dynamic_tree``). When sampling, the dynamic tree ranks candidates by the draft's
+    processed distribution (``logits_to_probs`` with the sampling settings: tokens it filters out
+    are never proposed) and is marked ``deterministic``, so verification tests its fixed candidates
+    with EAGLE's rule and stays lossless. Returns (tree, ids): ids[i] is the frontier id
     ``node_logits`` saw for tree node i.
     """
     if isinstance(spec, DynamicTreeSpec):
-        if not state.sampling.greedy:
-            raise DrafterError("dynamic trees draft greedily; sample mode needs a static TreeSpec (a chain or a tree)")
+        sampling = state.sampling
 
         def expand(frontier: Frontier) -> Tensor:
-            return torch.log_softmax(node_logits(frontier).float(), dim=-1)
+            logits = node_logits(frontier)
+            if not sampling.sampled:
+                return torch.log_softmax(logits.float(), dim=-1)
+            return logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p).log()
 
-        return build_dynamic_tree(expand, state.root, spec.depth, spec.topk, spec.budget, device)
+        return build_dynamic_tree(expand, state.root, spec.depth, spec.topk, spec.budget, device, deterministic=sampling.sampled)
     tree, _ = grow_static_tree(spec, state.root, node_logits, state.sampling, state.generator, device)
     return tree, list(range(tree.size))  # grow_static_tree's frontier ids are tree indices
 
@@ -229,8 +237,9 @@ class HeadDrafter:
     Each step the session first reads the positions that entered the target's KV cache since the
     last step, with the target's features (on the first step: the prompt minus its last token);
     then the tree grows: a TreeSpec level by level (greedy or sampled), a DynamicTreeSpec EAGLE-2
-    style (greedy). After verification the session forgets the tree; the accepted path comes back
-    with the target's real features on the next step.
+    style (greedy or sampled, verified as fixed candidates). After verification the session
+    forgets the tree; the accepted path comes back with the target's real features on the next
+    step.
     """
 
     def __init__(self, head: nn.Module, target, tree: Union[TreeSpec, DynamicTreeSpec]) -> None:
@@ -275,13 +284,14 @@ class StandaloneDrafter:
     """A small HF causal LM with its own KV cache (same vocabulary as the target).
 
     ``tree``: a TreeSpec (``TreeSpec.chain(k)`` for classic speculative decoding, or any static
-    tree, greedy or sampled) or a DynamicTreeSpec (EAGLE-2 style, greedy only). Each step the model
-    first reads the decided tokens it has not seen (the root included), then one forward per tree
-    level over the nodes that get children, with a tree mask on its cache. ``accept`` keeps the
+    tree, greedy or sampled) or a DynamicTreeSpec (EAGLE-2 style, greedy or sampled). Each step
+    the model first reads the decided tokens it has not seen (the root included), then one forward
+    per tree level over the nodes that get children, with a tree mask on its cache. ``accept`` keeps the
     cache entries of the accepted path and drops the other tree nodes.
     """
 
     def __init__(self, model: nn.Module, tree: Union[TreeSpec, DynamicTreeSpec] = TreeSpec.chain(4)) -> None:
+        check_attention(model, "draft")  # its tree levels attend through a custom mask too
         self.model = model.eval()
         self.tree = tree
         self.cache = None

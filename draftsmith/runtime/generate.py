@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from draftsmith.runtime.drafters import Drafter, DrafterError, DraftState, compact_cache
 from draftsmith.runtime.tree import DraftTree, tree_attention_mask, tree_positions
-from draftsmith.runtime.verify import SamplingParams, VerifyResult, logits_to_probs, verify
+from draftsmith.runtime.verify import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, SamplingParams, VerifyResult, logits_to_probs, verify
 from draftsmith.target import DecoderStack, decoder_stack
 
 __all__ = ["GenerationStats", "TargetSession", "autoregressive_generate", "default_verify_fn", "speculative_generate"]
@@ -208,21 +208,26 @@ def speculative_generate(
     eos_token_id: Union[int, Iterable[int], None] = None,
     generator: Optional[torch.Generator] = None,
     verify_fn: Optional[Callable[..., VerifyResult]] = None,
+    posterior_threshold: float = POSTERIOR_THRESHOLD,
+    posterior_alpha: float = POSTERIOR_ALPHA,
 ) -> tuple[Tensor, GenerationStats]:
     """Speculative decoding with ``drafter`` against ``target`` (a FrozenTarget), batch size 1.
 
     input_ids [1,T] (T >= 1, on the target's device). Returns (output_ids [1,T+n] = prompt + n new
     tokens, stats). Stops after the first EOS (emitted, as in HF ``generate``) or after
     ``max_new_tokens``; never emits past either. eos_token_id: an id, several, or None (no EOS).
-    mode "greedy" or "sample" with temperature / top_k / top_p (``logits_to_probs``); ``generator``
+    mode "greedy" or "sample" with temperature / top_k / top_p (``logits_to_probs``), or "typical":
+    Medusa's typical acceptance at ``temperature`` with ``posterior_threshold`` / ``posterior_alpha``,
+    which is NOT lossless (the output does not follow the target's distribution). ``generator``
     (on the target's device, or None for the global RNG) drives the drafter's draws and the
-    verification. The target needs an attention implementation that takes a custom 4D mask
-    (eager or SDPA; not flash-attention). ``verify_fn`` defaults to ``default_verify_fn`` for the
-    target's device: the fused Triton kernel on a GPU, the torch reference elsewhere.
+    verification. The target's attention must apply a custom 4D mask (eager or SDPA; FrozenTarget
+    checks). ``verify_fn`` defaults to ``default_verify_fn`` for the target's device: the fused
+    Triton kernel on a GPU, the torch reference elsewhere; typical acceptance always runs in the
+    torch reference.
     """
     _check_prompt(input_ids, max_new_tokens)
-    verify_fn = verify_fn or default_verify_fn(input_ids.device)
-    sampling = SamplingParams(mode, temperature, top_k, top_p)
+    sampling = SamplingParams(mode, temperature, top_k, top_p, posterior_threshold, posterior_alpha)
+    verify_fn = verify if mode == "typical" else verify_fn or default_verify_fn(input_ids.device)
     eos = _eos_set(eos_token_id)
     stats = GenerationStats()
     start = time.perf_counter()
@@ -251,10 +256,15 @@ def speculative_generate(
         stats.target_forwards += 1
         if sampling.greedy:
             result = verify_fn(tree, logits, mode="greedy")
-        else:
+        elif sampling.sampled:
             result = verify_fn(
                 tree, logits, mode="sample", temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
             )
+        else:
+            result = verify_fn(
+                tree, logits, mode="typical", temperature=temperature,
+                posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
+            )  # fmt: skip
         t0 = time.perf_counter()
         drafter.accept(result)
         stats.draft_time += time.perf_counter() - t0

@@ -38,6 +38,8 @@ __all__ = [
     "tree_positions",
     "tree_attention_mask",
     "build_dynamic_tree",
+    "sparse_tree",
+    "SparseTree",
 ]
 
 
@@ -128,8 +130,8 @@ class DynamicTreeSpec:
     """An EAGLE-2 style dynamic tree: ``depth`` levels, the best ``topk`` frontier nodes expanded per
     level with ``topk`` children each, and the best ``budget`` drafted nodes kept (see build_dynamic_tree).
 
-    Dynamic trees choose children by rank of draft probability, so they draft greedily only: a
-    kept node set that depends on the sampled tokens' own probabilities would bias sampling.
+    Its children are chosen by rank of draft probability, not drawn, so when sampling the tree is
+    verified as deterministic candidates (``DraftTree.deterministic``: EAGLE's rule, lossless).
     """
 
     depth: int
@@ -155,6 +157,79 @@ def default_tree(depth: int = 4, widths: Sequence[int] = (4, 2, 2, 1)) -> TreeSp
         best_path = (0,) * d
         choices.extend(best_path + (r,) for r in range(int(widths[d])))
     return TreeSpec.from_choices(choices)
+
+
+@dataclass(frozen=True)
+class SparseTree:
+    """A static tree chosen from measured per-depth, per-rank accuracies (``sparse_tree``).
+
+    ``spec``: the tree; ``expected_accept_length``: 1 + the sum over its nodes of the product of
+    the accuracies along each node's path (tokens per target forward if ranks and depths were
+    independent); ``rank_accuracy`` [K][R]: the accuracies it was built from. ``to_dict`` is what
+    checkpoints and exports store under "tree"; ``from_dict`` reads it back.
+    """
+
+    spec: TreeSpec
+    expected_accept_length: float
+    rank_accuracy: tuple[tuple[float, ...], ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "sparse",
+            "choices": [list(c) for c in self.spec.choices],
+            "nodes": len(self.spec.choices),
+            "expected_accept_length": self.expected_accept_length,
+            "rank_accuracy": [list(row) for row in self.rank_accuracy],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SparseTree":
+        if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+            raise TreeError(f"a stored tree needs a list of choices, got {data!r:.80}")
+        spec = TreeSpec.from_choices([tuple(c) if isinstance(c, list) else c for c in data["choices"]])
+        rows = tuple(tuple(float(a) for a in row) for row in data.get("rank_accuracy", []))
+        return cls(spec, float(data.get("expected_accept_length", 0.0)), rows)
+
+
+def sparse_tree(rank_accuracy: Sequence[Sequence[float]], nodes: int) -> SparseTree:
+    """The tree of ``nodes`` drafted nodes with the largest expected accepted length (Medusa's
+    tree search).
+
+    rank_accuracy [K][R]: rank_accuracy[d-1][r] is the measured probability that the rank-r
+    candidate at depth d is the target's token, given that the path above it was accepted. A node
+    whose path takes ranks (r_1, ..., r_d) is accepted with probability prod_j a[j-1][r_j] under
+    independence, and the expected accepted length of a tree is 1 + the sum of that over its nodes.
+    A child's product never exceeds its parent's, so the ``nodes`` largest products form a tree:
+    adding the best child of the tree so far, one node at a time, finds it (ties go to the
+    shallower, then the lexicographically smaller node). Ranks may leave gaps when a lower rank
+    measured better than a higher one.
+    """
+    if nodes < 1:
+        raise _not_a_tree(f"a sparse tree needs at least one node, got {nodes}")
+    rows = [[min(max(float(a), 0.0), 1.0) for a in row] for row in rank_accuracy]
+    if not rows or not all(rows):
+        raise _not_a_tree("a sparse tree needs an accuracy for at least one rank at every depth")
+    value = {(): 1.0}
+    chosen: list[tuple[int, ...]] = []
+    while len(chosen) < nodes:
+        best = None
+        for path, v in value.items():
+            if len(path) >= len(rows):
+                continue
+            for r, a in enumerate(rows[len(path)]):
+                child = path + (r,)
+                if child in value:
+                    continue
+                key = (-v * a, len(child), child)
+                if best is None or key < best[0]:
+                    best = (key, child, v * a)
+        if best is None:
+            break  # every rank of every depth is in the tree already
+        value[best[1]] = best[2]
+        chosen.append(best[1])
+    spec = TreeSpec.from_choices(chosen)
+    expected = 1.0 + sum(value[c] for c in chosen)
+    return SparseTree(spec, expected, tuple(tuple(row) for row in rows))
 
 
 def parse_tree(text: str):
@@ -195,6 +270,11 @@ class DraftTree:
     distribution at node i from which i's children were drawn, after the same temperature / top-k /
     top-p processing the target gets (``logits_to_probs``). Sampled verification needs it; rows of
     nodes without children are unused (zeros are fine).
+
+    ``deterministic``: the children of every node are fixed candidates chosen without randomness
+    (the draft's top-k, an EAGLE-2 dynamic tree), not draws from draft_probs. Sampled verification
+    then tests each candidate as a draw from a point mass (runtime/verify.py) and needs no
+    draft_probs.
     """
 
     tokens: Tensor
@@ -202,10 +282,11 @@ class DraftTree:
     depths: Tensor
     num_nodes: Tensor
     draft_probs: Optional[Tensor] = None
+    deterministic: bool = False
 
     @classmethod
     def from_lists(
-        cls, tokens: Sequence[int], parents: Sequence[int], draft_probs: Optional[Tensor] = None, device=None
+        cls, tokens: Sequence[int], parents: Sequence[int], draft_probs: Optional[Tensor] = None, device=None, deterministic: bool = False
     ) -> "DraftTree":
         """One tree (B = 1) from python lists; depths are computed. draft_probs [N,V] or None."""
         depths = []
@@ -217,6 +298,7 @@ class DraftTree:
             depths=torch.tensor([depths], dtype=torch.long, device=device),
             num_nodes=torch.tensor([len(tokens)], dtype=torch.long, device=device),
             draft_probs=None if draft_probs is None else draft_probs.unsqueeze(0),
+            deterministic=deterministic,
         )
         tree.validate()
         return tree
@@ -305,7 +387,8 @@ def tree_attention_mask(parents: Tensor, prefix_len: int, dtype: torch.dtype = t
     Every node sees the whole cached prefix and, among the tree nodes, its ancestors and itself.
     Visible entries are 0 and hidden ones ``finfo(dtype).min``. transformers (5.x) hands a 4D mask
     to the attention function untouched; eager attention adds it to the scores, SDPA accepts it as a
-    float mask, so one additive mask serves both. (Flash-attention kernels take no custom mask.)
+    float mask, so one additive mask serves both. Flash-attention kernels take no custom mask:
+    FrozenTarget and StandaloneDrafter refuse such models (``target.check_attention``).
     """
     B, N = parents.shape
     visible = torch.cat(
@@ -330,7 +413,7 @@ class Frontier:
 
 
 def build_dynamic_tree(
-    expand: Callable[[Frontier], Tensor], root_token: int, depth: int, topk: int, budget: int, device=None
+    expand: Callable[[Frontier], Tensor], root_token: int, depth: int, topk: int, budget: int, device=None, deterministic: bool = False
 ) -> tuple[DraftTree, list[int]]:
     """Grow an EAGLE-2 style dynamic tree for one sequence (B = 1) and keep its best nodes.
 
@@ -341,8 +424,9 @@ def build_dynamic_tree(
     A child's cumulative log-prob never exceeds its parent's and ties go to the earlier-created node,
     so every kept node's ancestors are kept too.
 
-    Returns (tree with 1 + kept nodes, in topological order, on ``device``; ids) where ``ids[i]`` is the creation
-    id that ``expand`` saw for tree node i (ids[0] = 0, the root).
+    Returns (tree with 1 + kept nodes, in topological order, on ``device``, marked ``deterministic``
+    as asked; ids) where ``ids[i]`` is the creation id that ``expand`` saw for tree node i
+    (ids[0] = 0, the root).
     """
     tokens, parents, depths, scores = [int(root_token)], [-1], [0], [0.0]
     frontier = [0]
@@ -371,6 +455,6 @@ def build_dynamic_tree(
     kept = [0] + sorted(drafted)  # creation order is topological
     new_index = {old: new for new, old in enumerate(kept)}
     tree = DraftTree.from_lists(
-        [tokens[i] for i in kept], [-1] + [new_index[parents[i]] for i in kept[1:]], device=device
+        [tokens[i] for i in kept], [-1] + [new_index[parents[i]] for i in kept[1:]], device=device, deterministic=deterministic
     )
     return tree, kept

@@ -1,4 +1,5 @@
-"""Reference verification of draft trees in torch: greedy and lossless speculative sampling.
+"""Reference verification of draft trees in torch: greedy, lossless speculative sampling, and
+Medusa's typical acceptance (NOT lossless).
 
 Pure functions of tensors. The fused kernel (runtime/kernels) must match ``verify_greedy`` exactly
 and ``verify_sample`` given the same ``uniforms``; the decoding loop is lossless with either.
@@ -20,6 +21,18 @@ distribution p and draft distribution q, each child x in index order is tested:
 An accepted child becomes the current node (its own p and q are loaded). When every child is
 rejected the bonus token is drawn from the residual p; at a node without children (a fully
 accepted leaf) it is drawn from the target's p there. A chain is the case of one child per node.
+
+Deterministic candidates (``DraftTree.deterministic``: the draft's top-k, EAGLE-2's dynamic trees)
+are not draws from q. Each child x is then tested as a draw from the point mass at x, with the
+same three rules: accept iff u < p(x) (probability p(x)); on rejection the residual
+norm(max(p - onehot(x), 0)) is p with p(x) = 0, renormalised, and the next sibling is tested
+against it; when every sibling is rejected the bonus comes from that residual. Every emitted
+token then follows p, as for drawn children (EAGLE's rule for its top-k candidates).
+
+Typical acceptance (``verify_typical``, Medusa) is a different contract: it accepts a drafted
+token x when the target finds it plausible enough, p(x) > min(posterior_threshold,
+posterior_alpha * exp(-H(p))), and the output does NOT follow the target's distribution. It is a
+speed/quality trade-off the caller opts into, never the default.
 """
 
 from __future__ import annotations
@@ -32,20 +45,28 @@ from torch import Tensor
 
 from draftsmith.runtime.tree import DraftTree, ancestor_mask
 
-__all__ = ["SamplingParams", "VerifyResult", "logits_to_probs", "verify", "verify_greedy", "verify_sample"]
+__all__ = ["SamplingParams", "VerifyResult", "logits_to_probs", "verify", "verify_greedy", "verify_sample", "verify_typical"]
 
-MODES = ("greedy", "sample")
+MODES = ("greedy", "sample", "typical")
+# Medusa's typical acceptance defaults (its medusa_generate): the threshold epsilon and alpha = sqrt(epsilon).
+POSTERIOR_THRESHOLD = 0.09
+POSTERIOR_ALPHA = 0.3
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen. ``mode`` "greedy" ignores the rest; "sample" draws from
-    ``logits_to_probs(logits, temperature, top_k, top_p)`` for the target and the drafter alike."""
+    ``logits_to_probs(logits, temperature, top_k, top_p)`` for the target and the drafter alike;
+    "typical" (NOT lossless) drafts greedily and verifies with Medusa's typical acceptance at
+    ``temperature`` (> 0) with ``posterior_threshold`` and ``posterior_alpha``; it has its own
+    cut-off, so top-k / top-p are refused there."""
 
     mode: str = "greedy"
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    posterior_threshold: float = POSTERIOR_THRESHOLD
+    posterior_alpha: float = POSTERIOR_ALPHA
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -56,10 +77,29 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.mode == "typical":
+            check_typical(self.temperature, self.top_k, self.top_p, self.posterior_threshold, self.posterior_alpha)
 
     @property
     def greedy(self) -> bool:
         return self.mode == "greedy"
+
+    @property
+    def sampled(self) -> bool:
+        """Whether drafters draw their children at random (mode "sample"); otherwise they take ranks."""
+        return self.mode == "sample"
+
+
+def check_typical(temperature: float, top_k: int, top_p: float, posterior_threshold: float, posterior_alpha: float) -> None:
+    """ValueError, one line, for settings typical acceptance does not support."""
+    if not temperature > 0:
+        raise ValueError(f"typical acceptance needs a temperature > 0 (at 0 verification is greedy and exact), got {temperature}")
+    if top_k or top_p < 1.0:
+        raise ValueError(f"typical acceptance has its own cut-off and does not support top-k / top-p, got top_k={top_k}, top_p={top_p}")
+    if not 0.0 < posterior_threshold <= 1.0 or posterior_alpha <= 0:
+        raise ValueError(
+            f"typical acceptance needs posterior_threshold in (0, 1] and posterior_alpha > 0, got {posterior_threshold}, {posterior_alpha}"
+        )
 
 
 @dataclass
@@ -203,8 +243,9 @@ def verify_sample(
 ) -> VerifyResult:
     """Lossless sampled verification (rules in the module docstring). target_logits [B,N,V].
 
-    tree.draft_probs [B,N,V] is required unless every tree is root-only: q at each node, processed
-    like the target's p (``logits_to_probs`` with the same temperature / top_k / top_p).
+    tree.draft_probs [B,N,V] is required unless every tree is root-only or the tree is
+    ``deterministic``: q at each node, processed like the target's p (``logits_to_probs`` with the
+    same temperature / top_k / top_p). A deterministic tree's children are tested as point masses.
 
     uniforms [B,N+1] in [0,1), or None to draw them from ``generator``: column i (1 <= i < N) is
     the acceptance test of node i (used only if node i is tested; column 0 is unused, the root is
@@ -215,8 +256,8 @@ def verify_sample(
     if target_logits.shape[:2] != (B, N):
         raise ValueError(f"target_logits has shape {tuple(target_logits.shape)}; the trees need [{B},{N},V]")
     P = logits_to_probs(target_logits, temperature, top_k, top_p)
-    if tree.draft_probs is None:
-        if bool((tree.num_nodes > 1).any()):
+    if tree.draft_probs is None or tree.deterministic:
+        if not tree.deterministic and bool((tree.num_nodes > 1).any()):
             raise ValueError("sampled verification needs tree.draft_probs (the drafter's processed distributions)")
         Q = torch.zeros_like(P)  # root-only trees test nothing
     elif tree.draft_probs.shape != P.shape:
@@ -250,6 +291,9 @@ def verify_sample(
                 continue
             c = child.clamp_min(0)
             x = tree.tokens[rows, c]
+            if tree.deterministic:
+                # A fixed candidate is a draw from the point mass at x.
+                q = torch.zeros_like(p).scatter_(1, x.unsqueeze(1), 1.0)
             p_x = p.gather(1, x.unsqueeze(1)).squeeze(1)
             q_x = q.gather(1, x.unsqueeze(1)).squeeze(1)
             acc = test & _accepts(uniforms[rows, c], p_x, q_x)
@@ -266,11 +310,65 @@ def verify_sample(
     return _result(tree, cur, bonus)
 
 
+def typical_accepts(target_logits: Tensor, tokens: Tensor, temperature: float, posterior_threshold: float, posterior_alpha: float) -> Tensor:
+    """Medusa's typical acceptance test: accepted [...] bool for token ids [...] under target
+    logits [..., V]: p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p))), with
+    p = softmax(logits / temperature) and H its entropy (in at least fp32). NOT lossless."""
+    dtype = torch.promote_types(target_logits.dtype, torch.float32)
+    log_p = torch.log_softmax(target_logits.to(dtype) / temperature, dim=-1)
+    p = log_p.exp()
+    entropy = -(p * log_p).nan_to_num(0.0).sum(-1)  # 0 * log 0 = 0
+    threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)
+    return p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) > threshold
+
+
+def verify_typical(
+    tree: DraftTree,
+    target_logits: Tensor,
+    temperature: float,
+    posterior_threshold: float = POSTERIOR_THRESHOLD,
+    posterior_alpha: float = POSTERIOR_ALPHA,
+) -> VerifyResult:
+    """Medusa's typical acceptance over a tree (NOT lossless). target_logits [B,N,V].
+
+    Node i >= 1 is accepted iff ``typical_accepts`` holds for its token under the target's logits
+    at its parent, and its parent is accepted. best = the deepest accepted node; among equally deep
+    ones the most likely path (largest sum of log p of its tokens, Medusa's tie-break), then the
+    lowest index. bonus = the target's argmax at best (Medusa's default "fast" mode).
+    """
+    check_typical(temperature, 0, 1.0, posterior_threshold, posterior_alpha)
+    tree.validate()
+    B, N = tree.tokens.shape
+    if target_logits.shape[:2] != (B, N):
+        raise ValueError(f"target_logits has shape {tuple(target_logits.shape)}; the trees need [{B},{N},V]")
+    parents = tree.parents
+    at_parent = target_logits.gather(1, parents.clamp_min(0).unsqueeze(-1).expand(-1, -1, target_logits.shape[-1]))
+    ok = typical_accepts(at_parent, tree.tokens, temperature, posterior_threshold, posterior_alpha) & (parents >= 0)
+    ok[:, 0] = True  # the root is decided already
+    dtype = torch.promote_types(target_logits.dtype, torch.float32)
+    log_p = torch.log_softmax(at_parent.to(dtype) / temperature, dim=-1).gather(-1, tree.tokens.unsqueeze(-1)).squeeze(-1)
+    log_p = torch.where(parents >= 0, log_p, torch.zeros_like(log_p))
+    anc = ancestor_mask(parents)
+    accepted = ~(anc & ~ok.unsqueeze(1)).any(-1)
+    path_log_p = (anc.to(dtype) * log_p.unsqueeze(1)).sum(-1)  # [B,N]: sum over ancestors-or-self
+    index = torch.arange(N, device=parents.device)
+    deepest = torch.where(accepted, tree.depths, torch.full_like(tree.depths, -1)).amax(-1, keepdim=True)
+    candidates = accepted & (tree.depths == deepest)
+    score = torch.where(candidates, path_log_p, torch.full_like(path_log_p, float("-inf")))
+    best_score = score.amax(-1, keepdim=True)
+    best = torch.where(candidates & (score == best_score), index, torch.full_like(index, N)).amin(-1)
+    bonus = target_logits.argmax(-1).gather(1, best.unsqueeze(1)).squeeze(1)
+    return _result(tree, best, bonus, anc)
+
+
 def verify(tree: DraftTree, target_logits: Tensor, mode: str = "greedy", **sampling) -> VerifyResult:
-    """Dispatch to verify_greedy (mode "greedy") or verify_sample (mode "sample", keyword
-    arguments temperature, top_k, top_p, generator, uniforms). target_logits [B,N,V]."""
+    """Dispatch to verify_greedy (mode "greedy"), verify_sample (mode "sample", keyword arguments
+    temperature, top_k, top_p, generator, uniforms) or verify_typical (mode "typical", NOT
+    lossless: temperature, posterior_threshold, posterior_alpha). target_logits [B,N,V]."""
     if mode == "greedy":
         return verify_greedy(tree, target_logits)
     if mode == "sample":
         return verify_sample(tree, target_logits, **sampling)
+    if mode == "typical":
+        return verify_typical(tree, target_logits, **sampling)
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

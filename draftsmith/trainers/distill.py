@@ -9,7 +9,8 @@ fkl, rkl, jsd, tvd, or tvdpp on tokens sampled from the draft), averaged over an
 
 Held-out evaluation reports the mean divergence, the token-level top-1 agreement with the target
 and the expected one-token acceptance 1 - TVD (the probability that speculative sampling accepts
-one drafted token, averaged over answer positions).
+one drafted token, averaged over answer positions), with both distributions at the distillation
+temperature ``distill.temperature``: the acceptance of sampling at that temperature.
 """
 
 from __future__ import annotations
@@ -232,7 +233,8 @@ class DistillTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """On held-out answers: mean divergence, top-1 agreement with the target, 1 - TVD."""
+        """On held-out answers: mean divergence, top-1 agreement with the target, 1 - TVD, the
+        distributions softened by distill.temperature (the temperature they are sampled at)."""
         acc, r = self.accelerator, self.recipe
         self.draft.eval()
         name = r.distill.divergence if r.distill.divergence in DIVERGENCES else "tvd"
@@ -251,7 +253,7 @@ class DistillTrainer:
                 continue
             n = mask.sum()
             sums[0] += masked_mean(DIVERGENCES[name](draft_logits, target_logits, r.distill.temperature, **params), mask).double() * n
-            sums[1] += masked_mean(DIVERGENCES["tvd"](draft_logits, target_logits), mask).double() * n
+            sums[1] += masked_mean(DIVERGENCES["tvd"](draft_logits, target_logits, r.distill.temperature), mask).double() * n
             sums[2] += ((draft_logits.argmax(-1) == target_logits.argmax(-1)) & mask).sum().double()
             sums[3] += n.double()
         if acc.num_processes > 1:
@@ -265,6 +267,7 @@ class DistillTrainer:
             "tvd": tvd,
             "top1_agreement": float(sums[2]) / count,
             "expected_acceptance": 1.0 - tvd,
+            "temperature": r.distill.temperature,
             "positions": int(sums[3]),
         }
 
@@ -316,5 +319,5 @@ class DistillTrainer:
 def format_eval(step: int, result: dict) -> str:
     return (
         f"step {step}: {result['divergence']} {result['divergence_value']:.4f}  top-1 agreement {result['top1_agreement']:.3f}  "
-        f"expected acceptance (1 - TVD) {result['expected_acceptance']:.3f}  ({result['positions']} positions)"
+        f"expected acceptance (1 - TVD) at T={result.get('temperature', 1.0):g} {result['expected_acceptance']:.3f}  ({result['positions']} positions)"
     )

@@ -30,14 +30,20 @@ from draftsmith.heads import HEADS, DraftHead
 from draftsmith.heads.base import depth_labels
 from draftsmith.recipe import Recipe, RecipeError
 from draftsmith.runs import log
+from draftsmith.runtime.tree import sparse_tree
 from draftsmith.target import FrozenTarget, TargetFeatures, gathered_parameters, load_causal_lm
 from draftsmith.trainers import checkpoint, engine, loop
 from draftsmith.trainers.features import FeatureSource
 
 
+# Candidate ranks whose held-out accuracy evaluation measures (top-1, top-5 and the sparse tree's input).
+EVAL_RANKS = 10
+
+
 class HeadTrainStep(nn.Module):
     """The module the engine wraps: its forward is the head's loss (or, without a loss mask, its
-    top-5 tokens per position and depth [B,T,K,5], for evaluation), so DDP and DeepSpeed see one call.
+    EVAL_RANKS best tokens per position and depth [B,T,K,R], for evaluation), so DDP and DeepSpeed
+    see one call.
 
     `features` may be a zero-argument callable: the target then runs inside the engine's forward,
     where ZeRO-3 gathers a partitioned target's weights. `target_model` (deepspeed.shard_target
@@ -59,7 +65,7 @@ class HeadTrainStep(nn.Module):
         if callable(features):
             features = features()
         if loss_mask is None:
-            return self.head.top_tokens(features, 5)
+            return self.head.top_tokens(features, EVAL_RANKS)
         return self.head.loss(features, loss_mask, segment_ids)
 
 
@@ -142,6 +148,7 @@ class HeadTrainer:
             state = checkpoint.load_checkpoint(acc, self.resume_from, load_from)
             self.step = state["step"]
             self.stream.load_state_dict(state["data"])
+            self.last_eval = state.get("last_eval")  # the tree of the next checkpoint comes from it until the next evaluation
             self.metrics.truncate_after(self.step)
             log(f"resumed from {self.resume_from} at step {self.step}")
         checkpoint.record_run(acc, r, self.output_dir, self.argv)
@@ -214,11 +221,12 @@ class HeadTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Per-depth top-1/top-5 accuracy on held-out conversations and the simulated chain length."""
+        """Per-depth top-1/top-5 accuracy on held-out conversations, the accuracy of each candidate
+        rank per depth (the sparse tree's input) and the simulated chain length."""
         acc, r = self.accelerator, self.recipe
         self.head.eval()
         K = self.head.depth
-        hits = torch.zeros(2, K, dtype=torch.float64, device=acc.device)
+        hits = torch.zeros(K, EVAL_RANKS, dtype=torch.float64, device=acc.device)
         counts = torch.zeros(K, dtype=torch.float64, device=acc.device)
         mine = list(range(len(self.data.eval)))[acc.process_index :: acc.num_processes]
         mbs = r.train.micro_batch_size
@@ -230,30 +238,37 @@ class HeadTrainer:
             stand_in = not ids
             ids = ids or [0]
             batch = self.collator([self.data.eval[i] for i in ids])
-            top5 = self.model(lambda ids=ids, batch=batch: self.source.features("eval", ids, batch))  # [B,T,K,5]
+            top = self.model(lambda ids=ids, batch=batch: self.source.features("eval", ids, batch))  # [B,T,K,R]
             if stand_in:
                 continue
             labels, valid = depth_labels(batch["input_ids"].to(acc.device), batch["loss_mask"].to(acc.device), K, batch["segment_ids"].to(acc.device))
-            hit1 = (top5[..., 0] == labels) & valid
-            hit5 = (top5 == labels.unsqueeze(-1)).any(-1) & valid
-            hits[0] += hit1.sum(dim=(0, 1)).double()
-            hits[1] += hit5.sum(dim=(0, 1)).double()
+            hit = (top == labels.unsqueeze(-1)) & valid.unsqueeze(-1)  # [B,T,K,R]; a vocabulary under R ranks gives fewer
+            hits[:, : hit.shape[-1]] += hit.sum(dim=(0, 1)).double()
             counts += valid.sum(dim=(0, 1)).double()
         if acc.num_processes > 1:
             hits = acc.reduce(hits, reduction="sum")
             counts = acc.reduce(counts, reduction="sum")
         self.head.train()
-        top1 = (hits[0] / counts.clamp_min(1)).tolist()
-        top5 = (hits[1] / counts.clamp_min(1)).tolist()
+        rank_accuracy = hits / counts.clamp_min(1).unsqueeze(-1)  # [K,R]; the ranks' events are disjoint
+        top1 = rank_accuracy[:, 0].tolist()
         return {
             "top1": top1,
-            "top5": top5,
+            "top5": rank_accuracy[:, :5].sum(-1).tolist(),
+            "rank_accuracy": rank_accuracy.tolist(),
             "positions": int(counts[0].item()) if K else 0,
             "simulated_accept_length": simulated_accept_length(top1),
         }
 
+    def tree(self) -> Optional[dict]:
+        """The sparse tree of train.tree_nodes nodes from the last evaluation's rank accuracies, or None."""
+        last = getattr(self, "last_eval", None)
+        nodes = self.recipe.train.tree_nodes
+        if not nodes or not last or not last.get("positions"):
+            return None
+        return sparse_tree(last["rank_accuracy"], nodes).to_dict()
+
     def describe(self, step: int, result: dict) -> str:
-        return format_eval(step, result)
+        return format_eval(step, result, self.recipe.train.tree_nodes)
 
     def save(self) -> Path:
         dims = self.target.dims
@@ -269,6 +284,7 @@ class HeadTrainer:
                 "hf_config": dims.hf_config,
             },
             "last_eval": getattr(self, "last_eval", None),
+            "tree": self.tree(),
         }
         acc = self.accelerator
         self.source.flush()  # features computed so far survive an interruption
@@ -285,8 +301,11 @@ class HeadTrainer:
         self.head.train()
         result, elapsed = loop.run_loop(self, loop.Schedule.steps(r.train), self.step, "train")
         if self.step >= r.train.max_steps and not result:
-            result = self.evaluate()  # resumed after the last step: report the final figures anyway
+            result = self.last_eval = self.evaluate()  # resumed after the last step: report the final figures anyway
         summary = {"step": self.step, "seconds": round(elapsed, 1), **result, **engine.peak_memory(acc), "checkpoint": str(self.last_checkpoint)}
+        tree = self.tree()
+        if tree is not None:
+            summary["tree"] = {k: tree[k] for k in ("choices", "expected_accept_length")}
         if acc.is_main_process:
             (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
         return summary
@@ -324,10 +343,14 @@ def load_target(recipe: Recipe, accelerator, shard: bool) -> FrozenTarget:
         return FrozenTarget(model, tokenizer, source=cfg.path)
 
 
-def format_eval(step: int, result: dict) -> str:
+def format_eval(step: int, result: dict, tree_nodes: int = 0) -> str:
     top1 = " ".join(f"{a:.3f}" for a in result["top1"])
     top5 = " ".join(f"{a:.3f}" for a in result["top5"])
-    return (
+    line = (
         f"step {step}: per-head top-1 [{top1}]  top-5 [{top5}]  "
         f"simulated accepted length {result['simulated_accept_length']:.3f}  ({result['positions']} positions)"
     )
+    if tree_nodes and result.get("positions"):
+        tree = sparse_tree(result["rank_accuracy"], tree_nodes)
+        line += f"; sparse tree of {tree_nodes} nodes: expected accepted length {tree.expected_accept_length:.3f}"
+    return line

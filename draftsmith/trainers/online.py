@@ -4,9 +4,10 @@ The runtime serves each request with the current drafter (``speculative_generate
 ``online.draft_length`` tokens). Every served request leaves its verified tokens in a bounded
 replay buffer (data/replay.py). After every ``online.update_every`` requests the drafter takes
 ``online.steps_per_update`` distillation steps on batches from the buffer (the target re-scores
-them in one forward; the recipe's ``distill.divergence`` over the verified positions) and the
-updated draft is swapped into the runtime: a new drafter object around the updated weights, the
-server never restarts. The acceptance rate of every request goes to metrics.jsonl (kind "serve")
+them in one forward; the recipe's ``distill.divergence`` over the positions ``online.train_on``
+names: by default, as in online speculative decoding, only where the draft was rejected), the
+buffer is emptied (``online.clear_buffer``, OSD's behaviour) and the updated draft is swapped into
+the runtime: a new drafter object around the updated weights, the server never restarts. The acceptance rate of every request goes to metrics.jsonl (kind "serve")
 so the curve over the stream shows the drafter catching up when the query distribution shifts.
 
 The stream: ``online.requests_per_source`` prompts (first user turns) from ``data.path``, then as
@@ -39,7 +40,7 @@ from draftsmith.trainers.distill import (
 
 
 class EmptyReplayWarning(UserWarning):
-    """An update came due while the replay buffer held no verified tokens; it was skipped."""
+    """An update came due while the replay buffer held no position to train on; it was skipped."""
 
 
 def stream_prompts(recipe: Recipe) -> list[dict]:
@@ -110,7 +111,7 @@ class OnlineTrainer:
         self.collator = Collator(pad_token_id=pad, max_length=r.data.max_length)
         # Every rank keeps the same buffer (all verified records), so an update's batches, a
         # checkpoint and a resume at another world size do not depend on who served what.
-        self.buffer = ReplayBuffer(r.online.buffer_size, seed=r.train.seed)
+        self.buffer = ReplayBuffer(r.online.buffer_size, seed=r.train.seed, train_on=r.online.train_on)
         self.metrics = loop.MetricsLog(self.output_dir, enabled=acc.is_main_process)
         self.served = 0
         self.step = 0  # optimizer steps
@@ -167,15 +168,17 @@ class OnlineTrainer:
         }
 
     def update(self) -> Optional[dict]:
-        """steps_per_update distillation steps on the buffer, then a drafter swap. None when skipped.
+        """steps_per_update distillation steps on the buffer, then (online.clear_buffer) an empty
+        buffer, then a drafter swap. None when skipped.
 
         Each optimizer step draws grad_accum_steps x world micro-batches from the (shared) buffer
         in one draw; rank r takes micro-batches r, r + world, ...: the step's gradient is that of
         all of them, whatever the world size.
         """
         acc, r = self.accelerator, self.recipe
-        if self.buffer.verified_tokens == 0:
-            message = f"replay buffer holds no verified tokens after {self.served} requests: skipping this update"
+        if self.buffer.trainable_tokens == 0:
+            what = "rejected positions" if r.online.train_on == "rejected" else "verified tokens"
+            message = f"replay buffer holds no {what} after {self.served} requests: skipping this update"
             warnings.warn(message, EmptyReplayWarning, stacklevel=2)
             log(f"warning: {message}")
             return None
@@ -200,9 +203,12 @@ class OnlineTrainer:
             mean = torch.stack(step_losses).mean()
             losses.append(float(acc.reduce(mean, reduction="mean") if world > 1 else mean))
             self.step += 1
+        held = len(self.buffer)
+        if r.online.clear_buffer:
+            self.buffer.clear()
         self.swap_drafter()
         mean = sum(losses) / len(losses)
-        return {"loss": mean, "first_loss": losses[0], "last_loss": losses[-1], "buffer": len(self.buffer), "lr": self.scheduler.get_last_lr()[0]}
+        return {"loss": mean, "first_loss": losses[0], "last_loss": losses[-1], "buffer": held, "lr": self.scheduler.get_last_lr()[0]}
 
     def save(self) -> Path:
         state = {

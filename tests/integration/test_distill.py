@@ -164,3 +164,23 @@ def test_cli_exits_nonzero_with_one_line(tmp_path, models, capsys):
     assert main(["train", str(recipe_path), "distill.lambda_onpolicy=-0.1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "lambda_onpolicy" in err[0]
+
+
+def test_expected_acceptance_is_measured_at_the_distillation_temperature(tmp_path, models):
+    """1 - TVD in the evaluation is that of the two distributions softened by distill.temperature
+    (the temperature a distilled draft is sampled at), computed here by hand on the same batch."""
+    recipe = make_recipe(tmp_path, models, "hot", "distill.temperature=2.5")
+    trainer = TRAINERS["distill"](recipe, argv=["test"]).setup()
+    try:
+        result = trainer.evaluate()
+        batch = trainer.collator(trainer.data.eval)
+        draft_logits, target_logits, mask = trainer._logits(batch, trainer.step_module)
+        def one_minus_tvd(temperature):
+            p, q = torch.softmax(target_logits / temperature, -1), torch.softmax(draft_logits / temperature, -1)
+            return 1.0 - float((0.5 * (p - q).abs().sum(-1))[mask].mean())
+
+        assert result["temperature"] == 2.5
+        assert abs(result["expected_acceptance"] - one_minus_tvd(2.5)) < 1e-4
+        assert abs(one_minus_tvd(2.5) - one_minus_tvd(1.0)) > 1e-3  # the temperature matters here
+    finally:
+        trainer.close()

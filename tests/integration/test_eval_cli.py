@@ -41,7 +41,9 @@ def test_eval_head_export_writes_report_and_is_lossless(head_export, prompts, tm
     assert report["num_prompts"] == 3 and report["drafter_kind"] == "medusa"
     assert report["greedy_identical_to_baseline"] == "3/3"  # fp32: token for token the target's output
     assert 1.0 <= report["mean_accepted_length"] <= 4.0
-    assert len(report["per_depth_acceptance"]) == 3
+    # The default tree is the sparse tree the export stores: per-depth figures for each of its depths.
+    stored = json.loads((export / "config.json").read_text())["draftsmith"]["tree"]
+    assert len(report["per_depth_acceptance"]) == max(len(c) for c in stored["choices"])
     assert (tmp_path / "report" / "report.md").is_file() and (tmp_path / "report" / "report.png").stat().st_size > 1000
     assert "report.md" in proc.stdout
 
@@ -108,3 +110,37 @@ def test_sampling_flags_are_checked_before_anything_loads(head_export):
         proc = cli("generate", "--drafter", export, "--prompt", "hi", flag, value)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
         assert f"argument {flag}: must be" in proc.stderr and words in proc.stderr, proc.stderr
+
+
+def test_stored_sparse_tree_is_the_default_and_an_explicit_tree_wins(head_export, prompts, tmp_path):
+    export, tmp = head_export
+    stored = json.loads((export / "config.json").read_text())["draftsmith"]["tree"]
+    assert stored["kind"] == "sparse" and stored["nodes"] == len(stored["choices"]) == 8
+    assert len(stored["rank_accuracy"]) == 3  # one row of rank accuracies per head
+    proc = cli("eval", "--drafter", export, "--prompts", prompts, "--max-new-tokens", 12, "--limit", 1, "--out", tmp_path / "a")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert report["tree"].startswith("stored sparse tree, 8 nodes") and report["lossless"] is True
+    proc = cli("eval", "--drafter", tmp / "run", "--prompts", prompts, "--max-new-tokens", 12, "--limit", 1, "--tree", "1,1", "--out", tmp_path / "b")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert report["tree"] == "given: 1,1" and len(report["per_depth_acceptance"]) == 2
+
+
+def test_typical_acceptance_is_reported_as_not_lossless_and_refuses_what_it_cannot_do(head_export, prompts, tmp_path):
+    export, _ = head_export
+    proc = cli(
+        "eval", "--drafter", export, "--prompts", prompts, "--max-new-tokens", 12, "--limit", 2, "--temperature", "0.7",
+        "--verify", "typical", "--posterior-threshold", "0.2", "--out", tmp_path / "t",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "t" / "report.json").read_text())
+    assert report["lossless"] is False and "NOT lossless" in report["verification"] and "posterior_threshold=0.2" in report["verification"]
+    assert "NOT lossless" in proc.stdout and "NOT lossless" in (tmp_path / "t" / "report.md").read_text()
+    for extra, words in ((("--temperature", "0"),), "temperature > 0"), ((("--temperature", "0.7"), ("--top-p", "0.9")), "top-k / top-p"):
+        flags = [x for pair in extra for x in pair]
+        proc = cli("generate", "--drafter", export, "--prompt", "hi", "--verify", "typical", *flags)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and words in proc.stderr, proc.stderr[-2000:]
+        assert len(proc.stderr.strip().splitlines()) == 1
+    proc = cli("generate", "--drafter", export, "--prompt", "hi", "--verify", "typical", "--temperature", "0.7", "--max-new-tokens", 8)
+    assert proc.returncode == 0 and "NOT lossless" in proc.stderr, proc.stderr[-2000:]

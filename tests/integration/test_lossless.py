@@ -2,7 +2,9 @@
 
 Greedy: speculative output is token-identical to HF ``generate(do_sample=False)`` for every drafter
 kind and tree shape. Sampling: the first generated tokens follow the target's own processed
-distribution (chi-square), and the same check rejects a verifier that always accepts.
+distribution (chi-square) with static trees and with EAGLE-2 dynamic trees, and the same check
+rejects a verifier that always accepts and a fixed-candidate rule that keeps a rejected
+candidate's mass.
 """
 
 import copy
@@ -177,13 +179,28 @@ def _target_joint(model):
     return (first.unsqueeze(1) * second).flatten()
 
 
-def _speculative_joint_p_value(n, seed, head=None):
-    """Chi-square p-value of n sampled pairs of first tokens against the target's law; the drafter is
-    a second peaky model, or `head(target)` drafting the same static tree."""
-    target_model = _peaky(0)
+def _speculative_joint_p_value(n, seed, drafter_kind="static", head=None):
+    """Chi-square p-value of n sampled pairs of first tokens against the target's law. The drafter:
+    a second peaky model drafting a static tree ("static") or an EAGLE-2 dynamic tree ("dynamic"),
+    a perturbed EAGLE head drafting a dynamic tree ("eagle-dynamic"), or `head(target)` drafting the
+    static tree."""
+    target_model, draft_model = _peaky(0), _peaky(1)
     target = FrozenTarget(target_model)
-    tree = TreeSpec.from_choices([(0,), (1,), (0, 0), (1, 0)])
-    drafter = StandaloneDrafter(_peaky(1), tree) if head is None else HeadDrafter(head(target), target, tree)
+    static = TreeSpec.from_choices([(0,), (1,), (0, 0), (1, 0)])
+    if head is not None:
+        drafter = HeadDrafter(head(target), target, static)
+    elif drafter_kind == "static":
+        drafter = StandaloneDrafter(draft_model, static)
+    elif drafter_kind == "dynamic":
+        # EAGLE-2's dynamic tree: fixed top candidates, verified with EAGLE's rule.
+        drafter = StandaloneDrafter(draft_model, DynamicTreeSpec(depth=2, topk=3, budget=5))
+    else:
+        torch.manual_seed(seed + 3)
+        eagle = EagleHead(EagleConfig(depth=2), target.dims)
+        with torch.no_grad():
+            for p in eagle.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        drafter = HeadDrafter(eagle, target, DynamicTreeSpec(depth=2, topk=3, budget=5))
     gen = torch.Generator().manual_seed(seed)
     cells = []
     for _ in range(n):
@@ -200,8 +217,11 @@ def _speculative_joint_p_value(n, seed, head=None):
     return float(stats.chisquare(obs.numpy(), (exp / exp.sum() * n).numpy()).pvalue)
 
 
-def test_sampled_speculative_tokens_follow_the_target():
-    assert _speculative_joint_p_value(500, seed=0) > 1e-3
+@pytest.mark.parametrize("drafter_kind", ["static", "dynamic", "eagle-dynamic"])
+def test_sampled_speculative_tokens_follow_the_target(drafter_kind):
+    """Static trees (children drawn without replacement) and EAGLE-2 dynamic trees (fixed top
+    candidates) from a standalone draft LM and from an EAGLE head: lossless at temperature > 0."""
+    assert _speculative_joint_p_value(500, seed=0, drafter_kind=drafter_kind) > 1e-3
 
 
 def test_sampled_speculative_tokens_follow_the_target_with_a_clover_head():
@@ -211,3 +231,10 @@ def test_sampled_speculative_tokens_follow_the_target_with_a_clover_head():
 def test_the_sampling_check_rejects_a_verifier_that_always_accepts(monkeypatch):
     monkeypatch.setattr(verify_module, "_accepts", lambda u, p_x, q_x: torch.ones_like(p_x, dtype=torch.bool))
     assert _speculative_joint_p_value(200, seed=0) < 1e-6
+
+
+def test_the_sampling_check_rejects_fixed_candidates_that_keep_their_mass(monkeypatch):
+    """A dynamic tree whose rejected candidate is not removed from p before its sibling is tested
+    (and before the bonus draw) over-produces the candidates: the same check must see it."""
+    monkeypatch.setattr(verify_module, "_residual", lambda p, q: p)
+    assert _speculative_joint_p_value(500, seed=0, drafter_kind="dynamic") < 1e-6

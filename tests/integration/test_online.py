@@ -83,9 +83,10 @@ def test_update_with_empty_buffer_warns_and_goes_on(setup_dir):
     recipe = online_recipe(setup_dir, "empty")
     trainer = TRAINERS["online"](recipe, argv=["test"]).setup()
     try:
-        with pytest.warns(EmptyReplayWarning, match="no verified tokens"):
+        with pytest.warns(EmptyReplayWarning, match="no rejected positions"):
             assert trainer.update() is None
-        trainer.buffer.add({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0], "rejected_mask": [0, 0, 0]})
+        # Verified tokens, but no rejection: nothing for OSD's update to train on.
+        trainer.buffer.add({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "rejected_mask": [0, 0, 0]})
         with pytest.warns(EmptyReplayWarning):
             assert trainer.update() is None
         assert trainer.step == 0
@@ -107,3 +108,45 @@ def test_simulate_online_script_plots(setup_dir, tmp_path, monkeypatch):
     assert rc == 0
     assert (out / "acceptance.png").stat().st_size > 1000
     assert len(serve_records(out)) == 6
+
+
+@pytest.mark.parametrize("train_on, clear", [("rejected", True), ("verified", False)])
+def test_update_trains_on_the_chosen_positions_and_clears_the_buffer(setup_dir, monkeypatch, train_on, clear):
+    """The positions an update's loss averages over are exactly the records' rejected (OSD, the
+    default) or verified positions, shifted onto the logits that predict them; OSD then empties
+    the buffer, the FIFO variant keeps it."""
+    from draftsmith.data.replay import verified_record
+    from draftsmith.trainers import online as online_module
+    from draftsmith.trainers.distill import predicted_mask
+
+    overrides = [] if train_on == "rejected" else [f"online.train_on={train_on}", f"online.clear_buffer={clear}"]
+    recipe = online_recipe(setup_dir, f"positions-{train_on}", "online.steps_per_update=2", *overrides)
+    assert (recipe.online.train_on, recipe.online.clear_buffer) == (train_on, clear)
+    trainer = TRAINERS["online"](recipe, argv=["test"]).setup()
+    seen = []
+    real = online_module.distill_objective
+
+    def spy(recipe_, draft_logits, target_logits, mask):
+        seen.append(mask.clone())
+        return real(recipe_, draft_logits, target_logits, mask)
+
+    monkeypatch.setattr(online_module, "distill_objective", spy)
+    try:
+        record = verified_record([5, 6, 7], [10, 11, 12, 20, 21, 22, 23], accept_lens=[2, 3], draft_depths=[3, 3])
+        trainer.buffer.add(record)
+        values = trainer.update()
+        assert values is not None and values["buffer"] == 1 and len(seen) == 2
+        wanted = predicted_mask(torch.tensor([record["rejected_mask" if train_on == "rejected" else "loss_mask"]]))
+        for mask in seen:  # every micro-batch row is this one record
+            assert mask.shape[1] == wanted.shape[1] and all(torch.equal(row, wanted[0]) for row in mask.cpu())
+        assert len(trainer.buffer) == (0 if clear else 1)
+    finally:
+        trainer.close()
+
+
+def test_clearing_buffer_must_hold_the_requests_between_updates(setup_dir):
+    from draftsmith.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="online.buffer_size'=2 must hold the online.update_every=3"):
+        online_recipe(setup_dir, "small", "online.buffer_size=2")
+    assert online_recipe(setup_dir, "small-fifo", "online.buffer_size=2", "online.clear_buffer=false").online.buffer_size == 2

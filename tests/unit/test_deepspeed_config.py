@@ -189,7 +189,7 @@ def test_a_trainer_without_deepspeed_support_refuses_the_section_instead_of_igno
 
     monkeypatch.setitem(TRAINER_RULES, "distill", dataclasses.replace(TRAINER_RULES["distill"], deepspeed=False))
     recipe = REPO / "recipes" / "distill" / "qwen2.5-coder-1.5b-fkl.yaml"
-    with pytest.raises(RecipeError, match="trainer 'distill' does not run under DeepSpeed \\(trainers heads, online do\\)"):
+    with pytest.raises(RecipeError, match="trainer 'distill' does not run under DeepSpeed \\(trainers heads, online, layerskip do\\)"):
         load_recipe(recipe, REPO / "recipes" / "deepspeed" / "zero2.yaml")
 
 

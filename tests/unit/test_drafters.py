@@ -140,11 +140,25 @@ def test_standalone_cache_rolls_back_to_the_accepted_path(arch, tree):
         drafter.propose(_state(decided))
 
 
-def test_standalone_dynamic_tree_refuses_sampling():
-    drafter = StandaloneDrafter(tiny_causal_lm(vocab_size=20, hidden_size=16, num_layers=1), DynamicTreeSpec(2, 2, 3))
-    drafter.reset(torch.tensor([[1, 2]]))
-    with pytest.raises(DrafterError, match="greedily"):
-        drafter.propose(_state([1, 2], sampling=SamplingParams("sample")))
+def test_standalone_dynamic_tree_when_sampling_proposes_fixed_candidates():
+    """A dynamic tree drafted in sample mode is the draft's ranking under the processed distribution,
+    marked deterministic (EAGLE's rule verifies it) and without draft_probs; top-k filtering keeps
+    tokens the processed draft cannot produce out of it."""
+    model = tiny_causal_lm(vocab_size=20, hidden_size=16, num_layers=1)
+    prompt = torch.tensor([[1, 2]])
+    with torch.no_grad():
+        root_logits = model(prompt).logits[0, -1]
+    for params, topk in ((SamplingParams("sample", 0.7), 4), (SamplingParams("sample", 1.3, top_k=2), 4)):
+        drafter = StandaloneDrafter(model, DynamicTreeSpec(2, topk, 6))
+        drafter.reset(prompt)
+        tree = drafter.propose(_state([1, 2], sampling=params))
+        assert tree.deterministic and tree.draft_probs is None
+        children = [int(t) for t, p in zip(tree.tokens[0].tolist(), tree.parents[0].tolist()) if p == 0]
+        live = logits_to_probs(root_logits, params.temperature, params.top_k, params.top_p)
+        ranked = torch.argsort(live, descending=True, stable=True)[: int((live > 0).sum())].tolist()
+        # The kept root children are the best-ranked live tokens (the budget may drop the weakest).
+        assert 1 <= len(children) <= min(topk, len(ranked)) and sorted(children) == sorted(ranked[: len(children)])
+        drafter.accept(verify_greedy(tree, torch.zeros(1, tree.size, 20)))
 
 
 def _medusa(num_heads=3, seed=0):

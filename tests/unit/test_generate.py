@@ -132,3 +132,24 @@ def test_errors():
         speculative_generate(target, StandaloneDrafter(target.model), torch.zeros(1, 3, dtype=torch.long), 4, mode="beam")
     with pytest.raises(DrafterError, match="root"):
         speculative_generate(target, _WrongRoot(), torch.zeros(1, 3, dtype=torch.long), 4)
+
+
+def test_typical_acceptance_in_the_loop_at_its_two_extremes():
+    """Typical acceptance (NOT lossless) through speculative_generate: a threshold no probability
+    passes accepts nothing, so every step emits the target's argmax and the output is the greedy
+    one; a vanishing threshold accepts whatever a random draft proposes."""
+    target = _target(seed=2)
+    draft = tiny_causal_lm("llama", vocab_size=V, hidden_size=16, num_layers=1, seed=9)
+    prompt = torch.tensor([[1, 30, 31, 2, 40]])
+    strict, stats = speculative_generate(
+        target, StandaloneDrafter(draft, TreeSpec.chain(3)), prompt, 12, mode="typical", temperature=0.8,
+        posterior_threshold=1.0, posterior_alpha=10.0,
+    )
+    assert torch.equal(strict, _hf_greedy(target, prompt, 12)) and sum(stats.accept_lens) == 0
+    _, lax = speculative_generate(
+        target, StandaloneDrafter(draft, TreeSpec.chain(3)), prompt, 12, mode="typical", temperature=0.8,
+        posterior_threshold=1e-12, posterior_alpha=1e-12,
+    )
+    assert lax.accept_lens[:-1] == lax.draft_depths[: len(lax.accept_lens) - 1] and sum(lax.accept_lens) >= 9
+    with pytest.raises(ValueError, match="top-k / top-p"):
+        speculative_generate(target, StandaloneDrafter(draft), prompt, 4, mode="typical", temperature=0.8, top_p=0.9)

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB, HIDDEN, LAYERS = 48, 32, 3
 VARIANTS = {
     "medusa": [{"lm_head": "own", "num_layers": 2}, {"lm_head": "target"}],
-    "hydra": [{"lm_head": "own"}, {"prefix_attention": True, "teacher": True}],
+    # Hydra++ (the defaults), plain Hydra, and the reference README's teacher-only loss.
+    "hydra": [{}, {"prefix_attention": False, "lm_head": "target", "num_layers": 1, "teacher_weight": 0.0, "input_noise": 0.0}, {"token_weight": 0.0}],
     "eagle": [{"num_layers": 2, "train_depth": 2}, {"teacher": False}],
     # Clover-2 (two augmenting layers, the root token fused first, FC outputs) and Clover-1's
     # architecture (one layer, the root token read by the regressive decoder, residual blocks).

@@ -85,9 +85,10 @@ for arch, variants in ((90, (True, False)), (80, (True,))):
             results.append(compile_kernel(
                 vk._greedy_tree_kernel, dict(meta, LOG_N=meta["BLOCK_N"].bit_length() - 1),
                 typical, arch, vk.greedy_warps(meta["BLOCK_N"])))
-            results.append(compile_kernel(
-                vk._sample_tree_kernel, dict(meta, BLOCK_V=vk.WALK_BLOCK_V),
-                typical, arch, vk.SAMPLE_WARPS, "*fp32"))
+            for deterministic in (False, True):
+                results.append(compile_kernel(
+                    vk._sample_tree_kernel, dict(meta, BLOCK_V=vk.WALK_BLOCK_V, DETERMINISTIC=deterministic),
+                    typical, arch, vk.SAMPLE_WARPS, "*fp32"))
 print(json.dumps(results))
 '''
 
@@ -107,6 +108,8 @@ def test_every_kernel_compiles_for_ampere_and_hopper(compiled):
     kernels = {(r["kernel"], r["arch"]) for r in compiled}
     for name in ("_node_partials_kernel", "_greedy_tree_kernel", "_sample_tree_kernel"):
         assert (name, 80) in kernels and (name, 90) in kernels
+    walks = {(r["arch"], r["constexprs"]["DETERMINISTIC"]) for r in compiled if r["kernel"] == "_sample_tree_kernel"}
+    assert walks == {(a, d) for a in (80, 90) for d in (False, True)}  # drawn children and fixed candidates
 
 
 def test_pass_one_uses_vector_loads_on_aligned_rows(compiled):

@@ -218,6 +218,43 @@ def test_sample_matches_reference_given_uniforms(kernels, temperature, top_k, to
         assert rejected >= 1
 
 
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_fixed_candidates_match_reference_given_uniforms(kernels, temperature, top_p):
+    """Deterministic trees (each node's children the draft's top candidates, no draft_probs): the
+    kernel walks them with point masses exactly as verify_sample does, rejections included."""
+    gen = torch.Generator().manual_seed(21)
+    rejected = 0
+    for trial in range(3):
+        drawn, logits = sample_case(gen, temperature=temperature, top_p=top_p)
+        # Same shape, but every node's children are its draft's best tokens in rank order.
+        ranked = torch.argsort(drawn.draft_probs, dim=-1, descending=True, stable=True)
+        tokens = drawn.tokens.clone()
+        for b in range(drawn.batch_size):
+            seen: dict[int, int] = {}
+            for i in range(1, int(drawn.num_nodes[b])):
+                p = int(drawn.parents[b, i])
+                tokens[b, i] = ranked[b, p, seen.get(p, 0)]
+                seen[p] = seen.get(p, 0) + 1
+        tree = DraftTree(tokens, drawn.parents, drawn.depths, drawn.num_nodes, deterministic=True)
+        tree.validate()
+        u = torch.rand(tree.batch_size, tree.size + 1, generator=gen)
+        kw = dict(temperature=temperature, top_p=top_p, uniforms=u)
+        want = verify_sample(tree, logits, **kw)
+        assert_same(kernels.fused_verify(tree, logits, "sample", **kw), want, f"trial {trial}: ")
+        has_kids = (tree.parents.unsqueeze(-1) == torch.arange(tree.size)).any(1)
+        rejected += int((has_kids.gather(1, want.best_node[:, None]).squeeze(1)).sum())
+    assert rejected >= 1
+
+
+def test_typical_acceptance_runs_the_reference(kernels):
+    from draftsmith.runtime.verify import verify_typical
+
+    gen = torch.Generator().manual_seed(22)
+    tree, logits = greedy_case(gen)
+    want = verify_typical(tree, logits, 0.8, 0.09, 0.3)
+    assert_same(kernels.fused_verify(tree, logits, "typical", temperature=0.8), want)
+
+
 def test_sample_residual_edge_cases(kernels):
     """Rejection chains that reach verify.py's guards: a drafted token of probability zero under
     both p and q (its residual is all zero, so p stays), and q running out of mass."""

@@ -168,6 +168,7 @@ def test_range_checks_name_the_section_key(recipe_file):
         "head.num_heads=0": "recipe key 'head.num_heads' must be >= 1, got 0",
         "deepspeed.zero_stage=4": "recipe key 'deepspeed.zero_stage' must be 0, 1, 2 or 3, got 4",
         "train.global_batch_size=6": "'train.global_batch_size'=6 is not a multiple of train.micro_batch_size=4",
+        "train.tree_nodes=-1": "recipe key 'train.tree_nodes' must be >= 0, got -1",
     }
     for override, message in cases.items():
         with pytest.raises(RecipeError) as err:

@@ -20,12 +20,12 @@ def test_verified_record_marks_accepted_and_rejected_positions():
 
 
 def test_buffer_is_bounded_fifo_and_sampling_is_seeded():
-    buf = ReplayBuffer(capacity=3, seed=1)
+    buf = ReplayBuffer(capacity=3, seed=1, train_on="verified")
     for i in range(5):
         buf.add({"input_ids": [i, i], "loss_mask": [0, 1]})
     assert len(buf) == 3 and [r["input_ids"][0] for r in buf.records] == [2, 3, 4]
     (a,) = buf.sample(6)
-    other = ReplayBuffer(capacity=3, seed=1)
+    other = ReplayBuffer(capacity=3, seed=1, train_on="verified")
     other.load_state_dict({**buf.state_dict(), "draws": 0})
     assert other.sample(6) == [a]
     assert {r["input_ids"][0] for r in a} <= {2, 3, 4}
@@ -37,9 +37,34 @@ def test_buffer_is_bounded_fifo_and_sampling_is_seeded():
 
 
 def test_empty_buffer_samples_nothing():
-    buf = ReplayBuffer(capacity=4)
+    buf = ReplayBuffer(capacity=4, train_on="verified")
     assert buf.sample(2) is None
-    buf.add({"input_ids": [1, 2], "loss_mask": [0, 0]})  # a request that produced no verified token
-    assert buf.verified_tokens == 0 and buf.sample(2) is None
+    buf.add({"input_ids": [1, 2], "loss_mask": [0, 0], "rejected_mask": [0, 0]})  # a request that produced no verified token
+    assert buf.trainable_tokens == 0 and buf.sample(2) is None
     with pytest.raises(ValueError):
         ReplayBuffer(capacity=0)
+    with pytest.raises(ValueError, match="train_on"):
+        ReplayBuffer(capacity=2, train_on="everything")
+
+
+def test_rejected_positions_only_by_default_and_clear():
+    """OSD's default: updates see only the positions where the draft was wrong; a record without a
+    rejection is never drawn; the verified variant sees every verified token."""
+    prompt = [7, 8]
+    wrong = verified_record(prompt, [10, 11, 12, 20], accept_lens=[2, 0], draft_depths=[3, 3])
+    right = verified_record(prompt, [10, 11, 12, 13], accept_lens=[3], draft_depths=[3])
+    assert sum(right["rejected_mask"]) == 0 and sum(wrong["rejected_mask"]) == 2
+    buf = ReplayBuffer(capacity=4, seed=3)
+    buf.extend([wrong, right])
+    assert buf.trainable_tokens == 2
+    for batch in buf.sample(5, count=3):
+        for record in batch:
+            assert record["input_ids"] == wrong["input_ids"] and record["loss_mask"] == wrong["rejected_mask"]
+    assert buf.records[0]["loss_mask"] == wrong["loss_mask"]  # the stored record keeps both masks
+    verified = ReplayBuffer(capacity=4, seed=3, train_on="verified")
+    verified.extend([wrong, right])
+    assert verified.trainable_tokens == 8
+    drawn = {tuple(r["input_ids"]) for batch in verified.sample(8, count=4) for r in batch}
+    assert drawn == {tuple(wrong["input_ids"]), tuple(right["input_ids"])}
+    buf.clear()
+    assert len(buf) == 0 and buf.sample(2) is None

@@ -163,3 +163,39 @@ def test_a_float32_load_after_a_bfloat16_load_gives_the_ggufs_float32_logits(tmp
     with torch.no_grad():
         assert torch.equal(fp32(ids).logits, direct(ids).logits)
         assert not torch.equal(bf16(ids).logits.float(), direct(ids).logits)  # the bf16 model is rounded
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_eager_and_sdpa_honour_the_tree_mask_and_load(attention, tiny_qwen2_dir):
+    """The two accepted implementations take a custom 4D mask: masking out a key changes the output
+    exactly as dropping that key does. Loading from a folder with each works."""
+    model = tiny_causal_lm("llama", num_layers=2)
+    model.set_attn_implementation(attention)
+    target = FrozenTarget(model)
+    ids = torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    # Positions 3..5 may not see position 2 (a sibling branch): the same as the sequence without
+    # token 2, positions kept.
+    mask = torch.zeros(1, 1, 6, 6)
+    mask.masked_fill_(~torch.ones(6, 6, dtype=torch.bool).tril(), torch.finfo(torch.float32).min)
+    mask[0, 0, 3:, 2] = torch.finfo(torch.float32).min
+    masked = target.model(ids, attention_mask=mask).logits[0, 5]
+    kept = [0, 1, 3, 4, 5]
+    dropped = target.model(ids[:, kept], position_ids=torch.tensor([kept])).logits[0, -1]
+    torch.testing.assert_close(masked, dropped, atol=1e-5, rtol=1e-5)
+    from transformers import AutoModelForCausalLM
+
+    FrozenTarget(AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, attn_implementation=attention))
+
+
+@pytest.mark.parametrize("attention", ["flash_attention_2", "flex_attention", None])
+def test_other_attention_implementations_are_refused_in_one_line(attention):
+    from draftsmith.runtime.drafters import StandaloneDrafter
+
+    model = tiny_causal_lm("llama", num_layers=1)
+    model.config._attn_implementation = attention  # as a model loaded that way reports it
+    for build, who in ((FrozenTarget, "target"), (StandaloneDrafter, "draft")):
+        with pytest.raises(TargetLoadError) as err:
+            build(model)
+        message = str(err.value)
+        assert "\n" not in message and repr(attention) in message and f"the {who}'s attention" in message
+        assert "attn_implementation='sdpa' or 'eager'" in message

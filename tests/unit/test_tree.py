@@ -217,3 +217,57 @@ def test_dynamic_tree_budget_larger_than_the_tree():
     assert tree.size == 1 + 2 + 4 and ids == list(range(7))
     # Every node appears once with a parent before it: build_dynamic_tree validated the tree.
     assert all(p < i for i, p in itertools.islice(enumerate(tree.parents[0].tolist()), 1, None))
+
+
+# ---------------------------------------------------------------- sparse trees from measured accuracies
+
+
+def _expected_length(choices, acc):
+    total = 1.0
+    for choice in choices:
+        value = 1.0
+        for depth, rank in enumerate(choice):
+            value *= acc[depth][rank]
+        total += value
+    return total
+
+
+def test_sparse_tree_is_the_best_tree_of_its_size():
+    """Against every tree of N nodes drawn from the candidate paths (brute force): none has a
+    larger expected accepted length (1 + sum over nodes of the product of rank accuracies)."""
+    from draftsmith.runtime.tree import sparse_tree
+
+    acc = [[0.45, 0.15, 0.1], [0.35, 0.12, 0.05], [0.3, 0.1, 0.02]]
+    paths = [p for d in (1, 2, 3) for p in itertools.product(range(3), repeat=d)]
+    for nodes in (1, 3, 5, 6):
+        tree = sparse_tree(acc, nodes)
+        assert len(tree.spec.choices) == nodes
+        assert tree.expected_accept_length == pytest.approx(_expected_length(tree.spec.choices, acc))
+        best = 0.0
+        for subset in itertools.combinations(paths, nodes):
+            chosen = set(subset)
+            if all(len(p) == 1 or p[:-1] in chosen for p in chosen):  # a tree: every parent present
+                best = max(best, _expected_length(subset, acc))
+        assert tree.expected_accept_length == pytest.approx(best), nodes
+
+
+def test_sparse_tree_follows_the_accuracies_and_round_trips():
+    from draftsmith.runtime.tree import SparseTree, sparse_tree
+
+    # A weak first head puts width at depth 1; strong later heads make the best path deep.
+    wide = sparse_tree([[0.2, 0.18, 0.16, 0.15], [0.1, 0.05], [0.1, 0.05]], 4)
+    assert wide.spec.choices == ((0,), (1,), (2,), (3,))
+    deep = sparse_tree([[0.9, 0.05], [0.9, 0.05], [0.9, 0.05]], 4)
+    assert deep.spec.choices == ((0,), (1,), (0, 0), (0, 0, 0))
+    # A rank that measured better than the one above it enters first: ranks may leave gaps.
+    gappy = sparse_tree([[0.3, 0.01, 0.2]], 2)
+    assert gappy.spec.choices == ((0,), (2,))
+    # More nodes than candidate paths: all of them.
+    assert len(sparse_tree([[0.5, 0.4]], 8).spec.choices) == 2
+    stored = deep.to_dict()
+    assert stored["nodes"] == 4 and stored["kind"] == "sparse"
+    assert SparseTree.from_dict(stored) == deep
+    with pytest.raises(TreeError):
+        SparseTree.from_dict({"choices": [[0], [1, 0]]})  # (1,) is missing
+    with pytest.raises(TreeError):
+        sparse_tree([[0.5]], 0)

@@ -8,7 +8,7 @@ from scipy import stats
 
 from draftsmith.runtime import verify as verify_module
 from draftsmith.runtime.tree import DraftTree, TreeSpec
-from draftsmith.runtime.verify import SamplingParams, logits_to_probs, verify, verify_greedy, verify_sample
+from draftsmith.runtime.verify import SamplingParams, logits_to_probs, verify, verify_greedy, verify_sample, verify_typical
 
 LN2, LN4 = math.log(2.0), math.log(4.0)
 
@@ -220,17 +220,39 @@ def _markov_step(spec, roots, target_logits, draft_probs, params, gen):
     return verify_sample(tree, target_logits[tokens], params.temperature, params.top_k, params.top_p, generator=gen)
 
 
-def _first_two_tokens(spec, params, n, seed):
+def _topk_step(spec, roots, target_logits, draft_probs, params, gen, as_drawn=False):
+    """One speculative step whose children are fixed candidates: the child of rank r is the r-th
+    most likely token of the draft (EAGLE-2's dynamic trees choose this way). ``as_drawn`` verifies
+    them with the rule for drawn children instead (q = the draft's law): the mistake the test catches."""
+    B, N = roots.shape[0], spec.num_nodes
+    tokens = torch.zeros(B, N, dtype=torch.long)
+    tokens[:, 0] = roots
+    ranked = torch.argsort(draft_probs, dim=-1, descending=True, stable=True)
+    for node in range(N):
+        for kid in spec.children(node):
+            tokens[:, kid] = ranked[tokens[:, node], spec.ranks[kid]]
+    tree = DraftTree(
+        tokens=tokens,
+        parents=spec.parents_tensor().expand(B, N),
+        depths=spec.depths_tensor().expand(B, N),
+        num_nodes=torch.full((B,), N),
+        draft_probs=draft_probs[tokens] if as_drawn else None,
+        deterministic=not as_drawn,
+    )
+    return verify_sample(tree, target_logits[tokens], params.temperature, params.top_k, params.top_p, generator=gen)
+
+
+def _first_two_tokens(spec, params, n, seed, step=_markov_step):
     """The first two emitted tokens of n independent runs from ROOT, running a second step where
     the first emitted only one token."""
     target, draft = _markov(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     draft_probs = logits_to_probs(draft, params.temperature, params.top_k, params.top_p).double()
     roots = torch.full((n,), ROOT, dtype=torch.long)
-    first = _markov_step(spec, roots, target, draft_probs, params, gen)
+    first = step(spec, roots, target, draft_probs, params, gen)
     a, acc, bonus = first.accept_len, first.accepted_tokens, first.bonus
     t1 = torch.where(a >= 1, acc[:, 0], bonus)
-    second = _markov_step(spec, bonus, target, draft_probs, params, gen)
+    second = step(spec, bonus, target, draft_probs, params, gen)
     t2_second_step = torch.where(second.accept_len >= 1, second.accepted_tokens[:, 0], second.bonus)
     t2 = torch.where(a >= 2, acc[:, min(1, acc.shape[1] - 1)], torch.where(a == 1, bonus, t2_second_step))
     p = logits_to_probs(target.double(), params.temperature, params.top_k, params.top_p)
@@ -321,3 +343,109 @@ def test_expected_acceptance_of_one_token_is_one_minus_tvd(params):
     result = _markov_step(TreeSpec.chain(1), torch.full((n,), ROOT), target, draft_probs, params, gen)
     rate = result.accept_len.double().mean().item()
     assert abs(rate - expected) < 5 * math.sqrt(expected * (1 - expected) / n) + 1e-9
+
+
+# ---------------------------------------------------------------- fixed candidates (EAGLE-2's rule)
+
+TOPK_TREE = TreeSpec.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+TOPK_CASES = [
+    ("chain", CHAIN, "plain", None),
+    ("tree", TOPK_TREE, "plain", None),
+    ("tree", TOPK_TREE, "temp-topk", None),
+    ("tree", TOPK_TREE, "topp", None),
+    # On rejection p(x) must go to 0: testing the next sibling against the unchanged p is biased.
+    ("tree", TOPK_TREE, "plain", "residual-is-p"),
+    ("tree", TOPK_TREE, "plain", "always-accept"),
+    # Fixed candidates verified as if they had been drawn from the draft: biased too.
+    ("tree", TOPK_TREE, "plain", "as-drawn"),
+    ("chain", CHAIN, "temp-topk", "as-drawn"),
+]
+
+
+@pytest.mark.parametrize("shape, spec, params, broken", TOPK_CASES, ids=[f"{c[0]}-{c[2]}-{c[3] or 'correct'}" for c in TOPK_CASES])
+def test_fixed_candidates_follow_the_target(shape, spec, params, broken, monkeypatch):
+    """Deterministic top-k candidates, tested each with probability p(x) and removed from p on
+    rejection: the first two emitted tokens follow the target's processed law (chi-square); a
+    broken rule, or the drawn-children rule applied to fixed candidates, is rejected."""
+    as_drawn = broken == "as-drawn"
+    if broken is not None and not as_drawn:
+        monkeypatch.setattr(verify_module, *BROKEN[broken])
+    n = 40_000
+    step = lambda *a: _topk_step(*a, as_drawn=as_drawn)  # noqa: E731
+    cells, expected = _first_two_tokens(spec, PARAMS[params], n, seed=11, step=step)
+    p_value = _p_value(cells, expected, n)
+    if broken is None:
+        assert p_value > 1e-3
+    else:
+        assert p_value < 1e-6
+
+
+def test_fixed_candidate_by_hand():
+    """Root p = (0.5, 0.3, 0.2) over 3 tokens, candidates 0 then 1 (leaves below the root):
+    u = 0.6 rejects token 0 (0.6 >= 0.5); p becomes (0, 0.6, 0.4); u = 0.55 accepts token 1
+    (0.55 < 0.6). With u = 0.7 for token 1 as well, the bonus comes from (0, 0, 1)."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [1 / 3, 1 / 3, 1 / 3], [1 / 3, 1 / 3, 1 / 3]])).unsqueeze(0)
+    tree = DraftTree.from_lists([2, 0, 1], [-1, 0, 0], deterministic=True)
+    got = verify_sample(tree, logits, uniforms=torch.tensor([[0.0, 0.6, 0.55, 0.99]]))
+    assert int(got.accept_len[0]) == 1 and int(got.best_node[0]) == 2
+    got = verify_sample(tree, logits, uniforms=torch.tensor([[0.0, 0.6, 0.7, 0.5]]))
+    assert int(got.accept_len[0]) == 0 and int(got.bonus[0]) == 2
+
+
+# ---------------------------------------------------------------- typical acceptance (Medusa, NOT lossless)
+
+
+def _typical_by_definition(tree, logits, T, eps, alpha):
+    """The best node and bonus by walking every path with the definition written out."""
+    tokens, parents = tree.tokens[0].tolist(), tree.parents[0].tolist()
+
+    def ok(i):
+        p = torch.softmax(logits[0, parents[i]].double() / T, -1)
+        H = -sum(float(x) * math.log(float(x)) for x in p if x > 0)
+        return float(p[tokens[i]]) > min(eps, alpha * math.exp(-H))
+
+    def path(i):
+        out = []
+        while i > 0:
+            out.append(i)
+            i = parents[i]
+        return out[::-1]
+
+    def log_lik(i):
+        return sum(math.log(float(torch.softmax(logits[0, parents[j]].double() / T, -1)[tokens[j]])) for j in path(i))
+
+    accepted = [0] + [i for i in range(1, len(tokens)) if all(ok(j) for j in path(i))]
+    deepest = max(len(path(i)) for i in accepted)
+    best = max((i for i in accepted if len(path(i)) == deepest), key=lambda i: (log_lik(i) if i else 0.0, -i))
+    return best, int(logits[0, best].argmax())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_typical_acceptance_matches_its_definition(seed):
+    """p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p))) along the path; the deepest
+    accepted node, ties to the most likely path; bonus = the target's argmax there."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = TreeSpec.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1), (0, 0, 0), (1, 0, 0)])
+    V = 6
+    logits = torch.randn(1, spec.num_nodes, V, generator=gen) * 2.0
+    tokens = torch.randint(0, V, (1, spec.num_nodes), generator=gen)
+    tree = DraftTree(tokens, spec.parents_tensor().unsqueeze(0), spec.depths_tensor().unsqueeze(0), torch.tensor([spec.num_nodes]))
+    for T, eps, alpha in ((0.7, 0.09, 0.3), (1.0, 0.3, 0.09), (1.5, 0.05, 0.5)):
+        got = verify_typical(tree, logits, T, eps, alpha)
+        best, bonus = _typical_by_definition(tree, logits, T, eps, alpha)
+        assert (int(got.best_node[0]), int(got.bonus[0])) == (best, bonus), (T, eps, alpha)
+        assert int(got.accept_len[0]) == int(tree.depths[0, best])
+
+
+def test_typical_acceptance_accepts_what_sampling_could_reject_and_checks_settings():
+    """Not lossless by design: a token with p(x) = 0.4 is always accepted (the threshold is
+    min(0.09, 0.3 exp(-H)) < 0.4), where exact sampling would accept it with probability
+    min(1, p/q) = 0.4 for a draft sure of it. Unsupported settings fail in one line."""
+    logits = torch.log(torch.tensor([[0.4, 0.35, 0.25], [1 / 3, 1 / 3, 1 / 3]])).unsqueeze(0)
+    tree = DraftTree.from_lists([2, 0], [-1, 0])
+    assert int(verify(tree, logits, "typical", temperature=1.0).accept_len[0]) == 1
+    assert int(verify_typical(tree, logits, 1.0, posterior_threshold=0.5, posterior_alpha=3.0).accept_len[0]) == 0  # min(0.5, 1.02) > 0.4
+    for bad in (dict(mode="typical", temperature=0.0), dict(mode="typical", top_p=0.9), dict(mode="typical", top_k=3),
+                dict(mode="typical", posterior_alpha=0.0)):
+        with pytest.raises(ValueError, match="typical"):
+            SamplingParams(**bad)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.runtime.tree import DraftTree
-from draftsmith.runtime.verify import MODES, VerifyResult, logits_to_probs
+from draftsmith.runtime.verify import MODES, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, VerifyResult, logits_to_probs, verify_typical
 
 __all__ = ["fused_verify", "kernel_available", "mode_conflict"]
 
@@ -137,9 +137,14 @@ def fused_verify(
     top_p: float = 1.0,
     generator: Optional[torch.Generator] = None,
     uniforms: Optional[Tensor] = None,
+    posterior_threshold: float = POSTERIOR_THRESHOLD,
+    posterior_alpha: float = POSTERIOR_ALPHA,
 ) -> VerifyResult:
     """Verify B draft trees in one fused step. Same arguments and result as
-    `draftsmith.runtime.verify.verify` (greedy ignores the sampling arguments).
+    `draftsmith.runtime.verify.verify` (greedy ignores the sampling arguments). A ``deterministic``
+    tree (fixed candidates, e.g. an EAGLE-2 dynamic tree) is walked with point masses in the
+    kernel, as the reference does. Mode "typical" (Medusa's typical acceptance, NOT lossless) is
+    not fused: it runs the torch reference, ``verify_typical``.
 
     tree: DraftTree (tokens, parents, depths [B,N], num_nodes [B], draft_probs [B,N,V] for
     sampling); target_logits [B,N,V], any float dtype. uniforms [B,N+1] in [0,1) (column c tests
@@ -151,6 +156,8 @@ def fused_verify(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "typical":
+        return verify_typical(tree, target_logits, temperature, posterior_threshold, posterior_alpha)
     B, N = tree.tokens.shape
     if target_logits.shape[:2] != (B, N):
         raise ValueError(f"target_logits has shape {tuple(target_logits.shape)}; the trees need [{B},{N},V]")
@@ -169,21 +176,21 @@ def fused_verify(
         if mode == "greedy":
             outs = vk.greedy(*args, target_logits, path_len, token_pad=-1)
         else:
-            if tree.draft_probs is None:
+            if tree.draft_probs is None and not tree.deterministic:
                 raise ValueError("sampled verification needs tree.draft_probs (the drafter's processed distributions)")
             if temperature < 0:
                 raise ValueError(f"temperature must be >= 0, got {temperature}")
             if uniforms is None:
                 # The reference's draw: same shape, dtype and generator call.
-                dtype = torch.promote_types(
-                    torch.promote_types(target_logits.dtype, torch.float32), tree.draft_probs.dtype
-                )
+                dtype = torch.promote_types(target_logits.dtype, torch.float32)
+                if tree.draft_probs is not None and not tree.deterministic:
+                    dtype = torch.promote_types(dtype, tree.draft_probs.dtype)
                 uniforms = torch.rand(B, N + 1, generator=generator, device=device, dtype=dtype)
             elif uniforms.shape != (B, N + 1):
                 raise ValueError(f"uniforms must have shape [{B},{N + 1}], got {tuple(uniforms.shape)}")
             logits, kernel_temperature = _kernel_logits(target_logits, temperature, top_k, top_p)
             outs = vk.sample(
-                *args, logits, kernel_temperature, tree.draft_probs, uniforms.to(device),
+                *args, logits, kernel_temperature, None if tree.deterministic else tree.draft_probs, uniforms.to(device),
                 path_len, token_pad=-1,
             )  # fmt: skip
     accept_len, best, bonus, path, accepted_tokens = outs

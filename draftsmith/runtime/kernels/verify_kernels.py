@@ -338,6 +338,7 @@ def _sample_tree_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    DETERMINISTIC: tl.constexpr,
 ):
     """One tree per program. grid (B,). The rules are verify.py's (multi-candidate recursive
     rejection sampling without replacement):
@@ -347,6 +348,8 @@ def _sample_tree_kernel(
     token x is accepted iff u[c] * q(x) < p(x), and the walk moves to c. On rejection
     p <- norm(max(p - q, 0)) (unless that is all zero: p stays) and q <- norm(q with q(x) = 0).
     When no child is left, the bonus is drawn from p by inverse CDF with u[N].
+    DETERMINISTIC (fixed candidates): q is the point mass at the child being tested, so q(x) = 1,
+    the residual is p without x, and draft_probs is never read.
 
     uniforms [B, N+1]. Scratch, all fp32: stats [2, B*N] (per-node softmax max and sum);
     ws_p [2, B, V] (the unnormalised residual p, ping-pong so that an all-zero residual can fall
@@ -413,11 +416,14 @@ def _sample_tree_kernel(
                 tl.load(p_row + x, mask=resid == 1, other=0.0) / zp,
                 tl.exp(lx.to(tl.float32) / temperature - m_cur) / s_cur,
             )
-            q_x = tl.where(
-                qmod == 1,
-                tl.load(ws_q_row + x, mask=qmod == 1, other=0.0) / zq_div,
-                tl.load(draft_row + x * stride_dv, mask=qmod == 0, other=0.0).to(tl.float32),
-            )
+            if DETERMINISTIC:
+                q_x = one_f
+            else:
+                q_x = tl.where(
+                    qmod == 1,
+                    tl.load(ws_q_row + x, mask=qmod == 1, other=0.0) / zq_div,
+                    tl.load(draft_row + x * stride_dv, mask=qmod == 0, other=0.0).to(tl.float32),
+                )
             u = tl.load(uniforms_ptr + b * stride_ub + c * stride_un).to(tl.float32)
             # Multiplied out like verify.py, so q(x) = 0 cannot divide.
             if u * q_x < p_x:
@@ -451,13 +457,16 @@ def _sample_tree_kernel(
                         tl.load(p_row + v, mask=inb & (lane0 + resid == 1), other=0.0) / zp,
                         tl.exp(lv.to(tl.float32) / temperature - m_cur) / s_cur,
                     )
-                    q = tl.where(
-                        qmod == 1,
-                        tl.load(ws_q_row + v, mask=inb & (lane0 + qmod == 1), other=0.0) / zq_div,
-                        tl.load(
-                            draft_row + v.to(tl.int64) * stride_dv, mask=inb & (lane0 + qmod == 0), other=0.0
-                        ).to(tl.float32),
-                    )
+                    if DETERMINISTIC:
+                        q = tl.where(v == x, 1.0, 0.0)
+                    else:
+                        q = tl.where(
+                            qmod == 1,
+                            tl.load(ws_q_row + v, mask=inb & (lane0 + qmod == 1), other=0.0) / zq_div,
+                            tl.load(
+                                draft_row + v.to(tl.int64) * stride_dv, mask=inb & (lane0 + qmod == 0), other=0.0
+                            ).to(tl.float32),
+                        )
                     r = tl.where(inb, tl.maximum(p - q, 0.0), 0.0)
                     tl.store(r_row + v, r, mask=inb)
                     new_zp += tl.sum(r, axis=0)
@@ -655,9 +664,14 @@ def sample(
     """Fused speculative-sampling verification.
 
     logits [B,N,V]: target logits with filtered-out tokens already at -inf; the kernel divides by
-    `temperature` (> 0). draft_probs [B,N,V]; uniforms [B,N+1] (verify.py's layout: column c
-    tests node c, column N draws the bonus). Returns the same tuple as `greedy`.
+    `temperature` (> 0). draft_probs [B,N,V], or None for fixed candidates (each child tested as
+    a point mass); uniforms [B,N+1] (verify.py's layout: column c tests node c, column N draws the
+    bonus). Returns the same tuple as `greedy`.
     """
+    deterministic = draft_probs is None
+    if deterministic:
+        # Never read (DETERMINISTIC is a compile-time branch); any tensor serves as the pointer.
+        draft_probs = logits
     B, N, V = logits.shape
     num_nodes = num_nodes.to(torch.int32)
     part_a, part_b, splits = _partials(logits, num_nodes, _SAMPLE, temperature, splits)
@@ -675,6 +689,7 @@ def sample(
         uniforms.stride(0), uniforms.stride(1),
         path_len, token_pad, splits, **tree_meta(N, path_len, splits),
         BLOCK_V=block_v,
+        DETERMINISTIC=deterministic,
         num_warps=SAMPLE_WARPS,
     )  # fmt: skip
     return outs
