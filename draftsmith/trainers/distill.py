@@ -15,7 +15,6 @@ temperature ``distill.temperature``: the acceptance of sampling at that temperat
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Optional
@@ -290,21 +289,9 @@ class DistillTrainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> dict:
-        acc = self.accelerator
-        self.last_checkpoint = self.resume_from
         self.draft.train()
-        first = {}
-        if self.step == 0:
-            # Where the draft starts: the figure every later evaluation compares with.
-            first = self.first_eval = self.evaluate()
-            self.metrics.write(0, "eval", first)
-            if acc.is_main_process:
-                print(format_eval(0, first), flush=True)
-        result, elapsed = loop.run_loop(self, loop.Schedule.steps(self.recipe.train), self.step, "distill")
-        summary = {"step": self.step, "seconds": round(elapsed, 1), **(result or first), "checkpoint": str(self.last_checkpoint)}
-        if acc.is_main_process:
-            (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
-        return summary
+        # The first evaluation is where the draft starts: the figure every later one compares with.
+        return loop.train_from_first_eval(self, "distill")
 
     def close(self) -> None:
         """Release the engine and the process group so every rank exits cleanly (also after a failed setup)."""

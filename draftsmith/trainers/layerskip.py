@@ -23,7 +23,6 @@ on the held-out answers, which says what the training cost the model itself.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Optional, Sequence
@@ -303,21 +302,9 @@ class LayerSkipTrainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> dict:
-        acc = self.accelerator
-        self.last_checkpoint = self.resume_from
         self.step_module.train()
-        first = {}
-        if self.step == 0:
-            # Where the model starts: the figure every later evaluation compares with.
-            first = self.first_eval = self.evaluate()
-            self.metrics.write(0, "eval", first)
-            if acc.is_main_process:
-                print(format_eval(0, first), flush=True)
-        result, elapsed = loop.run_loop(self, loop.Schedule.steps(self.recipe.train), self.step, "layerskip")
-        summary = {"step": self.step, "seconds": round(elapsed, 1), **(result or first), "checkpoint": str(self.last_checkpoint)}
-        if acc.is_main_process:
-            (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
-        return summary
+        # The first evaluation is where the model starts: the figure every later one compares with.
+        return loop.train_from_first_eval(self, "layerskip")
 
     def close(self) -> None:
         """Release the engine and the process group so every rank exits cleanly (also after a failed setup)."""

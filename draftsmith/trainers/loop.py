@@ -153,6 +153,25 @@ def run_loop(trainer, schedule: Schedule, start: int, desc: str) -> tuple[dict, 
     return result, time.time() - started
 
 
+def train_from_first_eval(trainer, desc: str) -> dict:
+    """run_loop over ``train.max_steps`` for a trainer whose figures compare with where its model
+    started (distill, layerskip): a fresh run evaluates before the first step (logged as step 0 and
+    printed), a resumed run does not. Writes final_metrics.json and returns that summary."""
+    acc = trainer.accelerator
+    trainer.last_checkpoint = trainer.resume_from
+    first = {}
+    if trainer.step == 0:
+        first = trainer.first_eval = trainer.evaluate()
+        trainer.metrics.write(0, "eval", first)
+        if acc.is_main_process:
+            print(trainer.describe(0, first), flush=True)
+    result, elapsed = run_loop(trainer, Schedule.steps(trainer.recipe.train), trainer.step, desc)
+    summary = {"step": trainer.step, "seconds": round(elapsed, 1), **(result or first), "checkpoint": str(trainer.last_checkpoint)}
+    if acc.is_main_process:
+        (trainer.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
 def optimizer_step(trainer, micro_batches: Iterable[Callable[[], Tensor]], params: Iterable[Tensor]) -> float:
     """One optimizer step over micro-batches: each callable returns its micro-batch's loss to
     backpropagate; gradients accumulate (and, on several ranks, average) until accelerate says the
