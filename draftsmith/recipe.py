@@ -84,7 +84,8 @@ class FeaturesConfig:
     # prepare` (built by `train` when missing). hybrid: run the target during the first epoch,
     # caching what it computes, and read the cache afterwards.
     mode: Literal["online", "cache", "hybrid"] = "online"
-    # The cache folder; default <data cache_dir>/features.
+    # The cache folder; default <data cache_dir>/features (features-l<i>-<j>.. when the head reads
+    # decoder layers besides the final hidden state, so heads sharing a data cache do not collide).
     dir: Optional[str] = None
     # auto: bfloat16 where the machine computes it natively, else float32 (as target.dtype).
     dtype: Dtype = "auto"

@@ -25,6 +25,17 @@ from draftsmith.target import FrozenTarget, TargetFeatures
 from draftsmith.trainers.engine import TrainingError, any_rank
 
 
+def features_dir(cfg, data_dir: Path, layers) -> Path:
+    """data.features.dir, or by default a folder of the data cache named after the decoder layers
+    the head reads (``features`` for the final hidden state alone, ``features-l1-14-26`` for
+    EAGLE-3's), so recipes that share one data cache (Medusa, EAGLE-3, Clover on the same answers)
+    each keep their own feature cache instead of refusing each other's."""
+    if cfg.dir:
+        return Path(cfg.dir)
+    layers = sorted(set(layers))
+    return data_dir / ("features" + ("-l" + "-".join(str(i) for i in layers) if layers else ""))
+
+
 class _DroppedDecoderLayer(nn.Module):
     """Stands in for a target decoder layer when training from the feature cache (frees its memory)."""
 
@@ -68,7 +79,7 @@ class FeatureSource:
         """Open (and in cache mode build or complete) the cache."""
         r, acc, data = self.recipe, self.accelerator, self.data
         cfg = r.data.features
-        folder = Path(cfg.dir) if cfg.dir else r.data_dir() / "features"
+        folder = features_dir(cfg, r.data_dir(), self.layers)
         spec = fc.make_spec(self.target, self.layers, cfg, data.train, data.eval, r.data.max_length)
         splits = {"train": data.train, "eval": data.eval}
         if cfg.mode == "cache":
@@ -182,7 +193,7 @@ def prepare_features(recipe: Recipe) -> dict:
         cfg = recipe.data.features
         head = build_head(recipe, target.dims)
         spec = fc.make_spec(target, head.required_layers(), cfg, data.train, data.eval, recipe.data.max_length)
-        folder = Path(cfg.dir) if cfg.dir else cache_dir / "features"
+        folder = features_dir(cfg, cache_dir, head.required_layers())
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         fc.build_cache(
             target, spec, {"train": data.train, "eval": data.eval}, Collator(pad_token_id=pad, max_length=recipe.data.max_length),

@@ -251,3 +251,13 @@ def test_cli_refuses_a_cache_of_another_target_in_one_line(tmp_path, tiny_llama_
     assert code == 2
     assert len(errors) == 1 and "built for another target" in errors[0], errors
     assert not (tmp_path / "second" / "checkpoints").exists()
+
+
+def test_the_default_cache_folder_is_named_after_the_layers_so_heads_sharing_data_do_not_collide(tmp_path):
+    from draftsmith.recipe import FeaturesConfig
+    from draftsmith.trainers.features import features_dir
+
+    assert features_dir(FeaturesConfig(), tmp_path, []) == tmp_path / "features"
+    assert features_dir(FeaturesConfig(), tmp_path, [26, 1, 14]) == tmp_path / "features-l1-14-26"
+    assert features_dir(FeaturesConfig(), tmp_path, [29]) != features_dir(FeaturesConfig(), tmp_path, [1, 14, 26])
+    assert features_dir(FeaturesConfig(dir=str(tmp_path / "mine")), tmp_path, [3]) == tmp_path / "mine"
