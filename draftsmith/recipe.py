@@ -56,10 +56,40 @@ class TargetConfig:
 
 
 @dataclass
+class ServerConfig:
+    """An OpenAI-compatible server (``vllm serve``, SGLang) that regenerates for data.regenerate.backend=server."""
+
+    # The API root, e.g. http://127.0.0.1:8000/v1.
+    url: Optional[str] = None
+    # The model name the server lists under /v1/models; default: the recipe's target.path.
+    model: Optional[str] = None
+    # Conversations in flight at once (each a chain of requests, one per turn).
+    concurrency: int = 16
+    # Seconds one request may take before it is retried.
+    timeout: float = 600.0
+    # Tries per request after the first (connection errors, timeouts, HTTP 429 and 5xx).
+    max_retries: int = 4
+    # Seconds before the first retry, doubled at each further one.
+    backoff: float = 1.0
+
+    def check(self, key: str) -> None:
+        _positive(key, {"concurrency": self.concurrency, "timeout": self.timeout})
+        if self.max_retries < 0:
+            raise RecipeError(f"recipe key '{key}.max_retries' must be >= 0, got {self.max_retries}")
+        if self.backoff < 0:
+            raise RecipeError(f"recipe key '{key}.backoff' must be >= 0, got {self.backoff}")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise RecipeError(f"recipe key '{key}.url' must be an http:// or https:// URL, got {self.url!r}")
+
+
+@dataclass
 class RegenerateConfig:
     """Assistant turns rewritten by the target, so the drafter learns the target's own outputs."""
 
     enabled: bool = False
+    # hf: transformers' generate() in this process. server: an OpenAI-compatible server (server:).
+    backend: Literal["hf", "server"] = "hf"
+    server: ServerConfig = field(default_factory=ServerConfig)
     max_new_tokens: int = 256
     # 0 means greedy decoding.
     temperature: float = 0.0
@@ -71,6 +101,8 @@ class RegenerateConfig:
 
     def check(self, key: str) -> None:
         _positive(key, {"max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size})
+        if self.enabled and self.backend == "server" and not self.server.url:
+            raise RecipeError(f"recipe key '{key}.server.url' is missing: backend 'server' needs the server's API root, e.g. http://127.0.0.1:8000/v1")
         if self.temperature < 0:
             raise RecipeError(f"recipe key '{key}.temperature' must be >= 0, got {self.temperature}")
         _within(f"{key}.top_p", self.top_p, 0.0, 1.0, low_open=True)
@@ -637,6 +669,9 @@ def _check_values(recipe: Recipe) -> None:
     """Every section's own range checks, then the rules that join a section to the trainer."""
     for f in dataclasses.fields(recipe):
         _check_tree(getattr(recipe, f.name), f.name)
+    server = recipe.data.regenerate.server
+    if recipe.data.regenerate.backend == "server" and server.model is None:
+        server.model = recipe.target.path  # the name the server is asked for
     rules = TRAINER_RULES[recipe.trainer]
     mode = recipe.data.features.mode
     if mode != "online" and not rules.feature_cache:

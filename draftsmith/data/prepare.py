@@ -156,7 +156,7 @@ def prepare_data(
     cache_dir = Path(cache_dir)
     source = resolve_data_path(cfg.path)
     regen = cfg.regenerate
-    if regen.enabled and target_model is None:
+    if regen.enabled and regen.backend == "hf" and target_model is None:
         raise DataError("data.regenerate.enabled needs the target model, but prepare_data got target_model=None")
     if cfg.max_length <= 0:
         raise DataError(f"data.max_length must be positive, got {cfg.max_length}")
@@ -167,7 +167,12 @@ def prepare_data(
     tok_id = tokenizer_fingerprint(tokenizer)
     regen_key = None
     if regen.enabled:
-        regen_key = _digest({"selection": selection, "tokenizer": tok_id, "model": model_fingerprint(target_model), "regenerate": dataclasses.asdict(regen), "max_length": cfg.max_length})
+        # What decides the answers: the server's address, concurrency and retries do not.
+        settings = {k: v for k, v in dataclasses.asdict(regen).items() if k not in ("backend", "server")}
+        if regen.backend != "hf":
+            settings.update(backend=regen.backend, model=regen.server.model)
+        model = model_fingerprint(target_model) if target_model is not None else regen.server.model
+        regen_key = _digest({"selection": selection, "tokenizer": tok_id, "model": model, "regenerate": settings, "max_length": cfg.max_length})
     key = _digest(
         {
             "version": CACHE_VERSION,

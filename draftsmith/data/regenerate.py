@@ -9,10 +9,17 @@ torch.Generator owned by one (conversation, turn), seeded from (cfg.seed, conver
 turn), so a conversation's answer does not depend on which batch it lands in, and a resumed run
 gives the same answers as an uninterrupted one.
 
+Two backends answer (data.regenerate.backend): ``hf``, transformers' ``generate()`` in this
+process, and ``server``, an OpenAI-compatible serving engine (draftsmith/data/server.py). Both
+store each answer's token ids beside its text (``"token_ids"`` in the assistant message), and the
+examples are built from those ids: the drafter trains on the tokens the target produced, not on a
+re-tokenization of their decoded text, which can differ.
+
 The cache is a JSONL file, one line per finished conversation with its index and a key hashing the
-source conversation and the generation settings; lines are appended and flushed after every batch.
-A rerun skips every conversation whose line is there, and a half-written last line (a run killed
-mid-write) is cut off before appending.
+source conversation and the generation settings; lines are appended and flushed as conversations
+finish (after every batch for ``hf``, every conversation for ``server``). A rerun skips every
+conversation whose line is there, and a half-written last line (a run killed mid-write) is cut off
+before appending.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -29,6 +36,9 @@ from torch import Tensor
 from draftsmith.data.chat import render_chat
 from draftsmith.data.errors import DataError
 from draftsmith.recipe import RegenerateConfig
+
+if TYPE_CHECKING:
+    from draftsmith.data.server import RegenerationServer
 
 Conversation = list[dict]
 
@@ -58,8 +68,9 @@ def _digest(obj: Any) -> str:
 
 
 def _settings(cfg: RegenerateConfig, max_length: Optional[int]) -> dict:
-    # batch_size is left out: it changes how work is grouped, not what is generated.
-    return {
+    # batch_size and the server's address and concurrency are left out: they change how work is
+    # grouped, not what is generated.
+    settings = {
         "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,
@@ -67,6 +78,9 @@ def _settings(cfg: RegenerateConfig, max_length: Optional[int]) -> dict:
         "seed": cfg.seed,
         "max_length": max_length,
     }
+    if cfg.backend != "hf":  # an engine's answers can differ from generate()'s in the last bits
+        settings.update(backend=cfg.backend, model=cfg.server.model)
+    return settings
 
 
 def _turn_seed(seed: int, index: int, turn: int) -> int:
@@ -152,9 +166,9 @@ def _generate_turn(
     cfg: RegenerateConfig,
     stop_ids: list[int],
     pad_id: int,
-) -> list[tuple[str, bool]]:
-    """Answers to a batch of tokenized prompts: (text, complete) per prompt, complete meaning the
-    target ended the answer itself rather than running into its token budget."""
+) -> list[tuple[list[int], str, bool]]:
+    """Answers to a batch of tokenized prompts: (token ids, text, complete) per prompt, complete
+    meaning the target ended the answer itself rather than running into its token budget."""
     from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
     device = next(model.parameters()).device
@@ -184,9 +198,16 @@ def _generate_turn(
     for row, budget in enumerate(budgets):
         tokens = out[row, width : width + budget].tolist()
         stop = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
-        text = tokenizer.decode(tokens[:stop] if stop is not None else tokens, skip_special_tokens=True)
-        answers.append((text, stop is not None))
+        ids = tokens[:stop] if stop is not None else tokens
+        answers.append((ids, tokenizer.decode(ids, skip_special_tokens=True), stop is not None))
     return answers
+
+
+def _assistant(ids: Optional[list[int]], text: str, complete: bool) -> dict:
+    message = {"role": "assistant", "content": text, "complete": complete}
+    if ids is not None:
+        message["token_ids"] = ids
+    return message
 
 
 def regenerate_conversations(
@@ -197,22 +218,25 @@ def regenerate_conversations(
     cache_file: Path,
     progress: bool = True,
     max_length: Optional[int] = None,
+    server: Optional["RegenerationServer"] = None,
 ) -> list[Conversation]:
-    """Conversations whose assistant turns are written by ``model`` (an HF causal LM).
+    """Conversations whose assistant turns are written by the target: ``model`` (an HF causal LM)
+    with cfg.backend ``hf``, the server at cfg.server.url with ``server`` (``server`` may be given,
+    already built; tests do).
 
     Each conversation keeps its system message and its first ``cfg.max_turns`` user turns (all when
     None); every user turn is followed by the target's answer: greedy when cfg.temperature == 0,
     else sampled with temperature and top_p; at most cfg.max_new_tokens tokens, ending at eos /
-    ``<|im_end|>``. Assistant messages carry ``"complete": False`` when the answer hit its token
-    budget instead of ending (its closing token is then not trained on, see tokenize_conversation).
+    ``<|im_end|>``. Assistant messages carry ``"token_ids"`` (the answer's tokens, the closing one
+    left out) and ``"complete": False`` when the answer hit its token budget instead of ending (its
+    closing token is then not trained on, see tokenize_conversation).
 
     ``max_length`` (the training sequence length) bounds the work: a turn whose prompt already has
     max_length tokens is not generated (the conversation ends before it), and an answer stops at
     max_length tokens in all, because training truncates everything beyond.
 
-    Results are appended to ``cache_file`` (JSONL) after every batch of cfg.batch_size
-    conversations; a rerun continues where an interrupted one stopped. Returns the conversations
-    in input order.
+    Results are appended to ``cache_file`` (JSONL) as they finish; a rerun continues where an
+    interrupted one stopped. Returns the conversations in input order.
     """
     cache_file = Path(cache_file)
     cache_file.parent.mkdir(parents=True, exist_ok=True)
@@ -220,9 +244,6 @@ def regenerate_conversations(
     keys = [_digest({"conversation": c, "settings": settings}) for c in conversations]
     done = _read_cache(cache_file, keys)
     stop_ids = stop_token_ids(tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    sampling = cfg.temperature > 0
-
     plans = {i: _split(c, cfg.max_turns) for i, c in enumerate(conversations)}
 
     def first_prompt_chars(i: int) -> int:
@@ -233,42 +254,122 @@ def regenerate_conversations(
     # depends only on the conversations, so a resumed run forms the same batches.
     todo = sorted((i for i in range(len(conversations)) if i not in done), key=lambda i: (first_prompt_chars(i), i))
 
+    def prompt_of(messages: Conversation, user: str) -> tuple[list[int], int]:
+        """The tokenized prompt for the next answer and that answer's token budget (<= 0: no room)."""
+        text = render_chat(tokenizer, messages + [{"role": "user", "content": user}], add_generation_prompt=True)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        budget = cfg.max_new_tokens if max_length is None else min(cfg.max_new_tokens, max_length - len(prompt))
+        return prompt, budget
+
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(conversations), initial=len(done), desc="regenerate", unit="conv", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(conversations), initial=len(done), desc=f"regenerate ({cfg.backend})", unit="conv", disable=not progress, dynamic_ncols=True)
     try:
         with open(cache_file, "a", encoding="utf-8") as cache:
-            for start in range(0, len(todo), cfg.batch_size):
-                batch = todo[start : start + cfg.batch_size]
-                messages = {i: list(plans[i][0]) for i in batch}
-                active = [i for i in batch if plans[i][1]]
-                turn = 0
-                while active:
-                    prompts, budgets, rows = [], [], []
-                    for i in active:
-                        text = render_chat(tokenizer, messages[i] + [{"role": "user", "content": plans[i][1][turn]}], add_generation_prompt=True)
-                        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-                        budget = cfg.max_new_tokens if max_length is None else min(cfg.max_new_tokens, max_length - len(prompt))
-                        if budget <= 0:
-                            continue  # no room left for an answer: the conversation ends here
-                        prompts.append(prompt)
-                        budgets.append(budget)
-                        rows.append(i)
-                    if not rows:
-                        break
-                    generators = [torch.Generator().manual_seed(_turn_seed(cfg.seed, i, turn)) for i in rows] if sampling else None
-                    answers = _generate_turn(model, tokenizer, prompts, budgets, generators, cfg, stop_ids, pad_id)
-                    for i, (text, complete) in zip(rows, answers):
-                        messages[i].append({"role": "user", "content": plans[i][1][turn]})
-                        messages[i].append({"role": "assistant", "content": text, "complete": complete})
-                    turn += 1
-                    active = [i for i in rows if turn < len(plans[i][1])]
-                lines = "".join(json.dumps({"index": i, "key": keys[i], "messages": messages[i]}, ensure_ascii=False) + "\n" for i in batch)
-                cache.write(lines)
+
+            def save(finished: dict[int, Conversation]) -> None:
+                cache.write("".join(json.dumps({"index": i, "key": keys[i], "messages": m}, ensure_ascii=False) + "\n" for i, m in finished.items()))
                 cache.flush()
                 os.fsync(cache.fileno())
-                done.update(messages)
-                bar.update(len(batch))
+                done.update(finished)
+                bar.update(len(finished))
+
+            if cfg.backend == "server":
+                if server is None:
+                    server = server_from_config(cfg)
+                _with_server(server, tokenizer, plans, todo, cfg, stop_ids, prompt_of, save)
+            else:
+                if model is None:
+                    raise DataError("data.regenerate.backend 'hf' needs the target model in this process")
+                _with_hf(model, tokenizer, plans, todo, cfg, stop_ids, prompt_of, save)
     finally:
         bar.close()
     return [done[i] for i in range(len(conversations))]
+
+
+def _with_hf(model, tokenizer, plans, todo, cfg: RegenerateConfig, stop_ids, prompt_of, save) -> None:
+    """Batches of cfg.batch_size conversations, answered turn by turn with ``generate()``."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    sampling = cfg.temperature > 0
+    for start in range(0, len(todo), cfg.batch_size):
+        batch = todo[start : start + cfg.batch_size]
+        messages = {i: list(plans[i][0]) for i in batch}
+        active = [i for i in batch if plans[i][1]]
+        turn = 0
+        while active:
+            prompts, budgets, rows = [], [], []
+            for i in active:
+                prompt, budget = prompt_of(messages[i], plans[i][1][turn])
+                if budget <= 0:
+                    continue  # no room left for an answer: the conversation ends here
+                prompts.append(prompt)
+                budgets.append(budget)
+                rows.append(i)
+            if not rows:
+                break
+            generators = [torch.Generator().manual_seed(_turn_seed(cfg.seed, i, turn)) for i in rows] if sampling else None
+            answers = _generate_turn(model, tokenizer, prompts, budgets, generators, cfg, stop_ids, pad_id)
+            for i, (ids, text, complete) in zip(rows, answers):
+                messages[i].append({"role": "user", "content": plans[i][1][turn]})
+                messages[i].append(_assistant(ids, text, complete))
+            turn += 1
+            active = [i for i in rows if turn < len(plans[i][1])]
+        save(messages)
+
+
+def server_from_config(cfg: RegenerateConfig) -> "RegenerationServer":
+    from draftsmith.data.server import RegenerationServer
+
+    s = cfg.server
+    if not s.url or not s.model:
+        raise DataError("data.regenerate.backend 'server' needs data.regenerate.server.url and .model")
+    return RegenerationServer(s.url, s.model, timeout=s.timeout, max_retries=s.max_retries, backoff=s.backoff)
+
+
+def probe_text(tokenizer: Any) -> str:
+    """A chat turn rendered with the template (its special tokens included) around text that
+    exercises normalization: doubled spaces, a tab, digits, accents, CJK and an emoji."""
+    return render_chat(tokenizer, [{"role": "user", "content": "Hello,  world!\t1234 caf\u00e9 na\u00efve \u4e2d\u6587 \U0001f600"}], add_generation_prompt=True)
+
+
+def _with_server(server: "RegenerationServer", tokenizer, plans, todo, cfg: RegenerateConfig, stop_ids, prompt_of, save) -> None:
+    """cfg.server.concurrency conversations in flight, each answered turn by turn by the server;
+    every conversation is saved the moment it is finished."""
+    import warnings
+
+    from draftsmith.data.server import run_pool
+
+    server.check(tokenizer, probe_text(tokenizer))
+    sampling = cfg.temperature > 0
+
+    def answer(i: int) -> Conversation:
+        system, users = plans[i]
+        messages = list(system)
+        for turn, user in enumerate(users):
+            prompt, budget = prompt_of(messages, user)
+            if budget <= 0:
+                break
+            seed = _turn_seed(cfg.seed, i, turn) if sampling else None
+            got = server.complete(prompt, budget, cfg.temperature, cfg.top_p, seed, stop_ids)
+            if got.token_ids is not None:
+                text = tokenizer.decode(got.token_ids, skip_special_tokens=True)  # the text of exactly those ids
+            else:
+                text = got.text
+            messages.append({"role": "user", "content": user})
+            messages.append(_assistant(got.token_ids, text, got.complete))
+        return messages
+
+    warned = False
+
+    def finished(i: int, messages: Conversation) -> None:
+        nonlocal warned
+        if server.returns_token_ids is False and not warned:
+            warnings.warn(
+                f"the server at {server.url} returns answers as text only (no token_ids): they are re-tokenized when the "
+                "examples are built, which can differ from the tokens the target produced",
+                stacklevel=2,
+            )
+            warned = True
+        save({i: messages})
+
+    run_pool(todo, answer, cfg.server.concurrency, finished)

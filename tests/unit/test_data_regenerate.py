@@ -63,7 +63,7 @@ def reference(model, tok, conversation, max_new_tokens=MAX_NEW, max_turns=None):
         new = out[0, ids.shape[1] :].tolist()
         ended = tok.eos_token_id in new
         new = new[: new.index(tok.eos_token_id)] if ended else new
-        messages = messages + [{"role": "assistant", "content": tok.decode(new, skip_special_tokens=True), "complete": ended}]
+        messages = messages + [{"role": "assistant", "content": tok.decode(new, skip_special_tokens=True), "complete": ended, "token_ids": new}]
     return messages
 
 
