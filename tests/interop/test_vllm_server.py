@@ -18,7 +18,8 @@ import torch
 from draftsmith.data import regenerate_conversations
 from draftsmith.data.sources import load_conversations
 from draftsmith.recipe import RegenerateConfig, ServerConfig
-from draftsmith.testing import tiny_causal_lm, tiny_tokenizer, vllm_openai_server, write_chats
+from draftsmith.serving import vllm_openai_server
+from draftsmith.testing import tiny_causal_lm, tiny_tokenizer, write_chats
 
 # Logit margin (absolute, float32) within which two engines may order two tokens differently.
 TIE = 1e-3
@@ -71,14 +72,15 @@ def test_tiny_random_llama_regenerated_by_vllm_equals_the_hf_backend(vllm_python
 
 @pytest.mark.slow
 def test_smollm2_regenerated_by_vllm_equals_the_hf_backend(vllm_python, tmp_path):
-    from draftsmith.target import FrozenTarget, _dequantized_cache_dir, builtin_gguf
+    from draftsmith.serving import servable_folder
+    from draftsmith.target import FrozenTarget, builtin_gguf
 
     try:
-        gguf = builtin_gguf("smollm2-135m")
+        builtin_gguf("smollm2-135m")
     except Exception as err:  # the package is installed by `make setup`
         pytest.skip(str(err))
     target = FrozenTarget.load("smollm2-135m", "float32")
-    folder = _dequantized_cache_dir(str(gguf.parent), gguf.name)
+    folder = servable_folder("smollm2-135m")
     conversations = load_conversations("sharegpt", "auto", 16, 0)
     with vllm_openai_server(vllm_python, folder, "smollm2-135m", tmp_path / "vllm.log") as url:
         hf, served, report = compare(target.model, target.tokenizer, conversations, url, "smollm2-135m", tmp_path, max_new_tokens=64)
