@@ -11,6 +11,7 @@ the model's generation config) fails. The server is stopped whatever happens (a 
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,3 +88,47 @@ def test_smollm2_regenerated_by_vllm_equals_the_hf_backend(vllm_python, tmp_path
     assert report["identical"] >= len(conversations) - 2, report
     answered = [c[-1]["token_ids"] for c in served if c]  # a conversation whose prompt fills max_length has none
     assert len(answered) >= 12 and sum(map(len, answered)) > 20 * len(answered)  # real answers, not empty ones
+
+
+def test_serve_target_serves_the_recipes_target_under_its_name_until_ctrl_c(vllm_python, tmp_path):
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from draftsmith.testing import save_tiny_model
+
+    target = save_tiny_model(tmp_path / "target", "llama", hidden_size=128)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"trainer: heads\noutput_dir: {tmp_path / 'run'}\ntarget: {{path: {target}}}\ndata: {{path: x.jsonl}}\nhead: {{kind: medusa}}\n")
+    env = {**os.environ, "DRAFTSMITH_VLLM_VENV": str(Path(vllm_python).parents[1])}
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "draftsmith.cli", "serve-target", str(recipe), "--port", str(port), "--max-model-len", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)  # fmt: skip
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving '" in line:
+                break
+        url = re.search(r"server\.url=(\S+)", lines[-1]).group(1)
+        assert url == f"http://127.0.0.1:{port}/v1", lines
+        with urllib.request.urlopen(url + "/models", timeout=10) as answer:
+            assert [m["id"] for m in json.loads(answer.read())["data"]] == [str(target)]
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    with pytest.raises(OSError):  # the server went with it
+        urllib.request.urlopen(url + "/models", timeout=5)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -258,3 +258,14 @@ def test_draftsmith_prepare_through_a_server_gives_the_hf_backends_examples(tiny
     assert cli.main(["prepare", str(recipe), *overrides]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: GET ") and "is the server up" in err[-1]
+
+
+def test_serve_target_without_a_vllm_venv_says_how_to_get_one(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    from draftsmith import cli
+
+    monkeypatch.setenv("DRAFTSMITH_VLLM_VENV", str(tmp_path / "no-venv"))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"trainer: heads\noutput_dir: {tmp_path / 'run'}\ntarget: {{path: {tiny_llama_dir}}}\ndata: {{path: x.jsonl}}\nhead: {{kind: medusa}}\n")
+    assert cli.main(["serve-target", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no vLLM venv at" in err[0] and "make vllm" in err[0]
