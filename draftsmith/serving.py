@@ -105,6 +105,12 @@ def vllm_openai_server(python: str | Path, model: str | Path, name: str, log_fil
             port = probe.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    if "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        # vllm-cpu keeps one core for its own scheduling and computes on the rest: on a 2-core
+        # machine, one core. Computing on every core regenerated 1.7x faster here (2.88 against
+        # 1.71 conversations/s, SmolLM2, 2-core AVX2 EPYC); set the variable to choose otherwise.
+        cores = sorted(os.sched_getaffinity(0))
+        env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)), VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     command = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", name,
         "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port), *extra,
