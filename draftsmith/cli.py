@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -98,6 +99,12 @@ def cmd_serve_target(args) -> int:
     log_file = Path(args.log or recipe.data_dir() / "vllm-server.log")
     log_file.parent.mkdir(parents=True, exist_ok=True)
     python = vllm_python()
+
+    def stop(signum, frame):  # Ctrl-C, and `kill`, even where a background shell ignores SIGINT
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     print(f"starting vLLM ({python}) on {folder} as '{name}', log: {log_file.resolve()}", flush=True)
     with vllm_openai_server(python, folder, name, log_file, max_model_len=args.max_model_len, port=args.port) as url:
         print(f"serving '{name}' at {url}: regenerate with data.regenerate.backend=server data.regenerate.server.url={url} (Ctrl-C stops it)", flush=True)
