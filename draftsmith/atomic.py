@@ -95,4 +95,98 @@ def sha256_file(path: Union[str, Path]) -> str:
     return digest.hexdigest()
 
 
-__all__ = ["TMP_PREFIX", "atomic_path", "commit", "sha256_file", "temporary_name", "write_atomic"]
+# Beside every folder draftsmith exports: the size and sha256 of each file in it, written last.
+MANIFEST_NAME = "draftsmith-manifest.json"
+
+
+def write_manifest(folder: Union[str, Path]) -> Path:
+    """Record the size and sha256 of every file under `folder` (the manifest itself excluded)."""
+    import json
+
+    folder = Path(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
+    record = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
+    return write_atomic(folder / MANIFEST_NAME, json.dumps({"files": record}, indent=1) + "\n")
+
+
+def manifest_problem(folder: Union[str, Path]) -> Union[str, None]:
+    """Why the files of `folder` differ from its manifest (one line naming the file), or None when
+    every file it lists is there with the recorded size and sha256. A folder without a manifest
+    has no problem here: the caller decides what that means."""
+    import json
+
+    folder = Path(folder)
+    try:
+        listed = json.loads((folder / MANIFEST_NAME).read_text())["files"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{folder / MANIFEST_NAME} is unreadable ({type(err).__name__})"
+    for rel, want in listed.items():
+        path = folder / rel
+        if not path.is_file():
+            return f"{path} is missing (listed in {MANIFEST_NAME})"
+        if path.stat().st_size != want["bytes"]:
+            return f"{path} has {path.stat().st_size} bytes, {want['bytes']} were written"
+        if sha256_file(path) != want["sha256"]:
+            return f"{path} does not match the sha256 recorded when it was written (damaged or edited)"
+    return None
+
+
+class DestinationError(ValueError):
+    """A folder a command must not write into (it would replace what the user did not ask to)."""
+
+
+def manifest_files(folder: Union[str, Path]) -> Union[set[str], None]:
+    """The files `folder`'s manifest lists (the manifest itself included), or None without a readable one."""
+    import json
+
+    try:
+        listed = json.loads((Path(folder) / MANIFEST_NAME).read_text())["files"]
+        return {*listed, MANIFEST_NAME}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def previous_output(folder: Union[str, Path]) -> bool:
+    """Whether `folder` holds exactly what a draftsmith command wrote there (its manifest lists
+    every file in it): replacing it loses nothing the user made."""
+    folder = Path(folder)
+    listed = manifest_files(folder)
+    present = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    return listed is not None and present <= listed
+
+
+def check_destination(
+    out: Union[str, Path], inputs=(), overwrite: bool = False, owned=previous_output, flag: str = "--overwrite", around=()
+) -> None:
+    """Refuse, before any work, to write `out` where that would delete what the user did not ask
+    to replace: `out` must neither contain nor lie inside one of `inputs` (the folders a command
+    reads), must not contain one of `around` (a folder it may write into, such as a run folder),
+    and an existing non-empty folder must be a previous output of the same command (`owned`) or be
+    given with `flag`. DestinationError, one line, otherwise."""
+    out = Path(out)
+    where = out.resolve()
+    for source, inside_ok in [*((p, False) for p in inputs), *((p, True) for p in around)]:
+        source = Path(source).resolve()
+        if where == source or where in source.parents or (source in where.parents and not inside_ok):
+            how = "is" if where == source else "contains" if where in source.parents else "is inside"
+            raise DestinationError(f"{out} {how} the input {source}: write somewhere else")
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir():
+        raise DestinationError(f"{out} exists and is not a folder: choose another destination")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries or owned(out) or overwrite:
+        return
+    raise DestinationError(
+        f"{out} already exists and holds files draftsmith did not write there ({len(entries)} entries, e.g. {entries[0]!r}): "
+        f"choose another destination, or pass {flag} to replace it"
+    )
+
+
+__all__ = [
+    "DestinationError",
+    "MANIFEST_NAME", "TMP_PREFIX", "atomic_path", "check_destination", "commit", "manifest_files", "manifest_problem", "previous_output", "sha256_file", "temporary_name", "write_atomic",
+    "write_manifest",
+]

@@ -19,6 +19,10 @@ EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2
 
 
+class BadInput(ValueError):
+    """A command-line value that cannot be used; its one line names the flag."""
+
+
 _OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 
 
@@ -58,29 +62,14 @@ def cmd_train(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    """The data step alone (conversations, target-written answers, tokenization), and for a head
-    recipe with data.features.mode=cache the feature cache too. Under a launcher the ranks share it."""
+    """The data step alone, as the recipe's trainer prepares it (conversations, target-written
+    answers, tokenization; for a head recipe with data.features.mode=cache the feature cache too).
+    Under a launcher the ranks share it."""
     from draftsmith.recipe import save_resolved
-    from draftsmith.trainers import engine
+    from draftsmith.trainers import TRAINERS
 
     recipe = _load(args.recipe)
-    if recipe.trainer == "heads" and recipe.data.features.mode == "cache":
-        from draftsmith.trainers.features import prepare_features
-
-        stats = prepare_features(recipe)
-    else:
-        from draftsmith.data import prepare_data
-        from draftsmith.target import FrozenTarget
-
-        acc = engine.make_accelerator(recipe.train)
-        try:
-            target = FrozenTarget.from_config(recipe.target).to(acc.device)
-            # The main process regenerates and tokenizes; the others then read its cache.
-            with acc.main_process_first():
-                data = prepare_data(recipe.data, target.tokenizer, recipe.data_dir(), target_model=target.model, progress=acc.is_main_process)
-            stats = {**data.stats, "data_dir": str(recipe.data_dir().resolve())}
-        finally:
-            engine.teardown(acc)
+    stats = TRAINERS[recipe.trainer].prepare(recipe)
     if int(os.environ.get("RANK", "0")) == 0:
         save_resolved(recipe, recipe.data_dir(), args.argv)
         print(json.dumps(stats, indent=2))
@@ -179,7 +168,7 @@ def cmd_export(args) -> int:
     from draftsmith.export import ExportOptions, export
 
     options = ExportOptions(num_speculative_tokens=args.num_speculative_tokens, verifier=args.verifier)
-    out = export(args.source, args.out, args.format, options)
+    out = export(args.source, args.out, args.format, options, overwrite=args.overwrite)
     print(f"exported ({args.format} layout) to {out.resolve()}; serve command in {out.resolve() / 'README.md'}")
     return 0
 
@@ -236,24 +225,24 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--posterior-alpha", type=_bounded(float, 0.0, low_open=False), default=0.3, help="--verify typical: alpha (sqrt(epsilon) in Medusa)")
 
 
-def _verification(args):
-    """The --verify choice, its settings checked against the sampling flags before any model loads."""
-    from draftsmith.eval.run import Verification
+def _sampling(args):
+    """How tokens are chosen (--temperature, --top-k, --top-p, --verify and its settings), checked
+    before any model loads."""
+    from draftsmith.runtime.verify import SamplingParams
 
-    verification = Verification(args.verify, args.posterior_threshold, args.posterior_alpha)
-    verification.check(args.temperature, args.top_k, args.top_p)
-    return verification
+    try:
+        return SamplingParams.choose(args.temperature, args.top_k, args.top_p, args.verify, args.posterior_threshold, args.posterior_alpha)
+    except ValueError as err:
+        raise BadInput(f"--verify {args.verify}: {err}" if args.verify == "typical" else str(err)) from None
 
 
 def cmd_generate(args) -> int:
-    from draftsmith.eval.run import generate_one, load_drafter
+    from draftsmith.eval.run import generate_one
+    from draftsmith.runtime.load import load_drafter
 
-    verification = _verification(args)
+    sampling = _sampling(args)
     loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer)
-    text, new, stats = generate_one(
-        loaded, [{"role": "user", "content": args.prompt}], args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-        args.seed, verification,
-    )  # fmt: skip
+    text, new, stats = generate_one(loaded, [{"role": "user", "content": args.prompt}], args.max_new_tokens, sampling, args.seed)
     print(text)
     tau = (sum(stats.accept_lens) + stats.steps) / max(stats.steps, 1)
     if loaded.kind == "early_exit":
@@ -261,7 +250,7 @@ def cmd_generate(args) -> int:
     else:
         drafting = f"tree: {loaded.meta.get('tree', 'given')}"
     print(
-        f"\n[{loaded.kind} drafter, {drafting}; verification: {verification.describe()}] "
+        f"\n[{loaded.kind} drafter, {drafting}; verification: {sampling.describe()}] "
         f"{stats.new_tokens} tokens in {stats.steps} target steps: "
         f"mean accepted length {tau:.2f}, {stats.new_tokens / max(stats.wall_time, 1e-9):.1f} tokens/s",
         file=sys.stderr,
@@ -271,24 +260,24 @@ def cmd_generate(args) -> int:
 
 def cmd_eval(args) -> int:
     from draftsmith.eval.report import write_report
-    from draftsmith.eval.run import evaluate, load_drafter, load_prompts
+    from draftsmith.eval.run import evaluate, load_prompts
+    from draftsmith.runtime.load import load_drafter
 
-    verification = _verification(args)
+    sampling = _sampling(args)
     prompts = load_prompts(args.prompts, args.limit)
     if isinstance(args.exit_layer, list) or args.exit_layer == "sweep":
         from draftsmith.eval.early_exit import sweep_exit_layers
 
         loaded, stats, extra, rows = sweep_exit_layers(
             args.drafter, None if args.exit_layer == "sweep" else args.exit_layer, prompts, args.tree, args.dtype, args.target,
-            assisted=not args.no_assisted, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, seed=args.seed, verification=verification,
+            assisted=not args.no_assisted, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
         )
         extra["exit_sweep"] = rows
     else:
         loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer)
         stats, extra = evaluate(
-            loaded, prompts, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-            baseline=True, assisted=loaded.kind in ("standalone", "early_exit") and not args.no_assisted, verification=verification,
+            loaded, prompts, args.max_new_tokens, sampling, args.seed,
+            baseline=True, assisted=loaded.kind in ("standalone", "early_exit") and not args.no_assisted,
         )
     if loaded.kind == "early_exit":
         extra = {**loaded.meta, **extra}
@@ -303,8 +292,8 @@ def cmd_eval(args) -> int:
         "top_k": args.top_k,
         "top_p": args.top_p,
         "tree": loaded.meta.get("tree", args.tree or "default"),
-        "verification": verification.describe(),
-        "lossless": verification.kind == "exact",
+        "verification": sampling.describe(),
+        "lossless": sampling.lossless,
         "target_dtype": str(loaded.target.dtype).replace("torch.", ""),
         **extra,
     }
@@ -312,7 +301,7 @@ def cmd_eval(args) -> int:
     print(
         f"mean accepted length {report['mean_accepted_length']:.3f}, acceptance rate {report['acceptance_rate']:.3f}, "
         f"speedup {report['speedup']:.2f}x over plain decoding"
-        + ("  [typical acceptance: NOT lossless]" if verification.kind == "typical" else "")
+        + ("" if sampling.lossless else "  [typical acceptance: NOT lossless]")
     )
     if loaded.kind == "early_exit":
         print(f"exit layer {report['exit_layer']} ({report['exit_layer_chosen_by']})")
@@ -354,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="draftsmith", choices=["draftsmith", "vllm", "sglang", "speculators"], help="whose layout (default: draftsmith)")
     p.add_argument("--num-speculative-tokens", type=_bounded(int, 1), default=3, help="tokens per step in the serve command (and speculators' config)")
     p.add_argument("--verifier", default=None, help="speculators: the target the folder names (default: the recorded target's hub id or path)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out even when it holds files draftsmith did not write there")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("push", help="upload an exported folder to the Hugging Face Hub")
@@ -384,8 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _known_errors() -> tuple[type[BaseException], ...]:
     """Bad input: exit 2 with its one line."""
-    errors: list[type[BaseException]] = [FileNotFoundError]
+    errors: list[type[BaseException]] = [FileNotFoundError, BadInput]
     for module, name in [
+        ("draftsmith.artifacts", "ArtifactError"),
+        ("draftsmith.atomic", "DestinationError"),
         ("draftsmith.data", "DataError"),
         ("draftsmith.target", "TargetLoadError"),
         ("draftsmith.runs", "RunFolderError"),

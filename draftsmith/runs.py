@@ -118,18 +118,6 @@ def drafter_kind(state: dict) -> str:
     return state["drafter"]["kind"]
 
 
-def recorded_target(folder: Path) -> Optional[dict]:
-    """The target section a run, checkpoint or export recorded in recipe.yaml (its own, or its run's)."""
-    from omegaconf import OmegaConf
-
-    for candidate in (folder / "recipe.yaml", folder.parent / "recipe.yaml", folder.parent.parent / "recipe.yaml"):
-        if candidate.is_file():
-            data = OmegaConf.to_container(OmegaConf.load(candidate)) or {}
-            if isinstance(data, dict) and isinstance(data.get("target"), dict):
-                return data["target"]
-    return None
-
-
 __all__ = [
     "CHECKPOINT_PREFIX",
     "RunFolderError",
@@ -143,6 +131,5 @@ __all__ = [
     "list_checkpoints",
     "log",
     "read_state",
-    "recorded_target",
     "resolve_checkpoint",
 ]

@@ -146,7 +146,8 @@ def logged(run_dir: str | Path, kind: str = "train", key: str = "loss") -> dict[
 def run_trainer(recipe, interrupt_at: int | None = None):
     """Set up and train `recipe` in this process. With `interrupt_at`, the trainer gets a SIGTERM
     at the end of that step (as a scheduler's kill would arrive). Returns (trainer, summary, the
-    target's state dict before training)."""
+    state dict of the trainer's ``watched`` model before training: the frozen target, or the model
+    that trains)."""
     import os
     import signal
 
@@ -163,13 +164,13 @@ def run_trainer(recipe, interrupt_at: int | None = None):
             return position, values
 
         trainer.advance = advance_then_signal
-    target_before = {k: v.clone() for k, v in trainer.target.model.state_dict().items()}
+    before = {k: v.clone() for k, v in trainer.watched.state_dict().items()}
     try:
         summary = trainer.train()
         trainer.optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     finally:
         trainer.close()
-    return trainer, summary, target_before
+    return trainer, summary, before
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -215,6 +216,60 @@ def launch(*args: str, nproc: int = 2, timeout: int = 300, launcher: str = "torc
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
         assert "terminate called" not in done.stderr
     return done
+
+
+def cli(*args, env: dict | None = None):
+    """``python -m draftsmith.cli ARGS`` from the repository, output captured."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "draftsmith.cli", *map(str, args)], capture_output=True, text=True, cwd=REPO, env=env)
+
+
+def one_process_curve(base: str | Path, out: str | Path, *overrides: str) -> dict[int, float]:
+    """The logged training losses of recipe `base` (with `overrides`) trained in this process into
+    `out`: the reference a multi-process run of the same recipe must reproduce."""
+    from draftsmith.recipe import load_recipe
+
+    run_trainer(load_recipe(base, overrides=[f"output_dir={out}", *overrides]))
+    return logged(out)
+
+
+def answering_model(tokenizer):
+    """A tiny random Llama whose answers end at varied lengths: a random model almost never says
+    <|im_end|>, so its LM-head row is tied to a common character's (scaled up). Regeneration
+    tests need both stopping paths (an end token, the token budget)."""
+    model = tiny_causal_lm("llama", vocab_size=len(tokenizer), seed=0)
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] = 1.1 * model.lm_head.weight[tokenizer.convert_tokens_to_ids("K")]
+    return model
+
+
+def joint_p_value(pairs: list[tuple[int, int]], model, prompt, temperature: float, top_p: float) -> float:
+    """Chi-square p-value of sampled pairs (first, second generated token) after `prompt` [1,T]
+    against `model`'s own processed law of those two tokens (``logits_to_probs`` at `temperature`
+    and `top_p`): the check that sampled speculative decoding is lossless. 0.0 when a pair has
+    probability 0 under the target. Rare cells are pooled so each expects at least 5."""
+    from scipy import stats
+
+    from draftsmith.runtime.verify import logits_to_probs
+
+    with torch.no_grad():
+        first = logits_to_probs(model(prompt).logits[0, -1].double(), temperature, 0, top_p)
+        V = first.shape[-1]
+        second = torch.stack([
+            logits_to_probs(model(torch.cat([prompt, torch.tensor([[x]])], 1)).logits[0, -1].double(), temperature, 0, top_p)
+            for x in range(V)
+        ])
+    n = len(pairs)
+    expected = (first.unsqueeze(1) * second).flatten() * n
+    observed = torch.bincount(torch.tensor([a * V + b for a, b in pairs]), minlength=V * V).double()
+    if observed[expected == 0].sum() > 0:
+        return 0.0
+    common = expected >= 5
+    obs = torch.cat([observed[common], observed[~common].sum().view(1)])
+    exp = torch.cat([expected[common], expected[~common].sum().view(1)])
+    return float(stats.chisquare(obs.numpy(), (exp / exp.sum() * n).numpy()).pvalue)
 
 
 def assert_same_curve(run_dir: str | Path, reference: dict[int, float], steps=range(1, 7), rel: float = 1e-4) -> None:

@@ -185,7 +185,7 @@ def main(argv=None) -> int:
         print("error: --device cuda but CUDA is not available (use --device cpu --small)", file=sys.stderr)
         return 2
     from draftsmith.runtime.kernels import fused_verify, kernel_available
-    from draftsmith.runtime.verify import verify
+    from draftsmith.runtime.verify import SamplingParams, verify
 
     grid = dict(SMALL_GRID if args.small else FULL_GRID)
     for key in ("batch", "nodes", "vocab"):
@@ -207,13 +207,14 @@ def main(argv=None) -> int:
                     kw = {}
                     if mode == "sample":
                         kw = dict(uniforms=torch.rand(B, N + 1, device=device))
-                    want = verify(tree, logits, mode, **kw)
+                    sampling = SamplingParams(mode)
+                    want = verify(tree, logits, sampling, **kw)
                     row = dict(mode=mode, batch=B, nodes=N, vocab=V, mean_accept=float(want.accept_len.float().mean()))
-                    row["reference_ms"] = run(lambda: verify(tree, logits, mode, **kw), warmup, reps)
+                    row["reference_ms"] = run(lambda: verify(tree, logits, sampling, **kw), warmup, reps)
                     row["fused_ms"] = row["speedup"] = row["mismatch"] = None
                     if use_kernel:
-                        row["mismatch"] = mismatches(fused_verify(tree, logits, mode, **kw), want)
-                        row["fused_ms"] = run(lambda: fused_verify(tree, logits, mode, **kw), warmup, reps)
+                        row["mismatch"] = mismatches(fused_verify(tree, logits, sampling, **kw), want)
+                        row["fused_ms"] = run(lambda: fused_verify(tree, logits, sampling, **kw), warmup, reps)
                         row["speedup"] = row["reference_ms"] / row["fused_ms"]
                     rows.append(row)
                     print(json.dumps(row), flush=True)

@@ -45,14 +45,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
-    from draftsmith.eval.run import encode_prompt, evaluate, load_drafter, load_prompts
-    from draftsmith.export import ExportOptions, export, load_source
+    from draftsmith.artifacts import open_drafter
+    from draftsmith.data.chat import encode_prompt
+    from draftsmith.eval.run import evaluate, load_prompts
+    from draftsmith.export import ExportOptions, export
+    from draftsmith.runtime.load import load_drafter
     from draftsmith.target import _dequantized_cache_dir, resolve_model_path
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    source = load_source(args.drafter)
-    folder = export(args.drafter, out / "vllm-export", "vllm", ExportOptions(num_speculative_tokens=args.k))
+    source = open_drafter(args.drafter)
+    folder = export(args.drafter, out / "vllm-export", "vllm", ExportOptions(num_speculative_tokens=args.k), overwrite=True)
     method = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "standalone": "draft_model"}[source.kind]
     target_path, gguf = source.target_source()
     folder_of_target, gguf = resolve_model_path(target_path, gguf)
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
         folder_of_target = str(_dequantized_cache_dir(folder_of_target, gguf))
     loaded = load_drafter(args.drafter, tree=",".join(["1"] * args.k), dtype="float32")
     prompts = load_prompts(args.prompts, args.limit)
-    ids = [encode_prompt(loaded.target.tokenizer, m, "cpu")[0].tolist() for m in prompts]
+    ids = [encode_prompt(loaded.target.tokenizer, m) for m in prompts]
 
     job = {
         "target": folder_of_target, "prompts": ids, "max_tokens": args.max_new_tokens, "max_model_len": 2048, "memory": 0.2,

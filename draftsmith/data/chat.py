@@ -38,6 +38,34 @@ def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: boo
     return tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def encode_prompt(tokenizer: Any, messages: list[dict], max_length: Optional[int] = None) -> list[int]:
+    """A prompt's token ids, ready for the model to answer: the conversation rendered with the
+    tokenizer's chat template and the generation prompt (a tokenizer without a template gets the
+    messages' contents, one per line). With `max_length`, cut from the left to fit. Every decoding
+    path (eval, generate, the online trainer) encodes prompts here."""
+    if getattr(tokenizer, "chat_template", None):
+        text = render_chat(tokenizer, messages, add_generation_prompt=True)
+    else:
+        text = "\n".join(m["content"] for m in messages)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids[-max_length:] if max_length else ids
+
+
+def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
+    """Token ids that end an answer, the one rule of every decoding and regeneration path: the
+    tokenizer's eos, the model's generation config's eos ids (when the caller has a model), and
+    ChatML's ``<|im_end|>`` when the vocabulary has it. DataError when there is none."""
+    ids: list[int] = []
+    candidates = [tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None), tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    for value in candidates:
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(token, int) and token != tokenizer.unk_token_id and token not in ids:
+                ids.append(int(token))
+    if not ids:
+        raise DataError(f"tokenizer {tokenizer_name(tokenizer)} has no eos token: nothing says where an answer ends")
+    return ids
+
+
 def _closing_token_ids(tokenizer: Any) -> set[int]:
     # Any special token can close a turn (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>, ...).
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])

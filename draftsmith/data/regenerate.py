@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from draftsmith.data.chat import render_chat
+from draftsmith.data.chat import render_chat, stop_token_ids
 from draftsmith.data.errors import DataError
 from draftsmith.recipe import RegenerateConfig
 
@@ -41,19 +41,6 @@ if TYPE_CHECKING:
     from draftsmith.data.server import RegenerationServer
 
 Conversation = list[dict]
-
-
-def stop_token_ids(tokenizer: Any) -> list[int]:
-    """Token ids that end an answer: the tokenizer's eos and ChatML's ``<|im_end|>`` when it exists."""
-    ids = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end not in ids:
-        ids.append(im_end)
-    if not ids:
-        raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')} has no eos token; regeneration cannot tell where answers end")
-    return ids
 
 
 def _split(conversation: Conversation, max_turns: Optional[int]) -> tuple[Conversation, list[str]]:
@@ -243,7 +230,7 @@ def regenerate_conversations(
     settings = _settings(cfg, max_length)
     keys = [_digest({"conversation": c, "settings": settings}) for c in conversations]
     done = _read_cache(cache_file, keys)
-    stop_ids = stop_token_ids(tokenizer)
+    stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     plans = {i: _split(c, cfg.max_turns) for i, c in enumerate(conversations)}
 
     def first_prompt_chars(i: int) -> int:

@@ -53,6 +53,10 @@ class AcceptanceStats:
     # None once any assisted generation could not report its target forwards.
     assisted_target_forwards: int | None = 0
     assisted_generations: int = 0
+    # (steps, accepted tokens) of each speculative generation (one prompt each), for the spread.
+    per_generation: list[tuple[int, int]] = field(default_factory=list)
+    _open_steps: int = 0
+    _open_accepted: int = 0
 
     # ---- feeding -------------------------------------------------------------------------------
 
@@ -80,10 +84,15 @@ class AcceptanceStats:
         self.accepted_counts[accepted] += 1
         self.accepted_tokens += accepted
         self.steps += 1
+        self._open_steps += 1
+        self._open_accepted += accepted
 
     def add_generation(self, new_tokens: int, seconds: float, target_forwards: int) -> None:
-        """One speculative generation: tokens it produced, wall time, target forwards it ran."""
+        """One speculative generation (the steps added since the last one are its own): tokens it
+        produced, wall time, target forwards it ran."""
         _check_timing(new_tokens, seconds)
+        self.per_generation.append((self._open_steps, self._open_accepted))
+        self._open_steps = self._open_accepted = 0
         self.generations += 1
         self.new_tokens += new_tokens
         self.seconds += seconds
@@ -113,6 +122,23 @@ class AcceptanceStats:
     def mean_accepted_length(self) -> float | None:
         """tau = mean over steps of (accepted + 1): tokens emitted per target forward."""
         return _ratio(self.accepted_tokens + self.steps, self.steps)
+
+    def mean_accepted_length_interval(self, level: float = 0.95, resamples: int = 2000, seed: int = 0) -> list[float] | None:
+        """A percentile bootstrap interval of tau over generations (prompts): resample the
+        generations with replacement, take tau = sum(accepted + steps) / sum(steps) of each
+        resample. None with fewer than two generations. Tells a difference from prompt-to-prompt
+        noise when two drafters ran on the same prompts."""
+        rows = [(s, a) for s, a in self.per_generation if s]
+        if len(rows) < 2:
+            return None
+        import torch
+
+        steps = torch.tensor([s for s, _ in rows], dtype=torch.float64)
+        accepted = torch.tensor([a for _, a in rows], dtype=torch.float64)
+        pick = torch.randint(len(rows), (resamples, len(rows)), generator=torch.Generator().manual_seed(seed))
+        taus = (accepted[pick].sum(1) + steps[pick].sum(1)) / steps[pick].sum(1)
+        low, high = torch.quantile(taus, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
+        return [low, high]
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -178,6 +204,7 @@ class AcceptanceStats:
         out = {
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
+            "mean_accepted_length_ci95": self.mean_accepted_length_interval(),
             "per_depth_acceptance": self.per_depth_acceptance,
             "accepted_length_histogram": self.accepted_length_histogram,
             "tokens_per_second": self.tokens_per_second,

@@ -1,20 +1,19 @@
 """Trained drafters -> folders that draftsmith, vLLM, SGLang and speculators load, with a model card
-(and the exact serve command), the recipe and the metrics; Hub upload; readers for third-party
-EAGLE / EAGLE-3 folders.
+(and the exact serve command), the recipe, the metrics and a sha256 manifest; Hub upload.
 
 FORMATS maps ``draftsmith export --format`` names to converter modules: each says in one line why it
-cannot carry a drafter (``refusal``), or writes it (``write``) into a folder that appears atomically.
+cannot carry a drafter (``refusal``), or writes it (``write``) into a folder that appears
+atomically. What a source folder holds is draftsmith.artifacts' question, never this package's.
 """
 
 from pathlib import Path
 
-from draftsmith.atomic import atomic_path
+from draftsmith.artifacts import HeadArtifact, open_drafter
+from draftsmith.atomic import atomic_path, check_destination, write_manifest
 from draftsmith.export import native, sglang, speculators, vllm
-from draftsmith.export.early_exit import export_early_exit, is_early_exit_run
-from draftsmith.export.hf import ExportError, HeadExport, load_head, model_card, push_folder, write_head_folder
-from draftsmith.export.layouts import ForeignHead, detect_layout, read_foreign
-from draftsmith.export.lm import is_lm_checkpoint, load_lm_drafter
-from draftsmith.export.source import Drafter, ExportOptions, load_source
+from draftsmith.export.base import ExportError, ExportOptions
+from draftsmith.export.hub import push_folder
+from draftsmith.export.native import write_head_folder
 
 FORMATS = {
     "draftsmith": native,
@@ -24,44 +23,27 @@ FORMATS = {
 }
 
 
-def export(source: str | Path, out: str | Path, format: str = "draftsmith", options: ExportOptions = ExportOptions()) -> Path:
+def export(
+    source: str | Path, out: str | Path, format: str = "draftsmith", options: ExportOptions = ExportOptions(), overwrite: bool = False
+) -> Path:
     """Write the drafter of `source` (run folder, checkpoint or draftsmith export) into `out` in
-    `format`. Raises ExportError, writing nothing, when the source is not a drafter or the format
-    cannot carry it."""
+    `format`. Raises ExportError (or DestinationError), writing nothing, when the format cannot carry
+    the drafter or `out` holds something draftsmith did not write there (unless `overwrite`)."""
     if format not in FORMATS:
         raise ExportError(f"unknown export format '{format}'; one of: {', '.join(FORMATS)}")
-    if is_early_exit_run(source):  # LayerSkip: the trained model itself, a plain HF causal LM with its exit layer
-        if format != "draftsmith":
-            raise ExportError(
-                f"--format {format} cannot carry this early_exit drafter: {format} has no self-speculative (early-exit) "
-                "method; --format draftsmith writes a plain HF causal LM that transformers (assistant_early_exit) and draftsmith decode with"
-            )
-        return export_early_exit(source, out)
-    drafter = load_source(source)
+    artifact = open_drafter(source)  # reads what the folder records; weights of a whole model load later
+    # An export may go inside a run folder (run/export), never around it or inside what is read.
+    check_destination(out, inputs=[artifact.folder], around=[source], overwrite=overwrite)
+    if isinstance(artifact, HeadArtifact) and artifact.head is None:
+        raise ExportError(f"{source} is a {artifact.layout} folder written by another tool: export reads what draftsmith trained (a run, a checkpoint or a draftsmith export)")
     converter = FORMATS[format]
-    reason = converter.refusal(drafter, Path(out), options)
+    reason = converter.refusal(artifact, Path(out), options)
     if reason:
-        raise ExportError(f"--format {format} cannot carry this {drafter.kind} drafter: {reason}")
+        raise ExportError(f"--format {format} cannot carry this {artifact.kind} drafter: {reason}")
     with atomic_path(out, folder=True) as tmp:
-        converter.write(drafter, tmp, options)
+        converter.write(artifact, tmp, options)
+        write_manifest(tmp)
     return Path(out)
 
 
-__all__ = [
-    "FORMATS",
-    "Drafter",
-    "ExportError",
-    "ExportOptions",
-    "ForeignHead",
-    "HeadExport",
-    "detect_layout",
-    "export",
-    "is_lm_checkpoint",
-    "load_head",
-    "load_lm_drafter",
-    "load_source",
-    "model_card",
-    "push_folder",
-    "read_foreign",
-    "write_head_folder",
-]
+__all__ = ["FORMATS", "ExportError", "ExportOptions", "export", "push_folder", "write_head_folder"]

@@ -16,16 +16,19 @@ from typing import Optional
 
 from safetensors.torch import save_file
 
-from draftsmith.export.hf import head_config_values, model_card, write_provenance
+from draftsmith.export.base import ExportOptions, source_record, write_provenance
+from draftsmith.export.card import head_config_values, model_card
+from draftsmith.export.vllm import EARLY_EXIT_REFUSAL
 from draftsmith.export.layouts import EAGLE3_TARGETS, default_aux_ids, eagle3_config, eagle3_tensors, eagle_config, eagle_tensors
-from draftsmith.export.source import Drafter, ExportOptions
 from draftsmith.runs import WEIGHTS_NAME
 
 NAME = "sglang"
 ALGORITHMS = {"eagle3": "EAGLE3", "eagle": "EAGLE"}
 
 
-def refusal(drafter: Drafter, out: Path, options: ExportOptions) -> Optional[str]:
+def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
+    if drafter.kind == "early_exit":
+        return EARLY_EXIT_REFUSAL.format(format=NAME)
     if drafter.kind not in ALGORITHMS:
         return f"SGLang runs EAGLE-3 and EAGLE drafters (as draft heads), not {drafter.kind}"
     model_type = drafter.target.get("model_type") or ""
@@ -41,7 +44,7 @@ def refusal(drafter: Drafter, out: Path, options: ExportOptions) -> Optional[str
     return None
 
 
-def write(drafter: Drafter, folder: Path, options: ExportOptions) -> None:
+def write(drafter, folder: Path, options: ExportOptions) -> None:
     head = drafter.head
     if drafter.kind == "eagle3":
         tensors, config = eagle3_tensors(head, "midlayer."), eagle3_config(head)
@@ -49,7 +52,7 @@ def write(drafter: Drafter, folder: Path, options: ExportOptions) -> None:
             config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(head.cfg.aux_layer_ids)}
     else:
         tensors, config = eagle_tensors(head, with_fc_bias=True), eagle_config(head, "LlamaForCausalLMEagle")
-    config["draftsmith_source"] = {"kind": drafter.kind, "head": head_config_values(head), "target": {k: v for k, v in drafter.target.items() if k != "hf_config"}}
+    config["draftsmith_source"] = source_record(drafter)
     save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     k = options.num_speculative_tokens

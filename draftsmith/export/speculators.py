@@ -14,16 +14,18 @@ from typing import Optional
 
 from safetensors.torch import save_file
 
-from draftsmith.export.hf import head_config_values, model_card, write_provenance
+from draftsmith.export.base import ExportOptions, source_record, write_provenance
+from draftsmith.export.card import head_config_values, model_card
 from draftsmith.export.layouts import EAGLE3_TARGETS, eagle3_tensors, llama_layer_config
-from draftsmith.export.source import Drafter, ExportOptions
-from draftsmith.export.vllm import METHODS as VLLM_METHODS
+from draftsmith.export.vllm import EARLY_EXIT_REFUSAL, METHODS as VLLM_METHODS
 from draftsmith.runs import WEIGHTS_NAME
 
 NAME = "speculators"
 
 
-def refusal(drafter: Drafter, out: Path, options: ExportOptions) -> Optional[str]:
+def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
+    if drafter.kind == "early_exit":
+        return EARLY_EXIT_REFUSAL.format(format=NAME)
     if drafter.kind != "eagle3":
         # Point at vLLM's own layout only for the kinds vLLM runs (not Hydra or Clover).
         hint = " (try --format vllm)" if drafter.kind in VLLM_METHODS else ""
@@ -34,12 +36,12 @@ def refusal(drafter: Drafter, out: Path, options: ExportOptions) -> Optional[str
     return None
 
 
-def verifier(drafter: Drafter, options: ExportOptions) -> dict:
+def verifier(drafter, options: ExportOptions) -> dict:
     hf = drafter.target.get("hf_config") or {}
     return {"name_or_path": options.verifier or drafter.target_name(), "architectures": list(hf.get("architectures") or ["LlamaForCausalLM"])}
 
 
-def write(drafter: Drafter, folder: Path, options: ExportOptions) -> None:
+def write(drafter, folder: Path, options: ExportOptions) -> None:
     head = drafter.head
     cfg, dims = head.cfg, head.dims
     k = options.num_speculative_tokens
@@ -57,7 +59,7 @@ def write(drafter: Drafter, folder: Path, options: ExportOptions) -> None:
             "default_proposal_method": "greedy",
             "verifier": verifier(drafter, options),
         },
-        "draftsmith_source": {"kind": "eagle3", "head": head_config_values(head), "target": {k_: v for k_, v in drafter.target.items() if k_ != "hf_config"}},
+        "draftsmith_source": source_record(drafter),
     }
     save_file(eagle3_tensors(head, "layers.0.", with_t2d=True), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

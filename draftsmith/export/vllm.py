@@ -14,12 +14,17 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.export.hf import head_config_values, model_card, write_provenance
+from draftsmith.export.base import ExportOptions, source_record, write_provenance
+from draftsmith.export.card import head_config_values, model_card
 from draftsmith.export.layouts import EAGLE3_TARGETS, eagle3_config, eagle3_tensors, eagle_config, eagle_tensors
-from draftsmith.export.source import Drafter, ExportOptions
 from draftsmith.runs import WEIGHTS_NAME
 
 NAME = "vllm"
+# The engines have no self-speculative method: a LayerSkip model is refused by each engine layout.
+EARLY_EXIT_REFUSAL = (
+    "{format} has no self-speculative (early-exit) method; --format draftsmith writes a plain HF causal LM "
+    "that transformers (assistant_early_exit) and draftsmith decode with"
+)
 # Our drafter kind -> vLLM's speculative method.
 METHODS = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "standalone": "draft_model"}
 
@@ -34,8 +39,10 @@ def _method_from_path(path: str) -> Optional[str]:
     return None
 
 
-def refusal(drafter: Drafter, out: Path, options: ExportOptions) -> Optional[str]:
+def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
     kind = drafter.kind
+    if kind == "early_exit":
+        return EARLY_EXIT_REFUSAL.format(format=NAME)
     if kind not in METHODS:
         return f"vLLM has no drafter of kind {kind} (it runs {', '.join(METHODS)})"
     model_type = drafter.target.get("model_type") or ""
@@ -58,12 +65,12 @@ def refusal(drafter: Drafter, out: Path, options: ExportOptions) -> Optional[str
     return None
 
 
-def serve_command(drafter: Drafter, options: ExportOptions) -> str:
+def serve_command(drafter, options: ExportOptions) -> str:
     spec = json.dumps({"method": METHODS[drafter.kind], "model": "<this folder>", "num_speculative_tokens": options.num_speculative_tokens})
     return f"vllm serve {drafter.target_name()} --speculative-config '{spec}'"
 
 
-def use_section(drafter: Drafter, options: ExportOptions) -> str:
+def use_section(drafter, options: ExportOptions) -> str:
     k = options.num_speculative_tokens
     python = [
         "from vllm import LLM, SamplingParams",
@@ -79,13 +86,13 @@ def use_section(drafter: Drafter, options: ExportOptions) -> str:
     return "\n".join(["```bash", serve_command(drafter, options), "```", "", "```python", *python, "```", "", notes[drafter.kind]])
 
 
-def write(drafter: Drafter, folder: Path, options: ExportOptions) -> None:
+def write(drafter, folder: Path, options: ExportOptions) -> None:
     kind, use = drafter.kind, use_section(drafter, options)
     if kind == "standalone":
-        from draftsmith.export.lm import lm_model_card, write_lm_files
+        from draftsmith.export.card import lm_model_card
+        from draftsmith.export.native import write_lm_files
 
-        card = lm_model_card(drafter.recipe, drafter.model, drafter.metrics, drafter.recipe_yaml, use)
-        write_lm_files(drafter.model, drafter.tokenizer, drafter.recipe, drafter.metrics, drafter.recipe_yaml, folder, card)
+        write_lm_files(drafter, folder, lm_model_card(drafter, use))
         return
     head = drafter.head
     if kind == "eagle3":
@@ -94,7 +101,7 @@ def write(drafter: Drafter, folder: Path, options: ExportOptions) -> None:
         tensors, config = eagle_tensors(head, with_fc_bias=False), eagle_config(head, "EagleLlamaForCausalLM")
     else:
         tensors, config = medusa_tensors(drafter), medusa_config(head)
-    config["draftsmith_source"] = {"kind": kind, "head": head_config_values(head), "target": {k: v for k, v in drafter.target.items() if k != "hf_config"}}
+    config["draftsmith_source"] = source_record(drafter)
     save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_provenance(folder, drafter.recipe_yaml, drafter.metrics, model_card(kind, head_config_values(head), drafter.target, drafter.recipe_yaml, drafter.metrics, use, NAME))
@@ -116,7 +123,7 @@ def medusa_config(head) -> dict:
     }
 
 
-def medusa_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
+def medusa_tensors(drafter) -> dict[str, torch.Tensor]:
     """blocks.{h}.layers.{j}.* as ours are named, and per-head LM heads; heads that share the
     target's LM head get one copy of it (``original_lm_head``): vLLM's Medusa cannot point at the
     target's, so this layout carries it."""

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from draftsmith.runtime.drafters import Drafter, DrafterError, DraftState, compact_cache
 from draftsmith.runtime.tree import DraftTree, tree_attention_mask, tree_positions
-from draftsmith.runtime.verify import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, SamplingParams, VerifyResult, logits_to_probs, verify
+from draftsmith.runtime.verify import GREEDY, SamplingParams, VerifyResult, logits_to_probs, verify
 from draftsmith.target import DecoderStack, decoder_stack
 
 __all__ = ["GenerationStats", "TargetSession", "autoregressive_generate", "default_verify_fn", "speculative_generate"]
@@ -201,24 +201,19 @@ def speculative_generate(
     drafter: Drafter,
     input_ids: Tensor,
     max_new_tokens: int,
-    mode: str = "greedy",
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    sampling: SamplingParams = GREEDY,
     eos_token_id: Union[int, Iterable[int], None] = None,
     generator: Optional[torch.Generator] = None,
     verify_fn: Optional[Callable[..., VerifyResult]] = None,
-    posterior_threshold: float = POSTERIOR_THRESHOLD,
-    posterior_alpha: float = POSTERIOR_ALPHA,
 ) -> tuple[Tensor, GenerationStats]:
     """Speculative decoding with ``drafter`` against ``target`` (a FrozenTarget), batch size 1.
 
     input_ids [1,T] (T >= 1, on the target's device). Returns (output_ids [1,T+n] = prompt + n new
     tokens, stats). Stops after the first EOS (emitted, as in HF ``generate``) or after
     ``max_new_tokens``; never emits past either. eos_token_id: an id, several, or None (no EOS).
-    mode "greedy" or "sample" with temperature / top_k / top_p (``logits_to_probs``), or "typical":
-    Medusa's typical acceptance at ``temperature`` with ``posterior_threshold`` / ``posterior_alpha``,
-    which is NOT lossless (the output does not follow the target's distribution). ``generator``
+    ``sampling`` says how tokens are chosen (SamplingParams: greedy, lossless sampling, or Medusa's
+    typical acceptance, which is NOT lossless: the output does not follow the target's
+    distribution). ``generator``
     (on the target's device, or None for the global RNG) drives the drafter's draws and the
     verification. The target's attention must apply a custom 4D mask (eager or SDPA; FrozenTarget
     checks). ``verify_fn`` defaults to ``default_verify_fn`` for the target's device: the fused
@@ -226,8 +221,7 @@ def speculative_generate(
     torch reference.
     """
     _check_prompt(input_ids, max_new_tokens)
-    sampling = SamplingParams(mode, temperature, top_k, top_p, posterior_threshold, posterior_alpha)
-    verify_fn = verify if mode == "typical" else verify_fn or default_verify_fn(input_ids.device)
+    verify_fn = verify if sampling.mode == "typical" else verify_fn or default_verify_fn(input_ids.device)
     eos = _eos_set(eos_token_id)
     stats = GenerationStats()
     start = time.perf_counter()
@@ -254,17 +248,7 @@ def speculative_generate(
             raise DrafterError(f"{type(drafter).__name__} proposed a tree whose root is not the last decided token")
         logits, tree_hidden, tree_layers = drafter.verify_forward(tree) if shares_cache else session.forward_tree(tree)
         stats.target_forwards += 1
-        if sampling.greedy:
-            result = verify_fn(tree, logits, mode="greedy")
-        elif sampling.sampled:
-            result = verify_fn(
-                tree, logits, mode="sample", temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-            )
-        else:
-            result = verify_fn(
-                tree, logits, mode="typical", temperature=temperature,
-                posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
-            )  # fmt: skip
+        result = verify_fn(tree, logits, sampling, generator=generator)
         t0 = time.perf_counter()
         drafter.accept(result)
         stats.draft_time += time.perf_counter() - t0
@@ -295,20 +279,19 @@ def autoregressive_generate(
     target,
     input_ids: Tensor,
     max_new_tokens: int,
-    mode: str = "greedy",
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    sampling: SamplingParams = GREEDY,
     eos_token_id: Union[int, Iterable[int], None] = None,
     generator: Optional[torch.Generator] = None,
 ) -> tuple[Tensor, GenerationStats]:
     """The target alone, one token per forward on its KV cache: the baseline for speedups.
 
     Same arguments, stopping rules and return value as ``speculative_generate`` (batch size 1).
-    Sampling draws from ``logits_to_probs`` with ``torch.multinomial``.
+    Sampling draws from ``logits_to_probs`` with ``torch.multinomial``; typical acceptance, which
+    only means something for drafted tokens, samples at its temperature
+    (``SamplingParams.target_alone``).
     """
     _check_prompt(input_ids, max_new_tokens)
-    sampling = SamplingParams(mode, temperature, top_k, top_p)
+    sampling = sampling.target_alone()
     eos = _eos_set(eos_token_id)
     stats = GenerationStats()
     start = time.perf_counter()
@@ -322,7 +305,7 @@ def autoregressive_generate(
         if sampling.greedy:
             token = int(logits.argmax())
         else:
-            probs = logits_to_probs(logits, temperature, top_k, top_p)
+            probs = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
             token = int(torch.multinomial(probs, 1, generator=generator))
         new.append(token)
         stats.accept_lens.append(0)

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from draftsmith.runtime.tree import DraftTree, ancestor_mask
 
-__all__ = ["SamplingParams", "VerifyResult", "logits_to_probs", "verify", "verify_greedy", "verify_sample", "verify_typical"]
+__all__ = ["GREEDY", "SamplingParams", "VerifyResult", "logits_to_probs", "verify", "verify_greedy", "verify_sample", "verify_typical"]
 
 MODES = ("greedy", "sample", "typical")
 # Medusa's typical acceptance defaults (its medusa_generate): the threshold epsilon and alpha = sqrt(epsilon).
@@ -55,11 +55,14 @@ POSTERIOR_ALPHA = 0.3
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen. ``mode`` "greedy" ignores the rest; "sample" draws from
-    ``logits_to_probs(logits, temperature, top_k, top_p)`` for the target and the drafter alike;
-    "typical" (NOT lossless) drafts greedily and verifies with Medusa's typical acceptance at
-    ``temperature`` (> 0) with ``posterior_threshold`` and ``posterior_alpha``; it has its own
-    cut-off, so top-k / top-p are refused there."""
+    """How tokens are chosen: the one object the decoding loop, the baseline, the verifiers, eval
+    and the online trainer pass along.
+
+    ``mode`` "greedy" ignores the rest; "sample" draws from ``logits_to_probs(logits, temperature,
+    top_k, top_p)`` for the target and the drafter alike; "typical" (NOT lossless) drafts greedily
+    and verifies with Medusa's typical acceptance at ``temperature`` (> 0) with
+    ``posterior_threshold`` and ``posterior_alpha``; it has its own cut-off, so top-k / top-p are
+    refused there. Invalid settings raise ValueError in one line."""
 
     mode: str = "greedy"
     temperature: float = 1.0
@@ -80,6 +83,26 @@ class SamplingParams:
         if self.mode == "typical":
             check_typical(self.temperature, self.top_k, self.top_p, self.posterior_threshold, self.posterior_alpha)
 
+    @classmethod
+    def choose(
+        cls,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        verify: str = "exact",
+        posterior_threshold: float = POSTERIOR_THRESHOLD,
+        posterior_alpha: float = POSTERIOR_ALPHA,
+    ) -> "SamplingParams":
+        """The settings a user gives (the command line's): temperature 0 decodes greedily, above 0
+        samples; ``verify`` "exact" (lossless) or "typical" (Medusa's, NOT lossless)."""
+        if verify not in ("exact", "typical"):
+            raise ValueError(f"verification must be 'exact' or 'typical', got {verify!r}")
+        if verify == "typical":
+            return cls("typical", temperature, top_k, top_p, posterior_threshold, posterior_alpha)
+        if temperature == 0:
+            return cls("greedy")
+        return cls("sample", temperature, top_k, top_p)
+
     @property
     def greedy(self) -> bool:
         return self.mode == "greedy"
@@ -88,6 +111,26 @@ class SamplingParams:
     def sampled(self) -> bool:
         """Whether drafters draw their children at random (mode "sample"); otherwise they take ranks."""
         return self.mode == "sample"
+
+    @property
+    def lossless(self) -> bool:
+        """Whether the output follows the target's own decoding (everything but typical acceptance)."""
+        return self.mode != "typical"
+
+    def target_alone(self) -> "SamplingParams":
+        """How the target decodes on its own under these settings (the baseline): typical
+        acceptance has no meaning there, so it samples at the same temperature."""
+        return SamplingParams("sample", self.temperature) if self.mode == "typical" else self
+
+    def describe(self) -> str:
+        if self.mode == "typical":
+            return (
+                f"typical acceptance (NOT lossless) at temperature {self.temperature}: "
+                f"posterior_threshold={self.posterior_threshold}, posterior_alpha={self.posterior_alpha}"
+            )
+        if self.mode == "greedy":
+            return "exact, greedy"
+        return f"exact, lossless sampling at temperature {self.temperature}, top_k {self.top_k}, top_p {self.top_p}"
 
 
 def check_typical(temperature: float, top_k: int, top_p: float, posterior_threshold: float, posterior_alpha: float) -> None:
@@ -100,6 +143,9 @@ def check_typical(temperature: float, top_k: int, top_p: float, posterior_thresh
         raise ValueError(
             f"typical acceptance needs posterior_threshold in (0, 1] and posterior_alpha > 0, got {posterior_threshold}, {posterior_alpha}"
         )
+
+
+GREEDY = SamplingParams()
 
 
 @dataclass
@@ -361,14 +407,18 @@ def verify_typical(
     return _result(tree, best, bonus, anc)
 
 
-def verify(tree: DraftTree, target_logits: Tensor, mode: str = "greedy", **sampling) -> VerifyResult:
-    """Dispatch to verify_greedy (mode "greedy"), verify_sample (mode "sample", keyword arguments
-    temperature, top_k, top_p, generator, uniforms) or verify_typical (mode "typical", NOT
-    lossless: temperature, posterior_threshold, posterior_alpha). target_logits [B,N,V]."""
-    if mode == "greedy":
+def verify(
+    tree: DraftTree,
+    target_logits: Tensor,
+    sampling: Optional[SamplingParams] = None,
+    generator: Optional[torch.Generator] = None,
+    uniforms: Optional[Tensor] = None,
+) -> VerifyResult:
+    """Verify B trees as ``sampling`` says (default greedy): verify_greedy, verify_sample (with
+    `generator` or `uniforms`) or verify_typical (NOT lossless). target_logits [B,N,V]."""
+    sampling = sampling or GREEDY
+    if sampling.greedy:
         return verify_greedy(tree, target_logits)
-    if mode == "sample":
-        return verify_sample(tree, target_logits, **sampling)
-    if mode == "typical":
-        return verify_typical(tree, target_logits, **sampling)
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if sampling.sampled:
+        return verify_sample(tree, target_logits, sampling.temperature, sampling.top_k, sampling.top_p, generator, uniforms)
+    return verify_typical(tree, target_logits, sampling.temperature, sampling.posterior_threshold, sampling.posterior_alpha)

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch import Tensor, nn
 
 from draftsmith.atomic import TMP_PREFIX, atomic_path, commit, sha256_file, write_atomic
 from draftsmith.recipe import Recipe, save_resolved
 from draftsmith.runs import (
     CHECKPOINT_PREFIX, STATE_FILE, WEIGHTS_NAME, checkpoint_problem, checkpoint_root, list_checkpoints, log, read_state,
 )
-from draftsmith.trainers.engine import TrainingError, engine_info, uses_deepspeed
+from draftsmith.trainers.engine import TrainingError, engine_info, full_state_dict, uses_deepspeed
 
 def find_resume_checkpoint(output_dir: str | Path, resume: str) -> Optional[Path]:
     """The checkpoint to continue from, per train.resume ("auto", "never" or a folder)."""
@@ -128,6 +129,28 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def trainable_only(weights: dict) -> dict:
+    """A LoRA draft's checkpoint keeps the adapter: the frozen base weights are the draft's files."""
+    return {k: v for k, v in weights.items() if "lora_" in k}
+
+
+def keep_adapter_weights(_models: list, weights: list[dict], _output_dir: str) -> None:
+    """accelerate save_state pre-hook: each model's state dict shrinks to its LoRA adapter."""
+    for state in weights:
+        adapter = trainable_only(state)
+        state.clear()
+        state.update(adapter)
+
+
+def draft_checkpoint_weights(accelerator, step_module: nn.Module, lora: bool) -> Optional[dict[str, Tensor]]:
+    """What model.safetensors of a checkpoint gets under DeepSpeed (whose own shards are per rank):
+    the draft's trainable weights in full (with LoRA, the adapter), named as the other engines
+    write them. None elsewhere: accelerate writes the file itself. A collective: all ranks call it."""
+    if not uses_deepspeed(accelerator):
+        return None
+    return full_state_dict(accelerator, step_module, trainable_only=lora)
 
 
 def prepare_resume(accelerator, path: Path) -> Path:

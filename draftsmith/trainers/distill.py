@@ -24,9 +24,9 @@ from torch import Tensor, nn
 
 from draftsmith.distill import DIVERGENCES, distillation_loss, masked_mean, sample_draft_tokens
 from draftsmith.recipe import Recipe
-from draftsmith.runs import log
 from draftsmith.target import FrozenTarget, load_draft
-from draftsmith.trainers import checkpoint, engine, loop
+from draftsmith.trainers import checkpoint, engine, lifecycle, loop
+from draftsmith.trainers.data import pad_token_id, prepare_shared_data, prepare_with_target
 
 
 class TokenizerMismatchError(engine.TrainingError):
@@ -77,28 +77,6 @@ class DistillStep(nn.Module):
         return self.draft(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
 
 
-def trainable_only(weights: dict) -> dict:
-    """A LoRA draft's checkpoint keeps the adapter: the frozen base weights are the draft's files."""
-    return {k: v for k, v in weights.items() if "lora_" in k}
-
-
-def keep_adapter_weights(_models: list, weights: list[dict], _output_dir: str) -> None:
-    """accelerate save_state pre-hook: each model's state dict shrinks to its LoRA adapter."""
-    for state in weights:
-        adapter = trainable_only(state)
-        state.clear()
-        state.update(adapter)
-
-
-def draft_checkpoint_weights(accelerator, step_module: nn.Module, lora: bool) -> Optional[dict[str, Tensor]]:
-    """What model.safetensors of a checkpoint gets under DeepSpeed (whose own shards are per rank):
-    the draft's trainable weights in full (with LoRA, the adapter), named as the other engines
-    write them. None elsewhere: accelerate writes the file itself. A collective: all ranks call it."""
-    if not engine.uses_deepspeed(accelerator):
-        return None
-    return engine.full_state_dict(accelerator, step_module, trainable_only=lora)
-
-
 def distill_objective(recipe: Recipe, draft_logits: Tensor, target_logits: Tensor, mask: Tensor) -> Tensor:
     """The recipe's distillation loss, a scalar. draft_logits, target_logits [B,T,V]; mask [B,T]."""
     d = recipe.distill
@@ -118,63 +96,54 @@ class DistillTrainer:
 
     # ------------------------------------------------------------------ setup
 
+    prepare = staticmethod(prepare_with_target)
+
     def setup(self) -> "DistillTrainer":
-        from draftsmith.data import BatchStream, Collator, prepare_data
+        from draftsmith.data import BatchStream, Collator
+        from draftsmith.data.chat import stop_token_ids
         from draftsmith.data.onpolicy import OnPolicySampler
-        from draftsmith.data.regenerate import stop_token_ids
 
         r = self.recipe
-        self.accelerator = acc = engine.make_accelerator(r.train, r.deepspeed)
-        torch.manual_seed(r.train.seed)
-        self.resume_from = checkpoint.open_run(acc, self.output_dir, r.train.resume)
-
+        lifecycle.start(self)
+        acc = self.accelerator
         self.target = FrozenTarget.from_config(r.target).to(acc.device)
         tokenizer = self.target.tokenizer
         self.draft, draft_tokenizer = load_draft(r.draft)
         check_same_tokenizer(draft_tokenizer, tokenizer, r.draft.path, r.target.path)
-        cache_dir = r.data_dir()
-        with acc.main_process_first():
-            self.data = prepare_data(r.data, tokenizer, cache_dir, target_model=self.target.model, progress=acc.is_main_process)
+        self.data = prepare_shared_data(r, acc, tokenizer, self.target.model)
 
         self.step_module = DistillStep(self.draft)
-        optimizer = engine.build_optimizer(self.draft.parameters(), r.train)
-        self.scheduler = engine.build_scheduler(optimizer, r.train)
-        load_from = checkpoint.prepare_resume(acc, self.resume_from) if self.resume_from is not None else None
-        self.model, self.optimizer = acc.prepare(self.step_module, optimizer)
-        acc.register_for_checkpointing(self.scheduler)
-        if r.draft.lora.enabled:
-            acc.register_save_state_pre_hook(keep_adapter_weights)
-
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        lifecycle.prepare(self, self.step_module, self.draft.parameters(), adapter_only=r.draft.lora.enabled)
+        pad = pad_token_id(tokenizer)
         self.collator = Collator(pad_token_id=pad, max_length=r.data.max_length, packing=r.data.packing)
         self.stream = BatchStream(
             self.data.train, batch_size=r.train.micro_batch_size, collator=self.collator, seed=r.data.seed,
             shuffle=True, rank=acc.process_index, world_size=acc.num_processes,
         )
         self.onpolicy = OnPolicySampler(
-            self.draft, pad, stop_token_ids(tokenizer), r.distill.onpolicy_temperature,
+            self.draft, pad, stop_token_ids(tokenizer, self.target.model.generation_config), r.distill.onpolicy_temperature,
             r.distill.onpolicy_max_new_tokens, r.data.max_length,
         )
         self.onpolicy_counts = [0, 0]  # on-policy sequences, all sequences
-        self.metrics = loop.MetricsLog(self.output_dir, enabled=acc.is_main_process)
         self.step = 0
-        if self.resume_from is not None:
-            # strict=False: a LoRA checkpoint holds the adapter only (the base is the draft's own files).
-            state = checkpoint.load_checkpoint(acc, self.resume_from, load_from, strict=False)
+        # strict=False: a LoRA checkpoint holds the adapter only (the base is the draft's own files).
+        state = lifecycle.resume(self, strict=False)
+        if state is not None:
             self.step = state["step"]
             self.stream.load_state_dict(state["data"])
             self.onpolicy_counts = list(state.get("onpolicy_counts", [0, 0]))
-            self.metrics.truncate_after(self.step)
-            log(f"resumed from {self.resume_from} at step {self.step}")
-        checkpoint.record_run(acc, r, self.output_dir, self.argv)
-        n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in self.draft.parameters() if p.requires_grad)
-        log(
-            f"target {r.target.path}, draft {r.draft.path} ({n_params:,} trainable parameters"
+        lifecycle.record(
+            self,
+            f"target {r.target.path}, draft {r.draft.path} ({lifecycle.trainable_parameters(self.draft):,} trainable parameters"
             f"{', LoRA' if r.draft.lora.enabled else ''}); divergence {r.distill.divergence}, "
-            f"on-policy fraction {r.distill.lambda_onpolicy}; {len(self.data.train)} train / {len(self.data.eval)} eval examples; "
-            + engine.describe_engine(acc, r)
+            f"on-policy fraction {r.distill.lambda_onpolicy}; {len(self.data.train)} train / {len(self.data.eval)} eval examples",
         )
         return self
+
+    @property
+    def watched(self) -> nn.Module:
+        """The frozen target: training must leave its weights as they were."""
+        return self.target.model
 
     # ------------------------------------------------------------------ steps
 
@@ -281,7 +250,7 @@ class DistillTrainer:
             "last_eval": getattr(self, "last_eval", None),
         }
         acc = self.accelerator
-        weights = draft_checkpoint_weights(acc, self.step_module, self.recipe.draft.lora.enabled)
+        weights = checkpoint.draft_checkpoint_weights(acc, self.step_module, self.recipe.draft.lora.enabled)
         path = checkpoint.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, "standalone", weights, self.argv)
         self.last_checkpoint = path
         return path
@@ -294,13 +263,7 @@ class DistillTrainer:
         return loop.train_from_first_eval(self, "distill")
 
     def close(self) -> None:
-        """Release the engine and the process group so every rank exits cleanly (also after a failed setup)."""
-        acc = getattr(self, "accelerator", None)
-        self.model = self.optimizer = self.step_module = None
-        if getattr(self, "metrics", None) is not None:
-            self.metrics.close()
-        if acc is not None:
-            engine.teardown(acc)
+        lifecycle.close(self)
 
 
 def format_eval(step: int, result: dict) -> str:

@@ -176,31 +176,19 @@ class FeatureSource:
             self.cache.close()
 
 
-def prepare_features(recipe: Recipe) -> dict:
-    """`draftsmith prepare` for a head recipe with data.features.mode=cache: the tokenized data, then
-    the feature cache. Under a launcher the ranks split the shards. Returns summary counts."""
-    from draftsmith.data import Collator, prepare_data
-    from draftsmith.trainers import engine
-    from draftsmith.trainers.heads import build_head
+def build_feature_cache(recipe: Recipe, target: FrozenTarget, data, layers, accelerator) -> dict:
+    """Build (or complete) the feature cache of `layers` for the prepared `data`; under a launcher
+    the ranks split the shards. Returns its folder and size."""
+    from draftsmith.data import Collator
+    from draftsmith.trainers.data import pad_token_id
 
-    acc = engine.make_accelerator(recipe.train)
-    try:
-        target = FrozenTarget.from_config(recipe.target).to(acc.device)
-        tokenizer = target.tokenizer
-        cache_dir = recipe.data_dir()
-        with acc.main_process_first():
-            data = prepare_data(recipe.data, tokenizer, cache_dir, target_model=target.model, progress=acc.is_main_process)
-        cfg = recipe.data.features
-        head = build_head(recipe, target.dims)
-        spec = fc.make_spec(target, head.required_layers(), cfg, data.train, data.eval, recipe.data.max_length)
-        folder = features_dir(cfg, cache_dir, head.required_layers())
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        fc.build_cache(
-            target, spec, {"train": data.train, "eval": data.eval}, Collator(pad_token_id=pad, max_length=recipe.data.max_length),
-            folder, cfg.shard_tokens, cfg.batch_size, cfg.reserve_gb, rank=acc.process_index, world_size=acc.num_processes,
-            barrier=acc.wait_for_everyone, say=log, progress=acc.is_main_process,
-        )
-        size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-        return {**data.stats, "features_dir": str(folder), "feature_bytes": size, "bytes_per_token": spec.bytes_per_token()}
-    finally:
-        engine.teardown(acc)
+    cfg = recipe.data.features
+    spec = fc.make_spec(target, layers, cfg, data.train, data.eval, recipe.data.max_length)
+    folder = features_dir(cfg, recipe.data_dir(), layers)
+    fc.build_cache(
+        target, spec, {"train": data.train, "eval": data.eval}, Collator(pad_token_id=pad_token_id(target.tokenizer), max_length=recipe.data.max_length),
+        folder, cfg.shard_tokens, cfg.batch_size, cfg.reserve_gb, rank=accelerator.process_index, world_size=accelerator.num_processes,
+        barrier=accelerator.wait_for_everyone, say=log, progress=accelerator.is_main_process,
+    )  # fmt: skip
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    return {"features_dir": str(folder), "feature_bytes": size, "bytes_per_token": spec.bytes_per_token()}

@@ -35,11 +35,11 @@ from draftsmith.distill.early_exit import (
     layer_drop_mask, layer_dropout_rates,
 )
 from draftsmith.recipe import Recipe, RecipeError
-from draftsmith.runs import log
 from draftsmith.runtime.early_exit import DEFAULT_DRAFT_LENGTH
 from draftsmith.target import TargetLoadError, capture_layers, decoder_stack, load_causal_lm, resolve_dtype, with_lora
-from draftsmith.trainers import checkpoint, engine, loop
-from draftsmith.trainers.distill import draft_checkpoint_weights, keep_adapter_weights, predicted_mask
+from draftsmith.trainers import checkpoint, lifecycle, loop
+from draftsmith.trainers.data import pad_token_id, prepare_shared_data, prepare_with_target
+from draftsmith.trainers.distill import predicted_mask
 
 class LayerSkipStep(nn.Module):
     """The module the engine wraps: the model under training, with layer dropout hooks on its
@@ -119,12 +119,11 @@ class LayerSkipTrainer:
     # ------------------------------------------------------------------ setup
 
     def setup(self) -> "LayerSkipTrainer":
-        from draftsmith.data import BatchStream, Collator, prepare_data
+        from draftsmith.data import BatchStream, Collator
 
         r, ls = self.recipe, self.recipe.layerskip
-        self.accelerator = acc = engine.make_accelerator(r.train, r.deepspeed)
-        torch.manual_seed(r.train.seed)
-        self.resume_from = checkpoint.open_run(acc, self.output_dir, r.train.resume)
+        lifecycle.start(self)
+        acc = self.accelerator
 
         # The weights that train are float32 whatever target.dtype says; mixed precision is train:'s.
         model, tokenizer = load_causal_lm(r.target.path, "float32", r.target.gguf_file, what="target")
@@ -144,46 +143,40 @@ class LayerSkipTrainer:
         writer = model
         if r.data.regenerate.enabled and resolve_dtype(r.target.dtype, "target") != "float32":
             writer, _ = load_causal_lm(r.target.path, r.target.dtype, r.target.gguf_file, what="target")
-        with acc.main_process_first():
-            self.data = prepare_data(r.data, tokenizer, r.data_dir(), target_model=writer, progress=acc.is_main_process)
+        self.data = prepare_shared_data(r, acc, tokenizer, writer)
         del writer
 
         self.lm = with_lora(model, ls.lora)
         self.step_module = LayerSkipStep(self.lm)
-        optimizer = engine.build_optimizer(self.step_module.parameters(), r.train)
-        self.scheduler = engine.build_scheduler(optimizer, r.train)
-        load_from = checkpoint.prepare_resume(acc, self.resume_from) if self.resume_from is not None else None
-        self.model, self.optimizer = acc.prepare(self.step_module, optimizer)
-        acc.register_for_checkpointing(self.scheduler)
-        if ls.lora.enabled:
-            acc.register_save_state_pre_hook(keep_adapter_weights)
-
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.collator = Collator(pad_token_id=pad, max_length=r.data.max_length, packing=r.data.packing)
+        lifecycle.prepare(self, self.step_module, self.step_module.parameters(), adapter_only=ls.lora.enabled)
+        self.collator = Collator(pad_token_id=pad_token_id(tokenizer), max_length=r.data.max_length, packing=r.data.packing)
         self.stream = BatchStream(
             self.data.train, batch_size=r.train.micro_batch_size, collator=self.collator, seed=r.data.seed,
             shuffle=True, rank=acc.process_index, world_size=acc.num_processes,
         )
         self.drop_rates = layer_dropout_rates(L, ls.layer_dropout.max_rate, ls.layer_dropout.scale)
-        self.metrics = loop.MetricsLog(self.output_dir, enabled=acc.is_main_process)
         self.step = 0
-        if self.resume_from is not None:
-            # strict=False: a LoRA checkpoint holds the adapter only (the base is the target's own files).
-            state = checkpoint.load_checkpoint(acc, self.resume_from, load_from, strict=False)
+        # strict=False: a LoRA checkpoint holds the adapter only (the base is the target's own files).
+        state = lifecycle.resume(self, strict=False)
+        if state is not None:
             self.step = state["step"]
             self.stream.load_state_dict(state["data"])
-            self.metrics.truncate_after(self.step)
-            log(f"resumed from {self.resume_from} at step {self.step}")
-        checkpoint.record_run(acc, r, self.output_dir, self.argv)
-        n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in self.step_module.parameters() if p.requires_grad)
         ee, ld = ls.early_exit, ls.layer_dropout
-        log(
-            f"target {r.target.path} ({L} decoder layers; {n_params:,} trainable parameters{', LoRA' if ls.lora.enabled else ''}); "
-            f"layer dropout up to {ld.max_rate} ({ld.scale}, {ld.curriculum}); early-exit loss scale {ee.scale}, "
-            f"{ee.curriculum}{f' every {ee.rotation} layers' if ee.curriculum == 'rotational' else ''}; "
-            f"{len(self.data.train)} train / {len(self.data.eval)} eval examples; " + engine.describe_engine(acc, r)
+        lifecycle.record(
+            self,
+            f"target {r.target.path} ({L} decoder layers; {lifecycle.trainable_parameters(self.step_module):,} trainable parameters"
+            f"{', LoRA' if ls.lora.enabled else ''}); layer dropout up to {ld.max_rate} ({ld.scale}, {ld.curriculum}); early-exit loss "
+            f"scale {ee.scale}, {ee.curriculum}{f' every {ee.rotation} layers' if ee.curriculum == 'rotational' else ''}; "
+            f"{len(self.data.train)} train / {len(self.data.eval)} eval examples",
         )
         return self
+
+    prepare = staticmethod(prepare_with_target)
+
+    @property
+    def watched(self) -> nn.Module:
+        """The model being trained (the target itself); it stays after close() for tests to inspect."""
+        return self.lm
 
     # ------------------------------------------------------------------ steps
 
@@ -294,7 +287,7 @@ class LayerSkipTrainer:
             "last_eval": getattr(self, "last_eval", None),
         }
         acc = self.accelerator
-        weights = draft_checkpoint_weights(acc, self.step_module, ls.lora.enabled)
+        weights = checkpoint.draft_checkpoint_weights(acc, self.step_module, ls.lora.enabled)
         path = checkpoint.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, "early_exit", weights, self.argv)
         self.last_checkpoint = path
         return path
@@ -307,13 +300,7 @@ class LayerSkipTrainer:
         return loop.train_from_first_eval(self, "layerskip")
 
     def close(self) -> None:
-        """Release the engine and the process group so every rank exits cleanly (also after a failed setup)."""
-        acc = getattr(self, "accelerator", None)
-        self.model = self.optimizer = self.step_module = self.lm = None
-        if getattr(self, "metrics", None) is not None:
-            self.metrics.close()
-        if acc is not None:
-            engine.teardown(acc)
+        lifecycle.close(self)
 
 
 def format_eval(step: int, result: dict) -> str:

@@ -1,6 +1,8 @@
-"""The step loop every trainer runs, with its metrics log and its Ctrl-C / SIGTERM handling.
+"""The step loop every trainer runs, with its metrics log and its Ctrl-C / SIGTERM handling, and
+the Trainer protocol: what the loop, the command line and the test helpers need of a trainer.
 
-Functions, not a base class: a trainer reads top to bottom and calls what it needs.
+Functions, not a base class: a trainer reads top to bottom and calls what it needs
+(trainers/lifecycle.py holds its set-up and close).
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Protocol
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from draftsmith.atomic import write_atomic
 from draftsmith.runs import log
@@ -74,6 +76,55 @@ class MetricsLog:
             self._tb.close()
 
 
+# ----------------------------------------------------------------------------- what a trainer is
+
+
+class Trainer(Protocol):
+    """A trainer, as ``TRAINERS[name](recipe, argv)`` builds it.
+
+    The command line calls ``setup()``, ``train()`` and, whatever happened, ``close()``;
+    ``draftsmith prepare`` calls ``prepare(recipe)`` (the data step alone, on the class). run_loop
+    drives ``advance``, ``evaluate``, ``describe`` and ``save`` and reads the attributes below.
+    The test helpers snapshot ``watched`` before training.
+    """
+
+    recipe: Any
+    argv: list[str]
+    output_dir: Path
+    accelerator: Any
+    metrics: "MetricsLog"
+    # The checkpoint resumed from (None on a fresh run), and the newest one written since.
+    resume_from: Optional[Path]
+    last_checkpoint: Optional[Path]
+    last_eval: Optional[dict]
+    step: int
+
+    @staticmethod
+    def prepare(recipe) -> dict:
+        """The data step of `recipe` on its own; returns summary counts."""
+
+    def setup(self) -> "Trainer": ...
+
+    def train(self) -> dict:
+        """Run to the end of the schedule; returns the summary written to final_metrics.json."""
+
+    def close(self) -> None: ...
+
+    def advance(self) -> tuple[int, dict]:
+        """One unit of work (an optimizer step, a round of requests): (new position, logged values)."""
+
+    def evaluate(self) -> dict: ...
+
+    def describe(self, position: int, evaluation: dict) -> str: ...
+
+    def save(self) -> Path: ...
+
+    @property
+    def watched(self) -> nn.Module:
+        """The model whose weights a test compares before and after training (the frozen target,
+        or the model itself where the target trains)."""
+
+
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -104,13 +155,11 @@ def crossed(before: int, after: int, every: int) -> bool:
     return after // every > before // every
 
 
-def run_loop(trainer, schedule: Schedule, start: int, desc: str) -> tuple[dict, float]:
+def run_loop(trainer: Trainer, schedule: Schedule, start: int, desc: str) -> tuple[dict, float]:
     """Advance `trainer` from position `start` to ``schedule.total``. Returns (the last evaluation
     or {}, seconds spent).
 
-    The trainer provides accelerator, metrics, last_checkpoint, ``advance() -> (position,
-    values)`` (one unit of work or one round of it), ``evaluate() -> dict``, ``describe(position,
-    evaluation) -> str`` and ``save()``. Values holding a "loss" are logged (at the first position
+    Values that ``advance()`` returns holding a "loss" are logged (at the first position
     and then every ``log_every``); a NaN or infinite loss raises TrainingError naming the position
     and the last good checkpoint. Evaluates every ``eval_every`` and at the end; saves every
     ``save_every``, at the end and when a SIGINT/SIGTERM reached any rank (then stops, every rank at
@@ -153,12 +202,11 @@ def run_loop(trainer, schedule: Schedule, start: int, desc: str) -> tuple[dict, 
     return result, time.time() - started
 
 
-def train_from_first_eval(trainer, desc: str) -> dict:
+def train_from_first_eval(trainer: Trainer, desc: str) -> dict:
     """run_loop over ``train.max_steps`` for a trainer whose figures compare with where its model
     started (distill, layerskip): a fresh run evaluates before the first step (logged as step 0 and
     printed), a resumed run does not. Writes final_metrics.json and returns that summary."""
     acc = trainer.accelerator
-    trainer.last_checkpoint = trainer.resume_from
     first = {}
     if trainer.step == 0:
         first = trainer.first_eval = trainer.evaluate()

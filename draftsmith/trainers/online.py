@@ -22,21 +22,14 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from draftsmith.recipe import Recipe
 from draftsmith.runs import log
 from draftsmith.target import FrozenTarget, load_draft
-from draftsmith.trainers import checkpoint, engine, loop
-from draftsmith.trainers.distill import (
-    DistillStep,
-    check_same_tokenizer,
-    common_vocab,
-    distill_objective,
-    draft_checkpoint_weights,
-    keep_adapter_weights,
-    predicted_mask,
-)
+from draftsmith.trainers import checkpoint, engine, lifecycle, loop
+from draftsmith.trainers.data import pad_token_id, prepare_with_target
+from draftsmith.trainers.distill import DistillStep, check_same_tokenizer, common_vocab, distill_objective, predicted_mask
 
 
 class EmptyReplayWarning(UserWarning):
@@ -67,13 +60,6 @@ def stream_prompts(recipe: Recipe) -> list[dict]:
     return stream
 
 
-def encode(tokenizer, messages: list[dict], max_length: int) -> list[int]:
-    """A prompt's token ids with the generation prompt, cut from the left to fit max_length."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ids[-max_length:]
-
-
 class OnlineTrainer:
     def __init__(self, recipe: Recipe, argv: Optional[list[str]] = None) -> None:
         self.recipe = recipe
@@ -82,55 +68,48 @@ class OnlineTrainer:
 
     # ------------------------------------------------------------------ setup
 
+    prepare = staticmethod(prepare_with_target)
+
     def setup(self) -> "OnlineTrainer":
         from draftsmith.data import Collator
-        from draftsmith.data.regenerate import stop_token_ids
+        from draftsmith.data.chat import stop_token_ids
         from draftsmith.data.replay import ReplayBuffer
 
         r = self.recipe
-        self.accelerator = acc = engine.make_accelerator(r.train, r.deepspeed)
-        torch.manual_seed(r.train.seed)
-        self.resume_from = checkpoint.open_run(acc, self.output_dir, r.train.resume)
-
-        self.target = FrozenTarget.from_config(r.target).to(acc.device)
+        lifecycle.start(self)
+        self.target = FrozenTarget.from_config(r.target).to(self.accelerator.device)
         self.tokenizer = tokenizer = self.target.tokenizer
         self.draft, draft_tokenizer = load_draft(r.draft)
         check_same_tokenizer(draft_tokenizer, tokenizer, r.draft.path, r.target.path)
         self.stream = stream_prompts(r)
-        self.eos = stop_token_ids(tokenizer)
+        self.eos = stop_token_ids(tokenizer, self.target.model.generation_config)
 
         self.step_module = DistillStep(self.draft)
-        optimizer = engine.build_optimizer(self.draft.parameters(), r.train)
-        self.scheduler = engine.build_scheduler(optimizer, r.train)
-        load_from = checkpoint.prepare_resume(acc, self.resume_from) if self.resume_from is not None else None
-        self.model, self.optimizer = acc.prepare(self.step_module, optimizer)
-        acc.register_for_checkpointing(self.scheduler)
-        if r.draft.lora.enabled:
-            acc.register_save_state_pre_hook(keep_adapter_weights)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.collator = Collator(pad_token_id=pad, max_length=r.data.max_length)
+        lifecycle.prepare(self, self.step_module, self.draft.parameters(), adapter_only=r.draft.lora.enabled)
+        self.collator = Collator(pad_token_id=pad_token_id(tokenizer), max_length=r.data.max_length)
         # Every rank keeps the same buffer (all verified records), so an update's batches, a
         # checkpoint and a resume at another world size do not depend on who served what.
         self.buffer = ReplayBuffer(r.online.buffer_size, seed=r.train.seed, train_on=r.online.train_on)
-        self.metrics = loop.MetricsLog(self.output_dir, enabled=acc.is_main_process)
-        self.served = 0
+        self.served = 0  # checkpoints are numbered by requests served (their "step")
         self.step = 0  # optimizer steps
         self.window: list[tuple[int, int]] = []  # (accepted, judged) of the last online.window requests
-        if self.resume_from is not None:
-            state = checkpoint.load_checkpoint(acc, self.resume_from, load_from, strict=False)
+        state = lifecycle.resume(self, strict=False)
+        if state is not None:
             self.step, self.served = state["optimizer_steps"], state["step"]
             self.buffer.load_state_dict(state["buffer"])
-            self.metrics.truncate_after(self.served)
-            log(f"resumed from {self.resume_from} after {self.served} requests")
-        checkpoint.record_run(acc, r, self.output_dir, self.argv)
         self.swap_drafter()
         sources = ", ".join(dict.fromkeys(p["source"] for p in self.stream))
-        log(
+        lifecycle.record(
+            self,
             f"serving {len(self.stream)} requests ({sources}) with draft {r.draft.path} for target {r.target.path}; "
-            f"update every {r.online.update_every} requests ({r.online.steps_per_update} steps, {r.distill.divergence}); "
-            + engine.describe_engine(acc, r)
+            f"update every {r.online.update_every} requests ({r.online.steps_per_update} steps, {r.distill.divergence})",
         )
         return self
+
+    @property
+    def watched(self) -> nn.Module:
+        """The frozen target: serving and updating must leave its weights as they were."""
+        return self.target.model
 
     def swap_drafter(self) -> None:
         """Put the current draft weights into the runtime: a fresh drafter, no restart."""
@@ -143,17 +122,18 @@ class OnlineTrainer:
 
     def serve(self, request: dict, seed: int) -> dict:
         """Answer one request speculatively. Returns its stats and, under "record", its verified tokens."""
+        from draftsmith.data.chat import encode_prompt
         from draftsmith.data.replay import verified_record
         from draftsmith.runtime.generate import speculative_generate
+        from draftsmith.runtime.verify import SamplingParams
 
         o, device = self.recipe.online, self.accelerator.device
         room = self.recipe.data.max_length - o.max_new_tokens
-        prompt = encode(self.tokenizer, request["messages"], max(1, room))
+        prompt = encode_prompt(self.tokenizer, request["messages"], max(1, room))
         ids = torch.tensor([prompt], device=device)
         generator = torch.Generator(device=device).manual_seed(seed)
-        mode = {"mode": "greedy"} if o.temperature == 0 else {"mode": "sample", "temperature": o.temperature}
         out, stats = speculative_generate(
-            self.target, self.drafter, ids, o.max_new_tokens, eos_token_id=self.eos, generator=generator, **mode
+            self.target, self.drafter, ids, o.max_new_tokens, SamplingParams.choose(o.temperature), eos_token_id=self.eos, generator=generator
         )
         record = verified_record(prompt, out[0, len(prompt) :].tolist(), stats.accept_lens, stats.draft_depths)
         return {
@@ -218,7 +198,7 @@ class OnlineTrainer:
             "last_eval": getattr(self, "last_eval", None),
         }
         acc = self.accelerator
-        weights = draft_checkpoint_weights(acc, self.step_module, self.recipe.draft.lora.enabled)
+        weights = checkpoint.draft_checkpoint_weights(acc, self.step_module, self.recipe.draft.lora.enabled)
         # Checkpoints are numbered by requests served: that is where a resumed stream picks up.
         path = checkpoint.save_checkpoint(acc, self.output_dir, self.served, state, self.recipe, "standalone", weights, self.argv)
         self.last_checkpoint = path
@@ -253,7 +233,6 @@ class OnlineTrainer:
     def train(self) -> dict:
         """Serve the stream, updating the drafter every online.update_every requests."""
         acc, r = self.accelerator, self.recipe
-        self.last_checkpoint = self.resume_from
         schedule = loop.Schedule(len(self.stream), "request", log_every=1, save_every=r.train.save_every, log_kind="update")
         _, elapsed = loop.run_loop(self, schedule, self.served, "serve")
         summary = {"served": self.served, "optimizer_steps": self.step, "seconds": round(elapsed, 1), "checkpoint": str(self.last_checkpoint)}
@@ -263,13 +242,7 @@ class OnlineTrainer:
         return summary
 
     def close(self) -> None:
-        """Release the engine and the process group so every rank exits cleanly (also after a failed setup)."""
-        acc = getattr(self, "accelerator", None)
-        self.model = self.optimizer = self.step_module = None
-        if getattr(self, "metrics", None) is not None:
-            self.metrics.close()
-        if acc is not None:
-            engine.teardown(acc)
+        lifecycle.close(self)
 
 
 def serve_records(output_dir: str | Path) -> list[dict]:

@@ -20,7 +20,7 @@ pytestmark = [
 pytest.importorskip("triton")
 
 from draftsmith.runtime.tree import DraftTree  # noqa: E402
-from draftsmith.runtime.verify import logits_to_probs, verify_greedy, verify_sample  # noqa: E402
+from draftsmith.runtime.verify import SamplingParams, logits_to_probs, verify_greedy, verify_sample  # noqa: E402
 
 KERNEL_MODULE = "draftsmith.runtime.kernels.verify_kernels"
 FIELDS = ("accept_len", "best_node", "path", "accepted_tokens", "bonus")
@@ -104,7 +104,7 @@ def test_greedy_matches_reference(kernels, B, N, V, dtype):
     tree = DraftTree(tokens, parents, depths, num_nodes)
     tree.validate()
     want = verify_greedy(tree, logits)
-    got = kernels.fused_verify(tree, logits, "greedy")
+    got = kernels.fused_verify(tree, logits)
     assert_same(got, want)
     assert int(want.accept_len.max()) >= 2  # the cases reach past the root
 
@@ -133,9 +133,8 @@ def test_sample_matches_reference_given_uniforms(kernels, temperature, top_k, to
     B, N, V = 32, 48, 152064
     tree, logits = sample_tree(gen, B, N, V, temperature, top_k, top_p)
     u = torch.rand(B, N + 1, device=DEVICE)
-    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, uniforms=u)
-    want = verify_sample(tree, logits, **kw)
-    got = kernels.fused_verify(tree, logits, "sample", **kw)
+    want = verify_sample(tree, logits, temperature=temperature, top_k=top_k, top_p=top_p, uniforms=u)
+    got = kernels.fused_verify(tree, logits, SamplingParams("sample", temperature, top_k, top_p), uniforms=u)
     # Float rounding differs (exp, sums over 152k terms in another order), so a uniform that
     # lands within ~1e-6 of an acceptance or CDF boundary may go the other way: allow one tree.
     same = torch.ones(B, dtype=torch.bool, device=DEVICE)
@@ -163,7 +162,7 @@ def test_sample_first_token_follows_the_target(kernels):
     parents = torch.tensor([[-1, 0, 0, 0]], device=DEVICE).expand(B, N)
     depths = torch.tensor([[0, 1, 1, 1]], device=DEVICE).expand(B, N)
     tree = DraftTree(tokens, parents, depths, torch.full((B,), N, device=DEVICE), draft)
-    got = kernels.fused_verify(tree, logits, "sample", generator=torch.Generator(DEVICE).manual_seed(9))
+    got = kernels.fused_verify(tree, logits, SamplingParams("sample"), generator=torch.Generator(DEVICE).manual_seed(9))
     first = torch.where(got.accept_len >= 1, got.accepted_tokens[:, 0], got.bonus)
     p = torch.softmax(base[0].double(), -1)
     top = p.topk(40).indices

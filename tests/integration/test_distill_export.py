@@ -79,9 +79,9 @@ train: {{micro_batch_size: 4, max_steps: 3, lr: 0.05, log_every: 1, eval_every: 
 
     # The run folder itself is a drafter as well (`draftsmith eval --drafter RUN`): the trained
     # draft with LoRA merged, drafting for the target its recipe names.
-    from draftsmith.eval.run import load_drafter
+    from draftsmith.runtime.load import load_drafter
 
-    loaded = load_drafter(tmp_path / "run")
+    loaded = load_drafter(tmp_path / "run", dtype="float32")
     assert loaded.kind == "standalone" and loaded.target_path == str(target_dir)
     assert torch.allclose(loaded.draft_model(input_ids=probe).logits, trained_logits, atol=1e-5)
     run_out, _ = speculative_generate(loaded.target, loaded.drafter, prompt, 24)

@@ -10,16 +10,15 @@ cannot be skipped are refused in one line.
 
 import pytest
 import torch
-from scipy import stats
 
 from draftsmith.runtime import verify as verify_module
 from draftsmith.runtime.drafters import DrafterError
 from draftsmith.runtime.early_exit import EarlyExitDrafter, ExitLayerError
 from draftsmith.runtime.generate import TargetSession, speculative_generate
 from draftsmith.runtime.tree import TreeSpec, default_tree
-from draftsmith.runtime.verify import logits_to_probs, verify_greedy
+from draftsmith.runtime.verify import SamplingParams, verify_greedy
 from draftsmith.target import FrozenTarget
-from draftsmith.testing import tiny_causal_lm, tiny_tokenizer
+from draftsmith.testing import joint_p_value, tiny_causal_lm, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -135,35 +134,18 @@ def _peaky():
     return model
 
 
-def _target_joint(model):
-    with torch.no_grad():
-        first = logits_to_probs(model(PROMPT).logits[0, -1].double(), TEMPERATURE, 0, TOP_P)
-        second = torch.stack([
-            logits_to_probs(model(torch.cat([PROMPT, torch.tensor([[x]])], 1)).logits[0, -1].double(), TEMPERATURE, 0, TOP_P)
-            for x in range(V)
-        ])
-    return (first.unsqueeze(1) * second).flatten()
-
-
 def _joint_p_value(n, seed):
     """(chi-square p-value of the first two sampled tokens against the target's law, drafts accepted)."""
     model = _peaky()
     target = FrozenTarget(model)
     drafter = EarlyExitDrafter(target, 1, TreeSpec.chain(2))
     gen = torch.Generator().manual_seed(seed)
-    cells, accepted = [], 0
+    pairs, accepted = [], 0
     for _ in range(n):
-        out, st = speculative_generate(target, drafter, PROMPT, 2, mode="sample", temperature=TEMPERATURE, top_p=TOP_P, generator=gen)
-        cells.append(int(out[0, 3]) * V + int(out[0, 4]))
+        out, st = speculative_generate(target, drafter, PROMPT, 2, SamplingParams("sample", TEMPERATURE, top_p=TOP_P), generator=gen)
+        pairs.append((int(out[0, 3]), int(out[0, 4])))
         accepted += st.accept_lens[0]
-    observed = torch.bincount(torch.tensor(cells), minlength=V * V).double()
-    expected = _target_joint(model) * n
-    if observed[expected == 0].sum() > 0:
-        return 0.0, accepted
-    common = expected >= 5
-    obs = torch.cat([observed[common], observed[~common].sum().view(1)])
-    exp = torch.cat([expected[common], expected[~common].sum().view(1)])
-    return float(stats.chisquare(obs.numpy(), (exp / exp.sum() * n).numpy()).pvalue), accepted
+    return joint_p_value(pairs, model, PROMPT, TEMPERATURE, TOP_P), accepted
 
 
 def test_sampled_self_speculation_follows_the_target():

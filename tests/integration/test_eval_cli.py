@@ -1,17 +1,11 @@
 """`draftsmith eval` / `generate` end to end on tiny models: reports, losslessness, clear errors."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from draftsmith.export import export
-from draftsmith.testing import REPO, heads_recipe, run_trainer, save_tiny_model
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "draftsmith.cli", *map(str, args)], capture_output=True, text=True, cwd=REPO)
+from draftsmith.testing import cli, heads_recipe, run_trainer, save_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,6 @@ transformers' generate(assistant_early_exit=E) runs token-identical to greedy de
 acceptance; eval and the exit-layer sweep; bad input in one line with exit 2 and nothing written."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +14,7 @@ from safetensors.torch import load_file
 
 from draftsmith.recipe import RecipeError
 from draftsmith.runs import list_checkpoints, read_state
-from draftsmith.testing import REPO, logged, save_tiny_model, tiny_tokenizer, write_chats, write_recipe
-from draftsmith.trainers import TRAINERS
+from draftsmith.testing import cli, logged, run_trainer, save_tiny_model, tiny_tokenizer, write_chats, write_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,30 +39,6 @@ train: {{micro_batch_size: 4, max_steps: 24, lr: 0.003, warmup_steps: 2, log_eve
     return write_recipe(tmp_path / f"{name}.yaml", text, *overrides)
 
 
-def train(recipe, interrupt_at=None):
-    """Set up and train in this process (a SIGTERM at the end of step `interrupt_at`); returns the
-    trainer, its summary and the model's weights before training."""
-    trainer = TRAINERS["layerskip"](recipe, argv=["draftsmith", "train", "test"]).setup()
-    if interrupt_at is not None:
-        original = trainer.advance
-
-        def advance_then_signal():
-            position, values = original()
-            if position == interrupt_at:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return position, values
-
-        trainer.advance = advance_then_signal
-    before = {k: v.clone() for k, v in trainer.lm.state_dict().items()}
-    try:
-        summary = trainer.train()
-    finally:
-        lm = trainer.lm
-        trainer.close()
-    trainer.lm = lm
-    return trainer, summary, before
-
-
 def evals(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
 
@@ -79,7 +50,7 @@ def trained(tmp_path_factory, model_dir):
     runs = {}
     for name, scale in (("exits", "1.0"), ("last", "0.0")):
         recipe = make_recipe(tmp, model_dir, name, f"layerskip.early_exit.scale={scale}")
-        runs[name] = (recipe, *train(recipe))
+        runs[name] = (recipe, *run_trainer(recipe))
     return tmp, runs
 
 
@@ -153,20 +124,16 @@ def test_layer_dropout_skips_layers_per_sample_and_never_in_eval(model_dir):
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, model_dir):
-    full, *_ = train(make_recipe(tmp_path, model_dir, "full", "train.max_steps=10", "train.save_every=5", "train.eval_every=10"))
+    full, *_ = run_trainer(make_recipe(tmp_path, model_dir, "full", "train.max_steps=10", "train.save_every=5", "train.eval_every=10"))
     reference = logged(tmp_path / "full")
     recipe = make_recipe(tmp_path, model_dir, "resumed", "train.max_steps=10", "train.save_every=5", "train.eval_every=10")
-    train(recipe, interrupt_at=6)
+    run_trainer(recipe, interrupt_at=6)
     assert list_checkpoints(tmp_path / "resumed")[-1].name == "step-000006"
-    train(recipe)
+    run_trainer(recipe)
     resumed = logged(tmp_path / "resumed")
     assert sorted(resumed) == sorted(reference)
     for step in reference:
         assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "draftsmith.cli", *map(str, args)], capture_output=True, text=True, cwd=REPO)
 
 
 @pytest.fixture(scope="module")
@@ -180,16 +147,16 @@ def prompts(tmp_path_factory):
 def test_lora_checkpoint_holds_the_adapter_and_exports_merged(tmp_path, model_dir):
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.export.early_exit import export_early_exit
+    from draftsmith.export import export
 
     recipe = make_recipe(
         tmp_path, model_dir, "lora", "layerskip.lora.enabled=true", "layerskip.lora.r=4", "layerskip.exit_layer=2",
         "train.max_steps=6", "train.save_every=6", "train.eval_every=6", "train.lr=0.01",
     )
-    trainer, _, before = train(recipe)
+    trainer, _, before = run_trainer(recipe)
     weights = load_file(str(list_checkpoints(tmp_path / "lora")[-1] / "model.safetensors"))
     assert weights and all("lora_" in k for k in weights)
-    out = export_early_exit(tmp_path / "lora", tmp_path / "lora-export")
+    out = export(tmp_path / "lora", tmp_path / "lora-export")
     config = json.loads((out / "config.json").read_text())
     assert config["layerskip"]["exit_layer"] == 2 and "layerskip.exit_layer in the recipe" in config["layerskip"]["chosen_by"]
     merged = AutoModelForCausalLM.from_pretrained(out)
@@ -208,27 +175,27 @@ def test_export_runs_in_transformers_assistant_early_exit_like_our_runtime(train
     5% of our runtime's mean accepted length: the same drafts, judged by the same model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftsmith.eval.early_exit import load_early_exit
-    from draftsmith.eval.run import encode_prompt
-    from draftsmith.export.early_exit import export_early_exit
+    from draftsmith.data.chat import encode_prompt
+    from draftsmith.export import export
     from draftsmith.runtime.generate import speculative_generate
+    from draftsmith.runtime.load import load_drafter
 
     tmp, runs = trained
     # The run trained with the last layer's loss only: its early exits agree with it partly.
-    out = export_early_exit(tmp / "last", tmp_path / "export")
+    out = export(tmp / "last", tmp_path / "export")
     E = json.loads((out / "config.json").read_text())["layerskip"]["exit_layer"]
     assert (out / "README.md").read_text().count(f"assistant_early_exit={E}") == 1
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
     config = model.generation_config
     config.num_assistant_tokens, config.num_assistant_tokens_schedule, config.assistant_confidence_threshold = 3, "constant", 0.0
-    loaded = load_early_exit(out, exit_layer=1, tree="1,1,1")
+    loaded = load_drafter(out, exit_layer=1, tree="1,1,1", dtype="float32")
     counted = {"full": 0}
     model.register_forward_pre_hook(lambda m, *_: counted.__setitem__("full", counted["full"] + (m.config.num_hidden_layers == LAYERS)))
     ours_tokens = ours_steps = hf_tokens = 0
     accepted = 0
     for row in map(json.loads, prompts.read_text().splitlines()):
-        ids = encode_prompt(tokenizer, [{"role": "user", "content": row["prompt"]}], "cpu")
+        ids = torch.tensor([encode_prompt(tokenizer, [{"role": "user", "content": row["prompt"]}])])
         kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=30, eos_token_id=2, pad_token_id=0)
         with torch.no_grad():
             plain = model.generate(ids, **kwargs)
@@ -246,7 +213,7 @@ def test_export_runs_in_transformers_assistant_early_exit_like_our_runtime(train
 
 
 def test_eval_cli_and_the_exit_layer_sweep(trained, prompts, tmp_path, model_dir):
-    from draftsmith.export.early_exit import export_early_exit
+    from draftsmith.export import export
 
     tmp, _ = trained
     proc = cli("eval", "--drafter", tmp / "last", "--exit-layer", 2, "--prompts", prompts, "--max-new-tokens", 16, "--out", tmp_path / "run")
@@ -254,7 +221,7 @@ def test_eval_cli_and_the_exit_layer_sweep(trained, prompts, tmp_path, model_dir
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["drafter_kind"] == "early_exit" and report["exit_layer"] == 2
     assert report["greedy_identical_to_baseline"] == "3/3" and report["assisted_tokens_per_target_forward"] > 1
-    out = export_early_exit(tmp / "last", tmp_path / "export")
+    out = export(tmp / "last", tmp_path / "export")
     proc = cli("eval", "--drafter", out, "--exit-layer", "sweep", "--prompts", prompts, "--max-new-tokens", 12, "--no-assisted", "--out", tmp_path / "sweep")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "sweep" / "report.json").read_text())

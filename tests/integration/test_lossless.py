@@ -11,7 +11,6 @@ import copy
 
 import pytest
 import torch
-from scipy import stats
 
 from draftsmith.heads.clover import CloverConfig, CloverHead
 from draftsmith.heads.eagle import EagleConfig, EagleHead
@@ -21,9 +20,9 @@ from draftsmith.runtime import verify as verify_module
 from draftsmith.runtime.drafters import HeadDrafter, StandaloneDrafter
 from draftsmith.runtime.generate import speculative_generate
 from draftsmith.runtime.tree import DynamicTreeSpec, TreeSpec, default_tree
-from draftsmith.runtime.verify import logits_to_probs
+from draftsmith.runtime.verify import SamplingParams
 from draftsmith.target import FrozenTarget
-from draftsmith.testing import tiny_causal_lm, tiny_tokenizer
+from draftsmith.testing import joint_p_value, tiny_causal_lm, tiny_tokenizer
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -166,19 +165,6 @@ def _peaky(seed):
     return model
 
 
-def _target_joint(model):
-    """The target's own processed law of the first two generated tokens [V*V]."""
-    with torch.no_grad():
-        first = logits_to_probs(model(PROMPT).logits[0, -1].double(), TEMPERATURE, 0, TOP_P)
-        second = torch.stack(
-            [
-                logits_to_probs(model(torch.cat([PROMPT, torch.tensor([[x]])], 1)).logits[0, -1].double(), TEMPERATURE, 0, TOP_P)
-                for x in range(V)
-            ]
-        )
-    return (first.unsqueeze(1) * second).flatten()
-
-
 def _speculative_joint_p_value(n, seed, drafter_kind="static", head=None):
     """Chi-square p-value of n sampled pairs of first tokens against the target's law. The drafter:
     a second peaky model drafting a static tree ("static") or an EAGLE-2 dynamic tree ("dynamic"),
@@ -202,19 +188,11 @@ def _speculative_joint_p_value(n, seed, drafter_kind="static", head=None):
                 p.add_(torch.randn_like(p) * 0.5)
         drafter = HeadDrafter(eagle, target, DynamicTreeSpec(depth=2, topk=3, budget=5))
     gen = torch.Generator().manual_seed(seed)
-    cells = []
+    pairs = []
     for _ in range(n):
-        out, _ = speculative_generate(target, drafter, PROMPT, 2, mode="sample", temperature=TEMPERATURE, top_p=TOP_P, generator=gen)
-        cells.append(int(out[0, 3]) * V + int(out[0, 4]))
-    observed = torch.bincount(torch.tensor(cells), minlength=V * V).double()
-    expected = _target_joint(target_model) * n
-    if observed[expected == 0].sum() > 0:
-        return 0.0  # a token top-p removed from the target's law
-    # Pool the rare cells so every chi-square cell expects at least 5.
-    common = expected >= 5
-    obs = torch.cat([observed[common], observed[~common].sum().view(1)])
-    exp = torch.cat([expected[common], expected[~common].sum().view(1)])
-    return float(stats.chisquare(obs.numpy(), (exp / exp.sum() * n).numpy()).pvalue)
+        out, _ = speculative_generate(target, drafter, PROMPT, 2, SamplingParams("sample", TEMPERATURE, top_p=TOP_P), generator=gen)
+        pairs.append((int(out[0, 3]), int(out[0, 4])))
+    return joint_p_value(pairs, target_model, PROMPT, TEMPERATURE, TOP_P)
 
 
 @pytest.mark.parametrize("drafter_kind", ["static", "dynamic", "eagle-dynamic"])

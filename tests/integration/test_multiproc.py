@@ -22,8 +22,7 @@ from safetensors.torch import load_file
 
 from draftsmith.recipe import load_recipe
 from draftsmith.runs import read_state
-from draftsmith.testing import REPO, assert_same_curve, launch, logged, write_chats
-from draftsmith.trainers import TRAINERS
+from draftsmith.testing import REPO, assert_same_curve, launch, logged, run_trainer, write_chats
 
 pytestmark = pytest.mark.multiproc
 
@@ -50,12 +49,7 @@ head: {{kind: medusa, num_heads: 2, num_layers: 1, lm_head: own}}
 train: {{micro_batch_size: 2, global_batch_size: 4, max_steps: 6, lr: 0.01, warmup_steps: 2, log_every: 1, eval_every: 6, save_every: 3, keep_last: 3}}
 """
     )
-    recipe = load_recipe(base, overrides=[f"output_dir={root / 'one'}"])
-    trainer = TRAINERS["heads"](recipe, argv=["test"]).setup()
-    try:
-        summary = trainer.train()
-    finally:
-        trainer.close()
+    _, summary, _ = run_trainer(load_recipe(base, overrides=[f"output_dir={root / 'one'}"]))
     return {"root": root, "base": base, "reference": logged(root / "one"), "summary": summary}
 
 
@@ -75,7 +69,7 @@ def test_ddp_two_processes_give_the_one_process_curve(setup):
 
 def test_zero2_from_a_feature_cache_trains_saves_and_a_two_process_checkpoint_resumes_in_one_process(setup):
     """ZeRO-2 training from a float32 feature cache that the two ranks build together."""
-    from draftsmith.export.hf import load_head
+    from draftsmith.artifacts import open_drafter
 
     out = setup["root"] / "z2"
     features = setup["root"] / "z2-features"
@@ -95,7 +89,7 @@ def test_zero2_from_a_feature_cache_trains_saves_and_a_two_process_checkpoint_re
     # The drafter's full weights sit beside the shards, and exports read them like any checkpoint.
     weights = load_file(str(ckpt / "model.safetensors"))
     assert weights and all(k.startswith("head.") for k in weights)
-    head = load_head(ckpt).head
+    head = open_drafter(ckpt).head
     assert torch.equal(head.state_dict()["lm_heads.0.weight"], weights["head.lm_heads.0.weight"])
 
     # Resume the 2-process checkpoint of step 3 in one plain process (micro-batch 2 x 2 accumulation).

@@ -12,30 +12,17 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.recipe import load_recipe
 from draftsmith.runs import list_checkpoints, read_state
-from draftsmith.testing import REPO, assert_same_curve, launch, logged, write_chats
-from draftsmith.trainers import TRAINERS
+from draftsmith.testing import REPO, assert_same_curve, launch, one_process_curve, write_chats
 
 REL = 1e-4
 
 pytestmark = pytest.mark.multiproc
-
-
-def one_process_curve(base: Path, out: Path, *overrides: str) -> dict[int, float]:
-    recipe = load_recipe(base, overrides=[f"output_dir={out}", *overrides])
-    trainer = TRAINERS["distill"](recipe, argv=["test"]).setup()
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    return logged(out)
 
 
 @pytest.fixture(scope="module")

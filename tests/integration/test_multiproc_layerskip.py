@@ -18,22 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.recipe import load_recipe
 from draftsmith.runs import read_state
-from draftsmith.testing import REPO, assert_same_curve, launch, logged, save_tiny_model, write_chats
-from draftsmith.trainers import TRAINERS
+from draftsmith.testing import REPO, assert_same_curve, launch, one_process_curve, save_tiny_model, write_chats
 
 pytestmark = pytest.mark.multiproc
-
-
-def one_process_curve(base: Path, out: Path, *overrides: str) -> dict[int, float]:
-    recipe = load_recipe(base, overrides=[f"output_dir={out}", *overrides])
-    trainer = TRAINERS["layerskip"](recipe, argv=["test"]).setup()
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    return logged(out)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +69,7 @@ def test_ddp_two_processes_give_the_one_process_curve(setup):
 def test_zero_fully_fine_tunes_to_the_one_process_curve_and_exports(setup, stage, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.export.early_exit import export_early_exit
+    from draftsmith.export import export
 
     out = setup["root"] / f"z{stage}"
     done = launch(str(setup["base"]), str(REPO / f"recipes/deepspeed/zero{stage}.yaml"), f"output_dir={out}")
@@ -95,7 +83,7 @@ def test_zero_fully_fine_tunes_to_the_one_process_curve_and_exports(setup, stage
     assert set(weights) == set(one)
     for key in one:
         assert torch.allclose(one[key], weights[key], atol=1e-5), key
-    exported = export_early_exit(ckpt, tmp_path / "export")
+    exported = export(ckpt, tmp_path / "export")
     model = AutoModelForCausalLM.from_pretrained(exported)
     torch.testing.assert_close(model.state_dict()["model.norm.weight"], one["model.model.norm.weight"], atol=1e-5, rtol=1e-5)
     final = json.loads((out / "final_metrics.json").read_text())

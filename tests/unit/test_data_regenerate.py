@@ -10,7 +10,7 @@ import torch
 from draftsmith.data import regenerate_conversations
 from draftsmith.data.regenerate import top_p_filter
 from draftsmith.recipe import RegenerateConfig
-from draftsmith.testing import tiny_causal_lm, tiny_tokenizer
+from draftsmith.testing import answering_model, tiny_tokenizer
 
 
 def U(text):
@@ -43,12 +43,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model(tok):
-    model = tiny_causal_lm("llama", vocab_size=len(tok), seed=0)
-    # A random model almost never says <|im_end|>. Tie its LM-head row to a common character's
-    # (scaled up) so answers end at varied lengths and both stopping paths are exercised.
-    with torch.no_grad():
-        model.lm_head.weight[tok.eos_token_id] = 1.1 * model.lm_head.weight[tok.convert_tokens_to_ids("K")]
-    return model
+    return answering_model(tok)
 
 
 def reference(model, tok, conversation, max_new_tokens=MAX_NEW, max_turns=None):

@@ -14,7 +14,7 @@ import torch
 from draftsmith.data import DataError, regenerate_conversations, tokenize_conversation
 from draftsmith.data.server import RegenerationServer, ServerError, run_pool
 from draftsmith.recipe import RecipeError, RegenerateConfig, ServerConfig, load_recipe
-from draftsmith.testing import tiny_causal_lm, tiny_tokenizer
+from draftsmith.testing import answering_model, tiny_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from openai_server import FakeOpenAIServer  # noqa: E402
@@ -44,10 +44,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model(tok):
-    model = tiny_causal_lm("llama", vocab_size=len(tok), seed=0)
-    with torch.no_grad():  # answers that end at varied lengths (see test_data_regenerate.py)
-        model.lm_head.weight[tok.eos_token_id] = 1.1 * model.lm_head.weight[tok.convert_tokens_to_ids("K")]
-    return model
+    return answering_model(tok)
 
 
 def config(url="http://127.0.0.1:1/v1", **server):

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.export import ExportError, export, load_head
+from draftsmith.artifacts import ArtifactError, open_drafter
+from draftsmith.export import export
 from draftsmith.heads import MedusaConfig, MedusaHead
 from draftsmith.target import FrozenTarget
 from draftsmith.testing import tiny_causal_lm
@@ -46,10 +47,10 @@ def fake_checkpoint(tmp_path: Path, lm_head: str = "own"):
 def test_export_round_trip_and_model_card(tmp_path):
     target, head, run = fake_checkpoint(tmp_path)
     out = export(run, tmp_path / "export")
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "metrics.json", "model.safetensors", "recipe.yaml"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "draftsmith-manifest.json", "metrics.json", "model.safetensors", "recipe.yaml"]
     config = json.loads((out / "config.json").read_text())["draftsmith"]
     assert config["drafter"] == "heads" and config["head"]["kind"] == "medusa" and config["target"]["path"] == "org/tiny"
-    loaded = load_head(out)
+    loaded = open_drafter(out)
     for key, value in head.state_dict().items():
         assert torch.equal(loaded.head.state_dict()[key], value), key
     card = (out / "README.md").read_text()
@@ -64,11 +65,11 @@ def test_export_round_trip_and_model_card(tmp_path):
 
 
 def test_loading_the_wrong_folder_fails_clearly(tmp_path):
-    with pytest.raises(ExportError, match="drafter folder not found"):
-        load_head(tmp_path / "missing")
+    with pytest.raises(ArtifactError, match="drafter folder not found"):
+        open_drafter(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ExportError, match="neither a draftsmith checkpoint nor a run folder"):
-        load_head(tmp_path / "empty")
+    with pytest.raises(ArtifactError, match="neither a draftsmith checkpoint nor a run folder"):
+        open_drafter(tmp_path / "empty")
 
 
 def test_push_to_local_hub(tmp_path, local_hub):

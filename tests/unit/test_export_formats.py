@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftsmith.atomic import MANIFEST_NAME
 from draftsmith.export import ExportError, ExportOptions, export, write_head_folder
 from draftsmith.heads import HEADS
 from draftsmith.target import FrozenTarget
@@ -53,10 +54,10 @@ def head_folder(target, tmp_path, kind, **cfg):
 
 def same_logits(fixture, head, folder, **load):
     """The folder loaded back through draftsmith's drafter loader computes the head's logits."""
-    from draftsmith.eval.run import load_drafter
+    from draftsmith.runtime.load import load_drafter
 
     _, tgt = fixture
-    loaded = load_drafter(folder, **load)
+    loaded = load_drafter(folder, **{"dtype": "float32", **load})
     ids = torch.randint(3, V, (1, 12), generator=torch.Generator().manual_seed(1))
     feats = tgt.features(ids, layers=head.required_layers())
     with torch.no_grad():
@@ -192,13 +193,15 @@ def test_clover_exports_in_draftsmith_format_only(target, tmp_path):
 
 def test_cli_refusals_exit_2_with_one_line_and_write_nothing(target, tmp_path):
     src, _ = head_folder(target, tmp_path, "hydra")
+    empty = tmp_path / "empty"
+    empty.mkdir()
 
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "draftsmith.cli", "export", *map(str, args)], capture_output=True, text=True, cwd=REPO)
 
     for args, words in (
         ((src, "--format", "vllm", "--out", tmp_path / "a"), "vLLM has no drafter of kind hydra"),
-        ((tmp_path, "--format", "vllm", "--out", tmp_path / "b"), "neither a draftsmith checkpoint nor a run folder"),
+        ((empty, "--format", "vllm", "--out", tmp_path / "b"), "neither a draftsmith checkpoint nor a run folder"),
     ):
         proc = cli(*args)
         errors = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -250,6 +253,7 @@ def test_a_speculators_folder_names_its_target(target, tmp_path):
     config = json.loads((out / "config.json").read_text())
     del config["draftsmith_source"]  # as speculators itself writes it: only the verifier names the target
     (out / "config.json").write_text(json.dumps(config))
+    (out / MANIFEST_NAME).unlink()  # and without draftsmith's manifest
     loaded = same_logits(target, head, out)
     assert loaded.target_path == str(target[0]) and loaded.drafter.head.cfg.norm_before_residual is True
 
@@ -265,8 +269,8 @@ def test_a_speculators_folder_names_its_target(target, tmp_path):
     ],
 )
 def test_a_foreign_folder_whose_config_and_tensors_disagree_fails_in_one_line(target, tmp_path, damage, message):
-    from draftsmith.eval.run import load_drafter
-    from draftsmith.runtime.drafters import DrafterError
+    from draftsmith.artifacts import ArtifactError
+    from draftsmith.runtime.load import load_drafter
 
     folder, _ = _specforge_folder(target, tmp_path)
     config = json.loads((folder / "config.json").read_text())
@@ -274,6 +278,6 @@ def test_a_foreign_folder_whose_config_and_tensors_disagree_fails_in_one_line(ta
     damage(config, tensors)
     (folder / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(DrafterError) as err:
+    with pytest.raises(ArtifactError) as err:
         load_drafter(folder, target=str(target[0]))
     assert message in str(err.value) and "\n" not in str(err.value)

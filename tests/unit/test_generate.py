@@ -6,7 +6,7 @@ import torch
 from draftsmith.runtime.drafters import DrafterError, StandaloneDrafter
 from draftsmith.runtime.generate import GenerationStats, TargetSession, autoregressive_generate, speculative_generate
 from draftsmith.runtime.tree import DraftTree, TreeSpec, default_tree
-from draftsmith.runtime.verify import verify_greedy
+from draftsmith.runtime.verify import SamplingParams, verify_greedy
 from draftsmith.target import FrozenTarget
 from draftsmith.testing import tiny_causal_lm
 
@@ -104,9 +104,9 @@ def test_one_token_prompt():
 def test_autoregressive_sampling_is_reproducible_and_uses_the_generator():
     target = _target()
     prompt = torch.tensor([[3, 4]])
-    a, _ = autoregressive_generate(target, prompt, 10, mode="sample", temperature=1.5, generator=torch.Generator().manual_seed(7))
-    b, _ = autoregressive_generate(target, prompt, 10, mode="sample", temperature=1.5, generator=torch.Generator().manual_seed(7))
-    c, _ = autoregressive_generate(target, prompt, 10, mode="sample", temperature=1.5, generator=torch.Generator().manual_seed(8))
+    a, _ = autoregressive_generate(target, prompt, 10, SamplingParams("sample", 1.5), generator=torch.Generator().manual_seed(7))
+    b, _ = autoregressive_generate(target, prompt, 10, SamplingParams("sample", 1.5), generator=torch.Generator().manual_seed(7))
+    c, _ = autoregressive_generate(target, prompt, 10, SamplingParams("sample", 1.5), generator=torch.Generator().manual_seed(8))
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
@@ -129,7 +129,7 @@ def test_errors():
     with pytest.raises(ValueError, match="batch size 1"):
         speculative_generate(target, StandaloneDrafter(target.model), torch.zeros(2, 3, dtype=torch.long), 4)
     with pytest.raises(ValueError, match="mode"):
-        speculative_generate(target, StandaloneDrafter(target.model), torch.zeros(1, 3, dtype=torch.long), 4, mode="beam")
+        speculative_generate(target, StandaloneDrafter(target.model), torch.zeros(1, 3, dtype=torch.long), 4, SamplingParams("beam"))
     with pytest.raises(DrafterError, match="root"):
         speculative_generate(target, _WrongRoot(), torch.zeros(1, 3, dtype=torch.long), 4)
 
@@ -142,14 +142,12 @@ def test_typical_acceptance_in_the_loop_at_its_two_extremes():
     draft = tiny_causal_lm("llama", vocab_size=V, hidden_size=16, num_layers=1, seed=9)
     prompt = torch.tensor([[1, 30, 31, 2, 40]])
     strict, stats = speculative_generate(
-        target, StandaloneDrafter(draft, TreeSpec.chain(3)), prompt, 12, mode="typical", temperature=0.8,
-        posterior_threshold=1.0, posterior_alpha=10.0,
+        target, StandaloneDrafter(draft, TreeSpec.chain(3)), prompt, 12, SamplingParams("typical", 0.8, posterior_threshold=1.0, posterior_alpha=10.0),
     )
     assert torch.equal(strict, _hf_greedy(target, prompt, 12)) and sum(stats.accept_lens) == 0
     _, lax = speculative_generate(
-        target, StandaloneDrafter(draft, TreeSpec.chain(3)), prompt, 12, mode="typical", temperature=0.8,
-        posterior_threshold=1e-12, posterior_alpha=1e-12,
+        target, StandaloneDrafter(draft, TreeSpec.chain(3)), prompt, 12, SamplingParams("typical", 0.8, posterior_threshold=1e-12, posterior_alpha=1e-12),
     )
     assert lax.accept_lens[:-1] == lax.draft_depths[: len(lax.accept_lens) - 1] and sum(lax.accept_lens) >= 9
     with pytest.raises(ValueError, match="top-k / top-p"):
-        speculative_generate(target, StandaloneDrafter(draft), prompt, 4, mode="typical", temperature=0.8, top_p=0.9)
+        speculative_generate(target, StandaloneDrafter(draft), prompt, 4, SamplingParams("typical", 0.8, top_p=0.9))

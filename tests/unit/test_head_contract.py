@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from draftsmith.data import Collator, block_causal_mask
-from draftsmith.export.hf import load_head, write_head_folder
+from draftsmith.artifacts import open_drafter
+from draftsmith.export import write_head_folder
 from draftsmith.heads import HEADS
 from draftsmith.runtime.drafters import DraftState, HeadDrafter
 from draftsmith.runtime.generate import speculative_generate
@@ -188,7 +189,7 @@ def test_export_round_trip_holds_the_head_and_nothing_of_the_target(target, kind
     dims = target.dims
     info = {"path": "tiny", "hidden_size": dims.hidden_size, "vocab_size": dims.vocab_size, "num_layers": dims.num_layers, "hf_config": dims.hf_config}
     folder = write_head_folder(head, info, tmp_path / "export")
-    loaded = load_head(folder).head
+    loaded = open_drafter(folder).head
     assert type(loaded) is type(head) and loaded.cfg == head.cfg
     mine, theirs = head.state_dict(), loaded.state_dict()
     assert set(mine) == set(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from draftsmith.runtime.tree import DraftTree, TreeSpec  # noqa: E402
-from draftsmith.runtime.verify import logits_to_probs, verify, verify_greedy, verify_sample  # noqa: E402
+from draftsmith.runtime.verify import SamplingParams, logits_to_probs, verify, verify_greedy, verify_sample  # noqa: E402
 
 KERNEL_MODULE = "draftsmith.runtime.kernels.verify_kernels"
 FIELDS = ("accept_len", "best_node", "path", "accepted_tokens", "bonus")
@@ -122,7 +122,7 @@ def test_greedy_matches_reference_on_random_trees(kernels):
     for trial in range(6):
         tree, logits = greedy_case(gen)
         want = verify_greedy(tree, logits)
-        assert_same(kernels.fused_verify(tree, logits, "greedy"), want, f"trial {trial}: ")
+        assert_same(kernels.fused_verify(tree, logits), want, f"trial {trial}: ")
         accepted += int(want.accept_len.sum())
     # The cases must actually exercise acceptance, not only the root.
     assert accepted >= 10
@@ -138,7 +138,7 @@ def test_greedy_split_vocabulary_and_dtypes(kernels, monkeypatch, dtype):
     # A transposed copy viewed back: same values, non-contiguous strides on every axis.
     strided = logits.transpose(0, 2).contiguous().transpose(0, 2)
     assert not strided.is_contiguous()
-    assert_same(kernels.fused_verify(tree, strided, "greedy"), verify_greedy(tree, logits))
+    assert_same(kernels.fused_verify(tree, strided), verify_greedy(tree, logits))
 
 
 def test_greedy_fp64_maxima_that_tie_in_fp32(kernels):
@@ -151,7 +151,7 @@ def test_greedy_fp64_maxima_that_tie_in_fp32(kernels):
     tree = DraftTree.from_lists([5, 11, 11], [-1, 0, 1])
     want = verify_greedy(tree, logits)
     assert int(want.accept_len[0]) == 2 and int(want.bonus[0]) == 11
-    assert_same(kernels.fused_verify(tree, logits, "greedy"), want)
+    assert_same(kernels.fused_verify(tree, logits), want)
 
 
 def test_greedy_edge_trees(kernels):
@@ -162,7 +162,7 @@ def test_greedy_edge_trees(kernels):
         torch.tensor([[7], [3]]), torch.full((2, 1), -1), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)
     )
     logits = torch.randn(2, 1, V, generator=gen)
-    assert_same(kernels.fused_verify(roots, logits, "greedy"), verify_greedy(roots, logits))
+    assert_same(kernels.fused_verify(roots, logits), verify_greedy(roots, logits))
     # A fully accepted chain, and a chain rejected at its first token.
     spec = TreeSpec.chain(5)
     logits = torch.randn(1, 6, V, generator=gen)
@@ -171,7 +171,7 @@ def test_greedy_edge_trees(kernels):
         tokens = [0, first] + [int(t) for t in good[1:5]]
         tree = DraftTree.from_lists(tokens, list(spec.parents))
         want = verify_greedy(tree, logits)
-        assert_same(kernels.fused_verify(tree, logits, "greedy"), want)
+        assert_same(kernels.fused_verify(tree, logits), want)
     assert int(want.accept_len[0]) == 0 and int(want.bonus[0]) == int(good[0])
     # Two accepted siblings with the same token: the lower index wins the tie.
     logits = torch.randn(1, 4, V, generator=gen)
@@ -179,14 +179,14 @@ def test_greedy_edge_trees(kernels):
     tree = DraftTree.from_lists([1, (t + 1) % V, t, t], [-1, 0, 0, 0])
     want = verify_greedy(tree, logits)
     assert int(want.best_node[0]) == 2
-    assert_same(kernels.fused_verify(tree, logits, "greedy"), want)
+    assert_same(kernels.fused_verify(tree, logits), want)
 
 
 def test_greedy_detects_a_wrong_answer(kernels):
     """The comparison itself can fail: a kernel result for different logits differs."""
     gen = torch.Generator().manual_seed(3)
     tree, logits = greedy_case(gen, full=True)
-    got = kernels.fused_verify(tree, logits, "greedy")
+    got = kernels.fused_verify(tree, logits)
     other = logits.clone()
     other[..., 0] = 100.0  # every argmax becomes token 0
     with pytest.raises(AssertionError):
@@ -208,9 +208,9 @@ def test_sample_matches_reference_given_uniforms(kernels, temperature, top_k, to
     for trial in range(2):
         tree, logits = sample_case(gen, temperature=temperature, top_k=top_k, top_p=top_p)
         u = torch.rand(tree.batch_size, tree.size + 1, generator=gen)
-        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, uniforms=u)
-        want = verify_sample(tree, logits, **kw)
-        assert_same(kernels.fused_verify(tree, logits, "sample", **kw), want, f"trial {trial}: ")
+        want = verify_sample(tree, logits, temperature=temperature, top_k=top_k, top_p=top_p, uniforms=u)
+        got = kernels.fused_verify(tree, logits, SamplingParams("sample", temperature, top_k, top_p), uniforms=u)
+        assert_same(got, want, f"trial {trial}: ")
         has_kids = (tree.parents.unsqueeze(-1) == torch.arange(tree.size)).any(1)
         rejected += int((has_kids.gather(1, want.best_node[:, None]).squeeze(1)).sum())
     if temperature > 0:
@@ -238,9 +238,9 @@ def test_fixed_candidates_match_reference_given_uniforms(kernels, temperature, t
         tree = DraftTree(tokens, drawn.parents, drawn.depths, drawn.num_nodes, deterministic=True)
         tree.validate()
         u = torch.rand(tree.batch_size, tree.size + 1, generator=gen)
-        kw = dict(temperature=temperature, top_p=top_p, uniforms=u)
-        want = verify_sample(tree, logits, **kw)
-        assert_same(kernels.fused_verify(tree, logits, "sample", **kw), want, f"trial {trial}: ")
+        want = verify_sample(tree, logits, temperature=temperature, top_p=top_p, uniforms=u)
+        got = kernels.fused_verify(tree, logits, SamplingParams("sample", temperature, top_p=top_p), uniforms=u)
+        assert_same(got, want, f"trial {trial}: ")
         has_kids = (tree.parents.unsqueeze(-1) == torch.arange(tree.size)).any(1)
         rejected += int((has_kids.gather(1, want.best_node[:, None]).squeeze(1)).sum())
     assert rejected >= 1
@@ -252,7 +252,7 @@ def test_typical_acceptance_runs_the_reference(kernels):
     gen = torch.Generator().manual_seed(22)
     tree, logits = greedy_case(gen)
     want = verify_typical(tree, logits, 0.8, 0.09, 0.3)
-    assert_same(kernels.fused_verify(tree, logits, "typical", temperature=0.8), want)
+    assert_same(kernels.fused_verify(tree, logits, SamplingParams("typical", 0.8)), want)
 
 
 def test_sample_residual_edge_cases(kernels):
@@ -279,7 +279,7 @@ def test_sample_residual_edge_cases(kernels):
         u = torch.rand(3, 5, generator=gen)
         u[1, 1] = 0.5  # tree 1 rejects token 3
         want = verify_sample(tree, logits, uniforms=u)
-        assert_same(kernels.fused_verify(tree, logits, "sample", uniforms=u), want)
+        assert_same(kernels.fused_verify(tree, logits, SamplingParams("sample"), uniforms=u), want)
     assert int(want.best_node[1]) != 1
 
 
@@ -287,8 +287,8 @@ def test_sample_generator_draws_the_same_uniforms(kernels):
     """Without uniforms both draw [B,N+1] from the generator: same seed, same result."""
     gen = torch.Generator().manual_seed(12)
     tree, logits = sample_case(gen)
-    want = verify(tree, logits, "sample", temperature=0.9, generator=torch.Generator().manual_seed(5))
-    got = kernels.fused_verify(tree, logits, "sample", temperature=0.9, generator=torch.Generator().manual_seed(5))
+    want = verify(tree, logits, SamplingParams("sample", 0.9), generator=torch.Generator().manual_seed(5))
+    got = kernels.fused_verify(tree, logits, SamplingParams("sample", 0.9), generator=torch.Generator().manual_seed(5))
     assert_same(got, want)
 
 
@@ -312,7 +312,7 @@ def test_sample_first_token_follows_the_target(kernels):
         tokens, torch.tensor([[-1, 0, 0]]).expand(B, 3), torch.tensor([[0, 1, 1]]).expand(B, 3), torch.full((B,), 3), draft
     )
     tree.validate()
-    got = kernels.fused_verify(tree, logits, "sample", generator=gen)
+    got = kernels.fused_verify(tree, logits, SamplingParams("sample"), generator=gen)
     first = torch.where(got.accept_len >= 1, got.accepted_tokens[:, 0], got.bonus)
     expected = (torch.softmax(p_root.double(), -1) * B).numpy()
     counts = torch.bincount(first, minlength=V).double().numpy()
@@ -344,7 +344,7 @@ def test_speculative_generate_with_the_kernel(kernels, mode):
     for verify_fn in (verify, kernels.fused_verify):
         out, stats = speculative_generate(
             target, StandaloneDrafter(draft, TreeSpec.from_choices([(0,), (1,), (0, 0)])), prompt, 8,
-            mode=mode, temperature=1.0, generator=torch.Generator().manual_seed(4), verify_fn=verify_fn,
+            SamplingParams(mode, 1.0), generator=torch.Generator().manual_seed(4), verify_fn=verify_fn,
         )  # fmt: skip
         outs.append((out.tolist(), stats.accept_lens))
     assert outs[0] == outs[1]
@@ -365,16 +365,16 @@ def test_errors_match_the_reference(kernels):
     gen = torch.Generator().manual_seed(14)
     tree, logits = sample_case(gen)
     with pytest.raises(ValueError, match="mode"):
-        kernels.fused_verify(tree, logits, "beam")
+        kernels.fused_verify(tree, logits, SamplingParams("beam"))
     with pytest.raises(ValueError, match="uniforms"):
-        kernels.fused_verify(tree, logits, "sample", uniforms=torch.rand(3, 3))
+        kernels.fused_verify(tree, logits, SamplingParams("sample"), uniforms=torch.rand(3, 3))
     with pytest.raises(ValueError, match="target_logits"):
-        kernels.fused_verify(tree, logits[:, :2], "greedy")
+        kernels.fused_verify(tree, logits[:, :2])
     bare = DraftTree(tree.tokens, tree.parents, tree.depths, tree.num_nodes)
     with pytest.raises(ValueError, match="draft_probs"):
-        kernels.fused_verify(bare, logits, "sample")
+        kernels.fused_verify(bare, logits, SamplingParams("sample"))
     with pytest.raises(RuntimeError, match="cannot run"):
-        kernels.fused_verify(tree, logits.to("meta"), "greedy")
+        kernels.fused_verify(tree, logits.to("meta"))
 
 
 def test_package_imports_without_triton():
@@ -403,7 +403,7 @@ def test_interpreter_switched_on_after_triton_was_imported():
         "print(mode_conflict())\n"
         "tree = DraftTree(torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), -1), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))\n"
         "try:\n"
-        "    fused_verify(tree, torch.zeros(1, 1, 8), 'greedy')\n"
+        "    fused_verify(tree, torch.zeros(1, 1, 8))\n"
         "except RuntimeError as e:\n"
         "    print(e)\n"
     )

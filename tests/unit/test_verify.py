@@ -165,7 +165,7 @@ def test_sample_at_temperature_zero_is_greedy():
         tree = DraftTree.from_lists(tokens, parents, draft_probs=q)
         logits = torch.randn(1, len(tokens), V, generator=gen) * 3
         greedy = verify_greedy(tree, logits)
-        sampled = verify(tree, logits, mode="sample", temperature=0.0, generator=gen)
+        sampled = verify(tree, logits, SamplingParams("sample", 0.0), generator=gen)
         for field in ("accept_len", "best_node", "path", "accepted_tokens", "bonus"):
             assert torch.equal(getattr(greedy, field), getattr(sampled, field)), field
 
@@ -178,7 +178,7 @@ def test_sample_needs_draft_probs_and_right_uniforms():
     with pytest.raises(ValueError, match="uniforms"):
         verify_sample(tree, torch.zeros(1, 2, 4), uniforms=torch.zeros(1, 2))
     with pytest.raises(ValueError, match="mode"):
-        verify(tree, torch.zeros(1, 2, 4), mode="beam")
+        verify(tree, torch.zeros(1, 2, 4), SamplingParams("beam"))
 
 
 # ---------------------------------------------------------------- sampling in distribution
@@ -443,7 +443,7 @@ def test_typical_acceptance_accepts_what_sampling_could_reject_and_checks_settin
     min(1, p/q) = 0.4 for a draft sure of it. Unsupported settings fail in one line."""
     logits = torch.log(torch.tensor([[0.4, 0.35, 0.25], [1 / 3, 1 / 3, 1 / 3]])).unsqueeze(0)
     tree = DraftTree.from_lists([2, 0], [-1, 0])
-    assert int(verify(tree, logits, "typical", temperature=1.0).accept_len[0]) == 1
+    assert int(verify(tree, logits, SamplingParams("typical", 1.0)).accept_len[0]) == 1
     assert int(verify_typical(tree, logits, 1.0, posterior_threshold=0.5, posterior_alpha=3.0).accept_len[0]) == 0  # min(0.5, 1.02) > 0.4
     for bad in (dict(mode="typical", temperature=0.0), dict(mode="typical", top_p=0.9), dict(mode="typical", top_k=3),
                 dict(mode="typical", posterior_alpha=0.0)):

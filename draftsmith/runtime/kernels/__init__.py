@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.runtime.tree import DraftTree
-from draftsmith.runtime.verify import MODES, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, VerifyResult, logits_to_probs, verify_typical
+from draftsmith.runtime.verify import GREEDY, SamplingParams, VerifyResult, logits_to_probs, verify_typical
 
 __all__ = ["fused_verify", "kernel_available", "mode_conflict"]
 
@@ -131,20 +131,15 @@ def _kernel_logits(target_logits: Tensor, temperature: float, top_k: int, top_p:
 def fused_verify(
     tree: DraftTree,
     target_logits: Tensor,
-    mode: str = "greedy",
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    sampling: Optional[SamplingParams] = None,
     generator: Optional[torch.Generator] = None,
     uniforms: Optional[Tensor] = None,
-    posterior_threshold: float = POSTERIOR_THRESHOLD,
-    posterior_alpha: float = POSTERIOR_ALPHA,
 ) -> VerifyResult:
     """Verify B draft trees in one fused step. Same arguments and result as
-    `draftsmith.runtime.verify.verify` (greedy ignores the sampling arguments). A ``deterministic``
-    tree (fixed candidates, e.g. an EAGLE-2 dynamic tree) is walked with point masses in the
-    kernel, as the reference does. Mode "typical" (Medusa's typical acceptance, NOT lossless) is
-    not fused: it runs the torch reference, ``verify_typical``.
+    `draftsmith.runtime.verify.verify` (default greedy). A ``deterministic`` tree (fixed
+    candidates, e.g. an EAGLE-2 dynamic tree) is walked with point masses in the kernel, as the
+    reference does. Typical acceptance (Medusa's, NOT lossless) is not fused: it runs the torch
+    reference, ``verify_typical``.
 
     tree: DraftTree (tokens, parents, depths [B,N], num_nodes [B], draft_probs [B,N,V] for
     sampling); target_logits [B,N,V], any float dtype. uniforms [B,N+1] in [0,1) (column c tests
@@ -154,10 +149,10 @@ def fused_verify(
     Returns VerifyResult: accept_len [B], best_node [B], path [B,D+1] (-1 padded),
     accepted_tokens [B,D] (-1 padded), bonus [B], all long.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode == "typical":
-        return verify_typical(tree, target_logits, temperature, posterior_threshold, posterior_alpha)
+    sampling = sampling or GREEDY
+    if sampling.mode == "typical":
+        return verify_typical(tree, target_logits, sampling.temperature, sampling.posterior_threshold, sampling.posterior_alpha)
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     B, N = tree.tokens.shape
     if target_logits.shape[:2] != (B, N):
         raise ValueError(f"target_logits has shape {tuple(target_logits.shape)}; the trees need [{B},{N},V]")
@@ -173,13 +168,11 @@ def fused_verify(
     path_len = tree.max_depth + 1
     args = (tree.tokens, tree.parents, tree.num_nodes)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        if mode == "greedy":
+        if sampling.greedy:
             outs = vk.greedy(*args, target_logits, path_len, token_pad=-1)
         else:
             if tree.draft_probs is None and not tree.deterministic:
                 raise ValueError("sampled verification needs tree.draft_probs (the drafter's processed distributions)")
-            if temperature < 0:
-                raise ValueError(f"temperature must be >= 0, got {temperature}")
             if uniforms is None:
                 # The reference's draw: same shape, dtype and generator call.
                 dtype = torch.promote_types(target_logits.dtype, torch.float32)

@@ -1,0 +1,157 @@
+"""A drafter artifact (draftsmith.artifacts) made ready to decode: the target it drafts for, loaded,
+and the runtime Drafter around it. ``draftsmith generate`` and ``eval`` start here.
+
+One rule picks the precision of decoding, as training does (``target.resolve_dtype``): the
+``--dtype`` given, else ``auto`` (bf16 only where the hardware computes it natively, fp32
+elsewhere), printed once. Greedy output is token-identical to the target's own only in fp32
+(bf16 rounds one-token and many-token forwards differently), so measurements of losslessness pass
+``--dtype float32``.
+
+One builder per artifact type; a new kind of drafter adds one here (a head kind needs none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from draftsmith.artifacts import Artifact, ArtifactError, DraftLMArtifact, EarlyExitArtifact, HeadArtifact, open_drafter
+from draftsmith.runtime.drafters import DrafterError, HeadDrafter, StandaloneDrafter
+from draftsmith.runtime.early_exit import DEFAULT_DRAFT_LENGTH, EarlyExitDrafter, is_chain
+from draftsmith.runtime.tree import SparseTree, TreeError, TreeSpec, default_tree, parse_tree
+from draftsmith.target import FrozenTarget, resolve_dtype
+
+
+@dataclass
+class LoadedDrafter:
+    """A drafter ready to run, the target it drafts for, and where both came from."""
+
+    kind: str  # "medusa", ..., "standalone" or "early_exit"
+    drafter: Any
+    target: FrozenTarget
+    folder: Path
+    target_path: str
+    draft_model: Any = None  # the HF model of a standalone drafter (for assisted generation)
+    meta: dict = field(default_factory=dict)
+    # transformers generate() arguments of the assisted generation to compare with, when it is not
+    # assistant_model=draft_model (early exit: assistant_early_exit=E).
+    assist: dict = field(default_factory=dict)
+
+
+def decoding_dtype(requested: Optional[str] = None) -> str:
+    """The precision of decoding: `requested` (--dtype), else auto; printed once when auto chooses."""
+    return resolve_dtype(requested or "auto", "target")
+
+
+def load_drafter(
+    folder: str | Path,
+    target: Optional[str] = None,
+    tree: Optional[str] = None,
+    dtype: Optional[str] = None,
+    exit_layer: Optional[int] = None,
+) -> LoadedDrafter:
+    """Open a drafter folder (draftsmith.artifacts) and load its target. `tree` is a spec for
+    parse_tree; without one a head drafts the sparse tree its checkpoint or export stores (built
+    from held-out accuracies at the end of training), else the default tree of its depth, a draft
+    LM a chain of 4, an early-exit model its recorded chain (``meta["tree"]`` says which). With
+    `exit_layer`, or for a LayerSkip run or export, the model drafts for itself with its first layers."""
+    spec = parse_tree(tree) if tree else None
+    chosen = decoding_dtype(dtype)
+    artifact = open_drafter(folder, chosen, exit_layer)
+    if isinstance(artifact, EarlyExitArtifact):
+        return _early_exit(artifact, target, tree, spec)
+    if isinstance(artifact, DraftLMArtifact):
+        return _draft_lm(artifact, target, chosen, spec)
+    return _head(artifact, target, chosen, tree, spec)
+
+
+def _target_for(artifact: Artifact, override: Optional[str], dtype: str) -> tuple[FrozenTarget, str]:
+    path, gguf = artifact.target_source()
+    path = override or path
+    if not path:
+        raise DrafterError(f"{artifact.folder} does not record its target (no recipe.yaml): pass --target")
+    return FrozenTarget.load(path, dtype, None if override else gguf), path
+
+
+def _head(artifact: HeadArtifact, target: Optional[str], dtype: str, tree: Optional[str], spec) -> LoadedDrafter:
+    tgt, target_path = _target_for(artifact, target, dtype)
+    head = artifact.head_for(tgt.dims, target_path).to(tgt.device)
+    if artifact.foreign is not None and artifact.foreign.embedding is not None:
+        own, theirs = tgt.model.get_input_embeddings().weight, artifact.foreign.embedding
+        if theirs.shape != own.shape or not torch.allclose(theirs.to(own.dtype), own, atol=1e-3, rtol=1e-3):
+            raise ArtifactError(f"{artifact.folder} carries an embedding that is not the target's ({target_path}); draftsmith drafts with the target's embedding")
+    meta: dict = {"head": artifact.metrics} if artifact.foreign is None else {"layout": artifact.layout}
+    if spec is not None:
+        meta["tree"] = f"given: {tree}"
+    elif artifact.tree is not None:
+        try:
+            stored = SparseTree.from_dict(artifact.tree)
+        except TreeError as err:
+            raise ArtifactError(f"{artifact.folder}: the stored tree is unreadable ({err})") from None
+        spec = stored.spec
+        meta["tree"] = f"stored sparse tree, {len(spec.choices)} nodes (expected accepted length {stored.expected_accept_length:.3f} from held-out accuracies)"
+    else:
+        # A third-party folder drafts at most 4 deep by default, as the engines serve such heads.
+        depth = head.depth if artifact.foreign is None else min(head.depth, 4)
+        spec = default_tree(depth=depth)
+        meta["tree"] = f"default tree of depth {depth}, {len(spec.choices)} nodes"
+    # The drafter refuses, in one line, a tree deeper than the head drafts.
+    return LoadedDrafter(head.cfg.kind, HeadDrafter(head, tgt, spec), tgt, artifact.folder, target_path, meta=meta)
+
+
+def _draft_lm(artifact: DraftLMArtifact, target: Optional[str], dtype: str, spec) -> LoadedDrafter:
+    tgt, target_path = _target_for(artifact, target, dtype)
+    model, tokenizer = artifact.model, artifact.tokenizer
+    if tokenizer is not None and tgt.tokenizer is not None and tokenizer.get_vocab() != tgt.tokenizer.get_vocab():
+        raise DrafterError(
+            f"drafter {artifact.folder} uses a different tokenizer than target {target_path} "
+            f"({len(tokenizer)} vs {len(tgt.tokenizer)} tokens); speculative decoding needs the same vocabulary"
+        )
+    rows = model.get_output_embeddings().weight.shape[0]
+    if rows != tgt.dims.vocab_size:
+        raise DrafterError(f"drafter {artifact.folder} has a vocabulary of {rows}, target {target_path} of {tgt.dims.vocab_size}")
+    model = model.to(device=tgt.device, dtype=getattr(torch, dtype)).eval()
+    drafter = StandaloneDrafter(model, spec or TreeSpec.chain(4))
+    meta = {"tree": "given" if spec is not None else "chain of 4"}
+    return LoadedDrafter("standalone", drafter, tgt, artifact.folder, target_path, draft_model=model, meta=meta)
+
+
+def early_exit_chain(tree: Optional[str], block: dict) -> TreeSpec:
+    """The chain an early-exit model drafts: `tree` (which must be a chain), else its recorded length."""
+    spec = parse_tree(tree) if tree else TreeSpec.chain(int(block.get("draft_length") or DEFAULT_DRAFT_LENGTH))
+    if not is_chain(spec):
+        raise DrafterError(f"early-exit drafting drafts a chain: --tree {tree} has branches (e.g. --tree 1,1,1,1 drafts 4 tokens)")
+    return spec
+
+
+def early_exit_loaded(target: FrozenTarget, folder, exit_layer: int, spec: TreeSpec, how: str) -> LoadedDrafter:
+    """The model `target` drafting for itself from `exit_layer`, beside transformers' own early-exit
+    assisted generation drafting the same chain (``assist``)."""
+    drafter = EarlyExitDrafter(target, exit_layer, spec)
+    k = spec.max_depth
+    # transformers' own early-exit assisted generation drafts as the assistant's generation config
+    # says (here the model's own: by default up to 20 tokens, stopping below 0.4 confidence); the
+    # comparison drafts the same chain as ours every step.
+    config = target.model.generation_config
+    config.num_assistant_tokens, config.num_assistant_tokens_schedule, config.assistant_confidence_threshold = k, "constant", 0.0
+    meta = {"exit_layer": exit_layer, "exit_layer_chosen_by": how, "draft_length": k, "tree": f"chain of {k}"}
+    return LoadedDrafter("early_exit", drafter, target, Path(str(folder)), str(folder), meta=meta, assist={"assistant_early_exit": exit_layer})
+
+
+def early_exit_target(artifact: EarlyExitArtifact) -> FrozenTarget:
+    """The early-exit model as the target it is (it drafts for itself, so no --target)."""
+    return FrozenTarget(artifact.model, artifact.tokenizer, source=str(artifact.folder))
+
+
+def _early_exit(artifact: EarlyExitArtifact, target: Optional[str], tree: Optional[str], spec) -> LoadedDrafter:
+    if target:
+        raise DrafterError("an early-exit drafter is its own target: drop --target")
+    if artifact.exit_layer is None:
+        raise DrafterError(f"{artifact.folder} records no exit layer: pass --exit-layer E (or sweep)")
+    return early_exit_loaded(early_exit_target(artifact), artifact.folder, artifact.exit_layer, early_exit_chain(tree, artifact.block), artifact.exit_chosen_by)
+
+
+__all__ = ["LoadedDrafter", "decoding_dtype", "early_exit_chain", "early_exit_loaded", "early_exit_target", "load_drafter"]
