@@ -192,12 +192,14 @@ def verified_checkpoint(path: Path) -> Path:
     found = list_checkpoints(path)
     if not found:
         raise ArtifactError(f"{path} is neither a draftsmith checkpoint nor a run folder with checkpoints")
+    newest = None
     for candidate in reversed(found):
         problem = _checkpoint_problem(candidate)
         if problem is None:
             return candidate
+        newest = newest or f"{candidate.name}: {problem}"
         log(f"warning: skipping damaged checkpoint {candidate} ({problem}); trying the one before it", sys.stderr)
-    raise ArtifactError(f"every checkpoint of {path} is damaged (the newest: {found[-1]})")
+    raise ArtifactError(f"every checkpoint of {path} is damaged (the newest, {newest})")
 
 
 def read_json(path: Path) -> dict:

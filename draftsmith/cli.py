@@ -17,6 +17,13 @@ from pathlib import Path
 
 EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2
+# A run stopped by a signal exits as shells report it (128 + the signal's number), after saving.
+EXIT_INTERRUPTED = 130
+EXIT_SIGNALS = {"SIGINT": 130, "SIGTERM": 143}
+# Longer answers than any model this runs has positions for.
+MAX_NEW_TOKENS = 131072
+# Set to see a traceback instead of the one-line message (or pass --debug).
+DEBUG_ENV = "DRAFTSMITH_DEBUG"
 
 
 class BadInput(ValueError):
@@ -55,10 +62,14 @@ def cmd_train(args) -> int:
         summary = trainer.train()
     finally:
         trainer.close()
+    stopped = getattr(trainer, "stopped_by", None)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: v for k, v in summary.items() if k != "checkpoint"}, indent=2))
         print(f"outputs: {Path(recipe.output_dir).resolve()}  (checkpoint: {summary.get('checkpoint')})")
-    return 0
+        if stopped:
+            print(f"stopped by {stopped} before the end of the schedule: run the same command to resume", file=sys.stderr)
+    # A stopped run is not a finished one: `train && export` must not export it.
+    return EXIT_SIGNALS.get(stopped, EXIT_INTERRUPTED) if stopped else 0
 
 
 def cmd_prepare(args) -> int:
@@ -69,12 +80,34 @@ def cmd_prepare(args) -> int:
     from draftsmith.trainers import TRAINERS
 
     recipe = _load(args.recipe)
+    check_data_dir(recipe.data_dir())
     stats = TRAINERS[recipe.trainer].prepare(recipe)
     if int(os.environ.get("RANK", "0")) == 0:
         save_resolved(recipe, recipe.data_dir(), args.argv)
         print(json.dumps(stats, indent=2))
         print(f"data cached in {recipe.data_dir().resolve()} (recipe.yaml and command.txt beside it)")
     return 0
+
+
+def check_data_dir(folder: Path) -> None:
+    """The data cache gets recipe.yaml and command.txt beside its files: refuse a folder that holds
+    files of the user's (absent, empty, or an earlier data cache are fine)."""
+    from draftsmith.runs import RunFolderError
+
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise RunFolderError(f"data.cache_dir {folder} exists and is not a folder")
+    entries = sorted(p.name for p in folder.iterdir())
+    command = folder / "command.txt"
+    ours = (command.is_file() and command.read_text(errors="replace").startswith("draftsmith")) or any(
+        name.startswith(("examples-", "regenerated-", "features")) for name in entries
+    )
+    if entries and not ours:
+        raise RunFolderError(
+            f"data.cache_dir {folder} holds files that are not a draftsmith data cache ({len(entries)} entries, e.g. {entries[0]!r}): "
+            "choose an empty or new folder"
+        )
 
 
 def cmd_serve_target(args) -> int:
@@ -176,7 +209,7 @@ def cmd_export(args) -> int:
 def cmd_push(args) -> int:
     from draftsmith.export import push_folder
 
-    url = push_folder(args.folder, args.repo_id, private=args.private)
+    url = push_folder(args.folder, args.repo_id, private=args.private, timeout=args.timeout, deadline=args.deadline)
     print(f"pushed {args.folder} to {url}")
     return 0
 
@@ -205,8 +238,11 @@ def _exit_layers(text: str):
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help="an export folder, a run/checkpoint folder, an HF causal-LM folder, or a built-in model name")
     p.add_argument("--target", default=None, help="override the target the drafter recorded")
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"], help="target precision (default: as recorded)")
-    p.add_argument("--max-new-tokens", type=_bounded(int, 1), default=128)
+    p.add_argument(
+        "--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+        help="precision of decoding (default auto: bf16 where the hardware has it, fp32 elsewhere; greedy output is token-identical to the target's own only in float32)",
+    )  # fmt: skip
+    p.add_argument("--max-new-tokens", type=_bounded(int, 1, MAX_NEW_TOKENS), default=128)
     p.add_argument("--temperature", type=_bounded(float, 0.0), default=0.0, help="0 decodes greedily")
     p.add_argument("--top-k", type=_bounded(int, 0), default=0, help="0 keeps the whole vocabulary")
     p.add_argument("--top-p", type=_bounded(float, 0.0, 1.0, low_open=True), default=1.0)
@@ -215,7 +251,7 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
         help='widths per depth "4,2,2,1", a JSON choice list, or "dynamic:DEPTH,TOPK,BUDGET" '
         "(default: the sparse tree a head's checkpoint or export stores, else the default tree; a chain of 4 for draft LMs)",
     )  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_bounded(int, 0, 2**63 - 1), default=0)
     p.add_argument(
         "--verify", default="exact", choices=["exact", "typical"],
         help="exact: greedy, or lossless sampling at --temperature > 0 (default). typical: Medusa's typical "
@@ -259,11 +295,13 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from draftsmith.atomic import check_destination
     from draftsmith.eval.report import write_report
     from draftsmith.eval.run import evaluate, load_prompts
     from draftsmith.runtime.load import load_drafter
 
     sampling = _sampling(args)
+    check_destination(args.out, overwrite=args.overwrite)
     prompts = load_prompts(args.prompts, args.limit)
     if isinstance(args.exit_layer, list) or args.exit_layer == "sweep":
         from draftsmith.eval.early_exit import sweep_exit_layers
@@ -309,9 +347,18 @@ def cmd_eval(args) -> int:
     return 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line (with where to read more), exit 2."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="draftsmith", description=__doc__.splitlines()[0])
+    parser.epilog = f"Errors are one line; --debug anywhere on the command line (or {DEBUG_ENV}=1) shows the traceback instead."
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     p = sub.add_parser("train", help="train a drafter from a recipe")
     p.add_argument("recipe", nargs="+", help="recipe YAML files, then key=value overrides")
@@ -323,8 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve-target", help="serve a recipe's target with vLLM's OpenAI server, for data.regenerate.backend=server")
     p.add_argument("recipe", nargs="+", help="recipe YAML files, then key=value overrides")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt plus answer the server accepts")
+    p.add_argument("--port", type=_bounded(int, 1, 65535), default=8000)
+    p.add_argument("--max-model-len", type=_bounded(int, 16, MAX_NEW_TOKENS), default=2048, help="longest prompt plus answer the server accepts")
     p.add_argument("--log", default=None, help="server log file (default <data cache_dir>/vllm-server.log)")
     p.set_defaults(func=cmd_serve_target)
 
@@ -341,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="a run folder, a checkpoint folder or a draftsmith export")
     p.add_argument("--out", required=True, help="the folder to write")
     p.add_argument("--format", default="draftsmith", choices=["draftsmith", "vllm", "sglang", "speculators"], help="whose layout (default: draftsmith)")
-    p.add_argument("--num-speculative-tokens", type=_bounded(int, 1), default=3, help="tokens per step in the serve command (and speculators' config)")
+    p.add_argument("--num-speculative-tokens", type=_bounded(int, 1, 64), default=3, help="tokens per step in the serve command (and speculators' config)")
     p.add_argument("--verifier", default=None, help="speculators: the target the folder names (default: the recorded target's hub id or path)")
     p.add_argument("--overwrite", action="store_true", help="replace --out even when it holds files draftsmith did not write there")
     p.set_defaults(func=cmd_export)
@@ -350,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("folder")
     p.add_argument("--repo-id", required=True)
     p.add_argument("--private", action="store_true")
+    p.add_argument("--timeout", type=_bounded(float, 0.0, 3600.0, low_open=True), default=60.0, help="seconds a request may go without an answer")
+    p.add_argument("--deadline", type=_bounded(float, 0.0, 86400.0, low_open=True), default=3600.0, help="seconds the whole upload may take")
     p.set_defaults(func=cmd_push)
 
     p = sub.add_parser("generate", help="speculative generation for one prompt, with acceptance statistics")
@@ -361,8 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="acceptance and speedup over a prompt set -> report.json/.md/.png")
     _add_decoding_args(p)
     p.add_argument("--prompts", required=True, help='a JSONL/JSON file (prompt or messages) or "mtbench", "humaneval", "sharegpt"')
-    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    p.add_argument("--out", required=True, help="folder for report.json, report.md, report.png")
+    p.add_argument("--limit", type=_bounded(int, 1), default=None, help="use the first N prompts (in the order the source holds them)")
+    p.add_argument("--out", required=True, help="folder for report.json, report.md, report.png, acceptance.csv")
+    p.add_argument("--overwrite", action="store_true", help="replace --out even when it holds files draftsmith did not write there")
     p.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation (standalone and early-exit drafters)")
     p.add_argument(
         "--exit-layer", type=_exit_layers, default=None,
@@ -404,21 +454,56 @@ def main(argv: list[str] | None = None) -> int:
             skip = True
         elif not arg.startswith(("--local_rank=", "--local-rank=")):
             kept.append(arg)
-    argv = kept
-    args = build_parser().parse_args(argv)
+    # --debug is accepted anywhere on the line, before or after the subcommand.
+    debug = "--debug" in kept
+    argv = [arg for arg in kept if arg != "--debug"]
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # --help, or a bad command line already said in one line
+        return int(stop.code or 0)
     # What gets recorded beside outputs: this command as it was given (launcher flags dropped).
     args.argv = ["draftsmith", *argv]
+    debug = debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     from draftsmith.recipe import RecipeError
     from draftsmith.trainers.engine import TrainingError
 
+    def fail(message: str, code: int, hint: bool = False) -> int:
+        more = f" (run again with --debug, or {DEBUG_ENV}=1, for the traceback)" if hint else ""
+        print(f"error: {message}{more}", file=sys.stderr)
+        return code
+
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (TrainingError, *_environment_errors()) as err:
+        if debug:
+            raise
+        return fail(str(err), EXIT_RUN_FAILED)
     except (RecipeError, *_known_errors()) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except TrainingError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_RUN_FAILED
+        if debug:
+            raise
+        return fail(str(err), EXIT_BAD_INPUT)
+    except OSError as err:
+        # Not a path the user gave (those are bad input above): the disk, the permissions, the network.
+        if debug:
+            raise
+        return fail(f"{err.strerror or err} ({type(err).__name__}{': ' + str(err.filename) if err.filename else ''})", EXIT_RUN_FAILED, hint=True)
+    except Exception as err:
+        if debug:
+            raise
+        return fail(f"unexpected {type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no message'}", EXIT_RUN_FAILED, hint=True)
+
+
+def _environment_errors() -> tuple[type[BaseException], ...]:
+    """Failures of the environment rather than of the input: exit 1 with their one line."""
+    from draftsmith.data.server import ServerError
+    from draftsmith.export.hub import HubError
+
+    return (ServerError, HubError)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import random
 import re
+import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -91,15 +92,35 @@ def resolve_data_path(path: str) -> Path:
 _SEPARATORS = re.compile(r"[\s,]*")
 
 
-def _open_text(path: Path):
-    if path.name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+def _read_text(path: Path) -> str:
+    """The whole file as UTF-8 text (gunzipped for .gz); DataError naming the file and the byte
+    where it is not UTF-8, or where a .gz is damaged."""
+    try:
+        if path.name.endswith(".gz"):
+            with gzip.open(path, "rb") as fh:
+                data = fh.read()
+        else:
+            data = path.read_bytes()
+    except (OSError, EOFError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise DataError(f"{path}: unreadable ({type(err).__name__}: {err})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte {err.start}: {data[err.start:err.start + 1]!r}); save the file as UTF-8") from None
+
+
+def _say_cut_off(path: Path, where: str) -> None:
+    """A record a file stops in the middle of is left out, and the user is told once per read."""
+    from draftsmith.runs import log
+
+    log(f"warning: {path} is cut off {where}; that last record is left out", sys.stderr)
 
 
 def _read_jsonl(path: Path, stats: dict) -> Iterator[Any]:
-    with _open_text(path) as fh:
-        lines = fh.read().split("\n")
+    lines = _read_text(path).split("\n")
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -108,13 +129,13 @@ def _read_jsonl(path: Path, stats: dict) -> Iterator[Any]:
         except json.JSONDecodeError as err:
             if number == len(lines):  # the last line has no newline: a file cut off while written
                 stats["truncated_file"] = True
+                _say_cut_off(path, f"at line {number} (no closing newline)")
                 return
             raise DataError(f"{path}:{number}: invalid JSON ({err.msg})") from None
 
 
 def _read_json(path: Path, stats: dict) -> Iterator[Any]:
-    with _open_text(path) as fh:
-        text = fh.read()
+    text = _read_text(path)
     start = _SEPARATORS.match(text, 0).end()
     if start == len(text):
         return
@@ -132,6 +153,7 @@ def _read_json(path: Path, stats: dict) -> Iterator[Any]:
         pos = _SEPARATORS.match(text, pos).end()
         if pos >= len(text):
             stats["truncated_file"] = True  # no closing bracket
+            _say_cut_off(path, "before its closing ']'")
             return
         if text[pos] == "]":
             return
@@ -141,6 +163,7 @@ def _read_json(path: Path, stats: dict) -> Iterator[Any]:
             if text.rstrip().endswith("]"):  # the array is closed, so this is a real syntax error
                 raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
             stats["truncated_file"] = True
+            _say_cut_off(path, f"at line {err.lineno}")
             return
         yield record
 
@@ -293,6 +316,7 @@ def load_conversations(
     limit: Optional[int] = None,
     seed: int = 0,
     stats: Optional[dict] = None,
+    shuffle: bool = True,
 ) -> list[Conversation]:
     """Read, clean and select conversations.
 
@@ -302,8 +326,9 @@ def load_conversations(
     Records that do not fit the format, or leave nothing usable after cleaning (see
     :func:`clean_conversation`), are dropped and counted.
 
-    The result is a seeded shuffle of the clean conversations, cut to ``limit``: the same file and
-    seed always give the same list, and a larger limit extends a smaller one's selection. When
+    The result is a seeded shuffle of the clean conversations (with ``shuffle``; else file order),
+    cut to ``limit``: the same file and seed always give the same list, and a larger limit extends
+    a smaller one's selection. When
     ``stats`` is given it is filled with counts: records, dropped_malformed, dropped_messages,
     trimmed_leading, cut_at_break, kept, selected, truncated_file.
     """
@@ -336,7 +361,8 @@ def load_conversations(
         )
     order = list(range(len(kept)))
     # A string seed: random.Random hashes it with sha512, stable across Python versions and runs.
-    random.Random(f"draftsmith-select:{seed}").shuffle(order)
+    if shuffle:
+        random.Random(f"draftsmith-select:{seed}").shuffle(order)
     if limit is not None:
         order = order[:limit]
     counts["selected"] = len(order)

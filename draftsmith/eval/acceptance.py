@@ -37,6 +37,8 @@ class AcceptanceStats:
 
     steps: int = 0
     accepted_tokens: int = 0
+    # Sum of each step's drafted depth (a chain of k drafts k tokens a step).
+    drafted_tokens: int = 0
     # Index d - 1 holds depth d.
     depth_attempts: list[int] = field(default_factory=list)
     depth_accepts: list[int] = field(default_factory=list)
@@ -83,6 +85,7 @@ class AcceptanceStats:
             self.depth_accepts[d] += 1
         self.accepted_counts[accepted] += 1
         self.accepted_tokens += accepted
+        self.drafted_tokens += max_depth
         self.steps += 1
         self._open_steps += 1
         self._open_accepted += accepted
@@ -198,6 +201,21 @@ class AcceptanceStats:
         """tokens_per_second / assisted_tokens_per_second (> 1: we beat the reference)."""
         tps, a = self.tokens_per_second, self.assisted_tokens_per_second
         return _ratio(tps, a) if tps is not None and a is not None else None
+
+    def speculator_row(self) -> dict:
+        """The figures in the columns of the RedHatAI speculator benchmarks (what vLLM's
+        spec-decode counters give): num_drafts (steps), num_draft_tokens, num_accepted_tokens,
+        acceptance_length (1 + accepted / drafts) and acceptance_at_pos_{i} (the share of drafts
+        whose i-th drafted token was accepted)."""
+        row = {
+            "num_drafts": self.steps,
+            "num_draft_tokens": self.drafted_tokens,
+            "num_accepted_tokens": self.accepted_tokens,
+            "acceptance_length": self.mean_accepted_length,
+        }
+        for i, accepted in enumerate(self.depth_accepts):
+            row[f"acceptance_at_pos_{i}"] = _ratio(accepted, self.steps)
+        return row
 
     def summary(self) -> dict:
         """All derived figures and the raw counts behind them, as plain JSON-ready values."""

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from draftsmith.atomic import write_manifest
+
 from draftsmith.eval.acceptance import AcceptanceStats
 
 __all__ = ["write_report"]
@@ -36,7 +38,27 @@ def write_report(stats: AcceptanceStats, out_dir: str | os.PathLike, meta: dict[
     (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     (out / "report.md").write_text(_markdown(report, meta, stats))
     _plot(stats, meta, out / "report.png")
+    write_acceptance_csv(out / "acceptance.csv", [stats.speculator_row()])
+    # The folder is now a previous output of eval: a later eval may replace it as a whole.
+    write_manifest(out)
     return report
+
+
+def write_acceptance_csv(path: str | os.PathLike, rows: list[dict]) -> Path:
+    """Rows in the RedHatAI speculator-benchmark columns (AcceptanceStats.speculator_row, or vLLM's
+    counters put the same way), the position columns as wide as the deepest row."""
+    import csv
+
+    depth = max((sum(k.startswith("acceptance_at_pos_") for k in row) for row in rows), default=0)
+    columns = ["num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_length"]
+    extra = [k for row in rows for k in row if k not in columns and not k.startswith("acceptance_at_pos_")]
+    header = list(dict.fromkeys([*extra, *columns, *(f"acceptance_at_pos_{i}" for i in range(depth))]))
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=header)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in header})
+    return Path(path)
 
 
 def _fmt(value: Any, digits: int | None = 3) -> str:

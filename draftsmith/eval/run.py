@@ -26,7 +26,7 @@ def load_prompts(spec: str, limit: Optional[int] = None) -> list[list[dict]]:
     message before it) of each conversation is kept."""
     from draftsmith.data import DataError, load_conversations
 
-    conversations = load_conversations(spec, format="auto", limit=None)
+    conversations = load_conversations(spec, format="auto", limit=None, shuffle=False)
     prompts = []
     for conv in conversations:
         head = []

@@ -35,7 +35,14 @@ def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
     if drafter.kind == "eagle3":
         if model_type and model_type not in EAGLE3_TARGETS:
             return f"EAGLE-3 reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
+        if drafter.head.cfg.norm_before_residual:
+            return "SGLang's EAGLE-3 layer does not read norm_before_residual (it would run the head as if it were false): train with head.norm_before_residual=false to serve in SGLang"
         ids = list(drafter.head.cfg.aux_layer_ids)
+        if drafter.head.dims.num_layers in ids:
+            return (
+                f"auxiliary layer id {drafter.head.dims.num_layers} (the last layer's output) is one SGLang would mis-read: "
+                f"train with ids below {drafter.head.dims.num_layers} to serve in SGLang"
+            )
         if ids != default_aux_ids(drafter.head.dims.num_layers) and ids[0] == 1:
             return (
                 f"auxiliary layer ids {ids} start at 1, which SGLang reads as {[i + 1 for i in ids]} since 2026-05 and as "

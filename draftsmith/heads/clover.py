@@ -190,7 +190,15 @@ class CloverHead(DraftHead):
         return [self.dims.num_layers - 1]
 
     def init_from_target(self, target: FrozenTarget) -> None:
-        """Augmenting layers from the target's last layer, both norms from its final norm."""
+        """Augmenting layers from the target's last layer, both norms from its final norm. Warns
+        when the target's embedding and LM head are untied: the reference reads tokens from the LM
+        head's rows, draftsmith from the input embedding, and the two then differ."""
+        embedding, head = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
+        if embedding.data_ptr() != head.data_ptr() and embedding.shape == head.shape:
+            log(
+                "clover: this target's embedding and LM head are untied; Clover reads token embeddings from the LM head's rows, "
+                "draftsmith from the input embedding (docs/heads.md, Clover): expect it to differ from the reference there"
+            )
         last = target.layers[-1]
         final_norm = getattr(target.model.base_model, "norm", None)
         with gathered_parameters(list(last.parameters())):

@@ -47,6 +47,17 @@ class TreeError(ValueError):
     """A tree spec or a draft tree that is not a tree. The message is one line."""
 
 
+# The largest trees the runtime drafts: every drafted node is a row of the target's verification
+# forward, and a few hundred already cost more than they save on any hardware.
+MAX_TREE_NODES = 1024
+MAX_TREE_DEPTH = 64
+
+
+def _check_size(nodes: int, depth: int) -> None:
+    if nodes > MAX_TREE_NODES or depth > MAX_TREE_DEPTH:
+        raise TreeError(f"a tree of {nodes} drafted nodes and depth {depth} is past the runtime's limits ({MAX_TREE_NODES} nodes, depth {MAX_TREE_DEPTH})")
+
+
 def _not_a_tree(detail: str) -> TreeError:
     return TreeError(f"a tree spec that is not a tree: {detail}")
 
@@ -71,7 +82,9 @@ class TreeSpec:
 
     @classmethod
     def from_choices(cls, choices: Sequence[Sequence[int]]) -> "TreeSpec":
-        """Validate a choice list: non-negative integer ranks, no duplicates, every prefix present."""
+        """Validate a choice list: non-negative integer ranks, no duplicates, every prefix present,
+        at most MAX_TREE_NODES nodes and MAX_TREE_DEPTH deep."""
+        _check_size(len(choices), max((len(c) for c in choices if isinstance(c, (list, tuple))), default=0))
         normalized = []
         for choice in choices:
             if isinstance(choice, int) or not isinstance(choice, (list, tuple)):
@@ -141,6 +154,9 @@ class DynamicTreeSpec:
     def __post_init__(self) -> None:
         if self.depth < 1 or self.topk < 1 or self.budget < 1:
             raise _not_a_tree(f"a dynamic tree needs depth, topk and budget >= 1, got {self.depth}, {self.topk}, {self.budget}")
+        _check_size(self.budget, self.depth)
+        if self.topk > MAX_TREE_NODES:
+            raise TreeError(f"a dynamic tree's topk {self.topk} is past the runtime's limit of {MAX_TREE_NODES}")
 
 
 def default_tree(depth: int = 4, widths: Sequence[int] = (4, 2, 2, 1)) -> TreeSpec:
@@ -152,6 +168,7 @@ def default_tree(depth: int = 4, widths: Sequence[int] = (4, 2, 2, 1)) -> TreeSp
     widths = list(widths) + [1] * max(0, depth - len(widths))
     if any(int(w) < 1 for w in widths[:depth]):
         raise _not_a_tree(f"every width must be >= 1, got {tuple(widths[:depth])}")
+    _check_size(sum(int(w) for w in widths[:depth]), depth)
     choices = []
     for d in range(depth):
         best_path = (0,) * d

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from draftsmith.atomic import TMP_PREFIX, atomic_path, commit, sha256_file, write_atomic
 from draftsmith.recipe import Recipe, save_resolved
 from draftsmith.runs import (
-    CHECKPOINT_PREFIX, STATE_FILE, WEIGHTS_NAME, checkpoint_problem, checkpoint_root, list_checkpoints, log, read_state,
+    CHECKPOINT_PREFIX, STATE_FILE, WEIGHTS_NAME, RunFolderError, checkpoint_problem, checkpoint_root, list_checkpoints, log, read_state,
 )
 from draftsmith.trainers.engine import TrainingError, engine_info, full_state_dict, uses_deepspeed
 
@@ -29,7 +29,7 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str) -> Optional[Path
     """The checkpoint to continue from, per train.resume ("auto", "never" or a folder)."""
     if resume == "never":
         if list_checkpoints(output_dir):
-            raise TrainingError(
+            raise RunFolderError(
                 f"{checkpoint_root(output_dir)} already holds checkpoints and train.resume=never; "
                 "choose another output_dir or set train.resume=auto"
             )
@@ -44,17 +44,70 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str) -> Optional[Path
         return None
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
-        raise TrainingError(f"train.resume: {path} is not a complete checkpoint (no {STATE_FILE})")
+        raise RunFolderError(f"train.resume: {path} is not a complete checkpoint (no {STATE_FILE})")
     problem = checkpoint_problem(path, verify_contents=True)
     if problem:
-        raise TrainingError(f"train.resume: {path} is not a complete checkpoint ({problem})")
+        raise RunFolderError(f"train.resume: {path} is not a complete checkpoint ({problem})")
     return path
+
+
+# Whose weights a checkpoint holds: a resumed run must not change these (a changed shape shows up
+# when the weights load; see load_checkpoint).
+MODEL_KEYS = ("trainer", "target.path", "target.gguf_file", "head.kind", "draft.path", "draft.gguf_file", "draft.lora.enabled", "layerskip.lora.enabled")
+
+
+def _flatten(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
+def check_resumable(recipe: Recipe, checkpoint: Path) -> None:
+    """RunFolderError naming the first recipe key whose value differs from the one `checkpoint`
+    was trained with, among the keys that decide what its weights are (MODEL_KEYS): resuming would
+    load weights into a different model."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.recipe import as_dict
+
+    saved_file = checkpoint / "recipe.yaml"
+    if not saved_file.is_file():
+        return
+    saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_file)) or {})
+    now = _flatten(as_dict(recipe))
+    for key in MODEL_KEYS:
+        if saved.get(key) != now.get(key):
+            raise RunFolderError(
+                f"recipe key '{key}' is {now.get(key)!r} but {checkpoint} was trained with {saved.get(key)!r}: "
+                f"resuming would load its weights into another model; use another output_dir, or train.resume=never there"
+            )
+
+
+def check_output_dir(output_dir: Path) -> None:
+    """RunFolderError unless `output_dir` is absent, empty, or a draftsmith run (its recipe.yaml,
+    command.txt and metrics would otherwise overwrite what the user keeps there)."""
+    if not output_dir.exists():
+        return
+    if not output_dir.is_dir():
+        raise RunFolderError(f"output_dir {output_dir} exists and is not a folder")
+    entries = sorted(p.name for p in output_dir.iterdir())
+    command = output_dir / "command.txt"
+    is_run = (output_dir / "checkpoints").is_dir() or (command.is_file() and command.read_text(errors="replace").startswith("draftsmith"))
+    if entries and not is_run:
+        raise RunFolderError(
+            f"output_dir {output_dir} holds files that are not a draftsmith run ({len(entries)} entries, e.g. {entries[0]!r}): "
+            "choose an empty or new folder"
+        )
 
 
 def open_run(accelerator, output_dir: Path, resume: str) -> Optional[Path]:
     """Start or continue a run in `output_dir`: drop half-written checkpoints, return the one to
     resume from (per train.resume). Writes nothing else: what an earlier run left there stays as it
     was until `record_run`, so a run that fails while setting up loses nothing."""
+    check_output_dir(output_dir)
     if accelerator.is_main_process:
         clear_partial_checkpoints(output_dir)
     accelerator.wait_for_everyone()
@@ -218,12 +271,19 @@ def load_checkpoint(accelerator, path: Path, load_from: Optional[Path] = None, s
     checkpoint holds only the trainable part of the wrapped module (a LoRA adapter).
     """
     source = load_from or path
-    if uses_deepspeed(accelerator):
-        # Frozen parameters (the target, a LoRA base) are never saved, so the engine must not
-        # insist on finding them.
-        accelerator.load_state(str(source), load_module_strict=False)
-    else:
-        accelerator.load_state(str(source), strict=strict)
+    try:
+        if uses_deepspeed(accelerator):
+            # Frozen parameters (the target, a LoRA base) are never saved, so the engine must not
+            # insist on finding them.
+            accelerator.load_state(str(source), load_module_strict=False)
+        else:
+            accelerator.load_state(str(source), strict=strict)
+    except (RuntimeError, KeyError, ValueError) as err:
+        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line or "Missing key" in line), str(err).splitlines()[0] if str(err) else "")
+        raise RunFolderError(
+            f"checkpoint {path} does not fit the model this recipe builds ({first[:200]}): a head or draft setting changed since it "
+            "was written; use another output_dir, or the recipe it was trained with"
+        ) from None
     state = read_state(path)
     # accelerate restores its micro-batch counter, which decides where accumulation windows end;
     # a run with another world size accumulates differently, so align it with the optimizer step.

@@ -33,6 +33,8 @@ def start(trainer) -> None:
     trainer.accelerator = engine.make_accelerator(r.train, r.deepspeed)
     torch.manual_seed(r.train.seed)
     trainer.resume_from = checkpoint.open_run(trainer.accelerator, trainer.output_dir, r.train.resume)
+    if trainer.resume_from is not None:
+        checkpoint.check_resumable(r, trainer.resume_from)
     trainer.last_checkpoint = trainer.resume_from
     trainer.last_eval = None
 

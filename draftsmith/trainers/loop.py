@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from draftsmith.atomic import write_atomic
 from draftsmith.runs import log
-from draftsmith.trainers.engine import TrainingError, any_rank, world_size
+from draftsmith.trainers.engine import TrainingError, any_rank, gather_objects, world_size
 
 # ----------------------------------------------------------------------------- logging
 
@@ -194,6 +194,10 @@ def run_loop(trainer: Trainer, schedule: Schedule, start: int, desc: str) -> tup
             if crossed(before, position, schedule.save_every) or done or stopping:
                 trainer.save()
             if stopping:
+                # The command line exits 130 (SIGINT) or 143 (SIGTERM) after this save, on every
+                # rank alike, whichever rank the signal reached.
+                names = [name for name in gather_objects(acc, stop.signal_name) if name]
+                trainer.stopped_by = names[0] if names else "SIGINT"
                 log(f"stopped at {schedule.unit} {position}; resume with the same command. Checkpoint: {trainer.last_checkpoint}")
                 break
     finally:

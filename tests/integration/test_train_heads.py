@@ -7,10 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.runs import checkpoint_root, list_checkpoints, read_state
+from draftsmith.runs import RunFolderError, checkpoint_root, list_checkpoints, read_state
 from draftsmith.testing import heads_recipe, logged, run_trainer
 from draftsmith.trainers import TRAINERS
-from draftsmith.trainers.engine import TrainingError
 
 
 def test_loss_decreases_target_frozen_checkpoint_clean(tmp_path, tiny_llama_dir):
@@ -72,7 +71,7 @@ def test_resume_never_refuses_to_overwrite(tmp_path, tiny_llama_dir):
     recipe = heads_recipe(tmp_path, tiny_llama_dir, "once", "train.max_steps=2", "train.save_every=1")
     run_trainer(recipe)
     again = heads_recipe(tmp_path, tiny_llama_dir, "once", "train.max_steps=2", "train.resume=never")
-    with pytest.raises(TrainingError, match="already holds checkpoints"):
+    with pytest.raises(RunFolderError, match="already holds checkpoints"):
         TRAINERS["heads"](again).setup()
 
 

@@ -3,10 +3,12 @@ python vllm_runner.py JOB.json RESULT.json. Imports nothing of draftsmith.
 
 The job names a target folder, prompts as token ids, a number of new tokens, and runs: one plain
 (no drafter) and drafters as ``{"name", "method", "model", "k"}`` (served with
-``speculative_config``) or ``{"name", "method", "model", "serve": folder}`` (``LLM(model=folder)``:
-a speculators folder that names its target itself). For each run the result holds the
-greedy output token ids and, for a drafter, vLLM's spec-decode counters (drafts, draft tokens,
-accepted tokens, accepted per position) and the tensor probe: every tensor of the drafter's
+``speculative_config``, plus any keys of ``"config"``, e.g. ngram's prompt_lookup_min/max; no
+``model`` for the methods that need none: ngram, suffix) or ``{"name", "method", "model", "serve":
+folder}`` (``LLM(model=folder)``: a speculators folder that names its target itself). For each run
+the result holds the greedy output token ids and, for a drafter, vLLM's spec-decode counters
+(drafts, draft tokens, accepted tokens, accepted per position) in all and per prompt, and the
+tensor probe: every tensor of the drafter's
 checkpoint is checked against the modules vLLM built from it, by value (norms, embeddings) or by
 running the module on a random input and comparing with the checkpoint's own arithmetic (linears,
 which vLLM repacks on CPU, and the LM head through compute_logits, which applies d2t). A tensor
@@ -41,6 +43,11 @@ def counters(llm) -> dict:
             values = list(metric.values)
             out["per_pos"] = [a + b for a, b in zip(values, out["per_pos"] + [0] * len(values))] if out["per_pos"] else values
     return out
+
+
+def delta(after: dict, before: dict) -> dict:
+    """What the counters gained between two readings."""
+    return {k: (after[k] - before[k]) if k != "per_pos" else [a - b for a, b in zip(after[k], before[k] + [0] * len(after[k]))] for k in after}
 
 
 # ----------------------------------------------------------------------------- the tensor probe
@@ -147,22 +154,29 @@ def run(job: dict, spec: dict | None) -> dict:
         max_num_seqs=1, gpu_memory_utilization=job.get("memory", 0.15), disable_log_stats=False, seed=0,
     )  # fmt: skip
     if spec is not None and not spec.get("serve"):
-        kwargs["speculative_config"] = {"method": spec["method"], "model": spec["model"], "num_speculative_tokens": spec["k"]}
+        kwargs["speculative_config"] = {
+            "method": spec["method"], "num_speculative_tokens": spec["k"], **({"model": spec["model"]} if spec.get("model") else {}), **spec.get("config", {}),
+        }  # fmt: skip
     started = time.perf_counter()
     llm = LLM(**kwargs)
     load_seconds = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
     before = counters(llm) if spec else None
-    outputs, started = [], time.perf_counter()
-    # One prompt at a time (max_num_seqs=1): the same schedule as draftsmith's batch-size-1 runtime.
+    outputs, per_prompt, started = [], [], time.perf_counter()
+    # One prompt at a time (max_num_seqs=1): the same schedule as draftsmith's batch-size-1 runtime,
+    # and the counters' change over each call is that prompt's own.
     for ids in job["prompts"]:
+        mark = counters(llm) if spec else None
         result = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
         outputs.append(list(result.outputs[0].token_ids))
+        if spec is not None:
+            per_prompt.append(delta(counters(llm), mark))
     seconds = time.perf_counter() - started
     out = {"outputs": outputs, "seconds": seconds, "load_seconds": load_seconds, "new_tokens": sum(map(len, outputs))}
     if spec is not None:
-        after = counters(llm)
-        out["counters"] = {k: (after[k] - before[k]) if k != "per_pos" else [a - b for a, b in zip(after[k], before[k] + [0] * len(after[k]))] for k in after}
+        out["counters"] = delta(counters(llm), before)
+        out["per_prompt"] = per_prompt
+    if spec is not None and spec.get("model"):
         tensors = {}
         for file in sorted(Path(spec["model"]).glob("*.safetensors")):
             tensors.update(load_file(str(file)))

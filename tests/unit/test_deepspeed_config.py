@@ -6,6 +6,8 @@ import types
 from pathlib import Path
 
 import pytest
+
+from draftsmith.runs import RunFolderError
 import torch
 
 from draftsmith import cli
@@ -168,7 +170,7 @@ def test_a_truncated_or_partial_deepspeed_checkpoint_is_skipped_for_the_previous
     out = capsys.readouterr().out
     assert "step-000020 (pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt has 12 bytes, 300 were written)" in out
     assert "step-000030 (pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt is missing)" in out
-    with pytest.raises(engine.TrainingError, match="not a complete checkpoint .*is missing"):
+    with pytest.raises(RunFolderError, match="not a complete checkpoint .*is missing"):
         checkpoint.find_resume_checkpoint(tmp_path, str(missing))
 
 

@@ -100,7 +100,14 @@ def test_report_files_and_values(tmp_path):
     stats = _hand_stats()
     report = write_report(stats, tmp_path / "eval", META)
     out = tmp_path / "eval"
-    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "report.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["acceptance.csv", "draftsmith-manifest.json", "report.json", "report.md", "report.png"]
+    # The speculator-benchmark columns: 4 drafts of 3 tokens, 6 accepted; position i accepted in
+    # 3, 2 and 1 of the 4 drafts.
+    import csv
+
+    (row,) = list(csv.DictReader((out / "acceptance.csv").open()))
+    assert list(row) == ["num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_length", "acceptance_at_pos_0", "acceptance_at_pos_1", "acceptance_at_pos_2"]
+    assert [float(v) for v in row.values()] == [4, 12, 6, 2.5, 0.75, 0.5, 0.25]
 
     data = json.loads((out / "report.json").read_text())
     assert data == report

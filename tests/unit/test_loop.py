@@ -7,7 +7,7 @@ import pytest
 
 from draftsmith.atomic import sha256_file
 from draftsmith.recipe import TrainConfig
-from draftsmith.runs import STATE_FILE, checkpoint_problem, checkpoint_root, list_checkpoints
+from draftsmith.runs import RunFolderError, STATE_FILE, checkpoint_problem, checkpoint_root, list_checkpoints
 from draftsmith.trainers import loop
 from draftsmith.trainers.checkpoint import clear_partial_checkpoints, find_resume_checkpoint
 from draftsmith.trainers.engine import TrainingError, lr_factor
@@ -39,9 +39,9 @@ def test_checkpoint_discovery_skips_partial_and_corrupt(tmp_path, capsys):
     assert "skipping incomplete or corrupt checkpoint" in capsys.readouterr().out
     clear_partial_checkpoints(tmp_path)
     assert not (root / ".tmp-step-000025").exists()
-    with pytest.raises(TrainingError, match="already holds checkpoints"):
+    with pytest.raises(RunFolderError, match="already holds checkpoints"):
         find_resume_checkpoint(tmp_path, "never")
-    with pytest.raises(TrainingError, match="not a complete checkpoint"):
+    with pytest.raises(RunFolderError, match="not a complete checkpoint"):
         find_resume_checkpoint(tmp_path, str(root / "step-000015"))
     assert find_resume_checkpoint(tmp_path / "elsewhere", "auto") is None
 
@@ -66,7 +66,7 @@ def test_contents_check_catches_damage_that_keeps_the_size(tmp_path):
     assert checkpoint_problem(ckpt) is None  # the cheap check sees only sizes
     assert "sha256" in checkpoint_problem(ckpt, verify_contents=True)
     assert find_resume_checkpoint(tmp_path, "auto") is None
-    with pytest.raises(TrainingError, match="sha256"):
+    with pytest.raises(RunFolderError, match="sha256"):
         find_resume_checkpoint(tmp_path, str(ckpt))
 
 

@@ -1,0 +1,213 @@
+"""The probe: bad inputs and interruptions across the command line, as a careful user would try
+them. Every row must end in one line naming the file, key or argument, with the documented exit
+code (2 bad input, 1 an environment failure, 130/143 a run stopped by Ctrl-C/SIGTERM after saving),
+and nothing the user owned may change on disk.
+
+Rows run ``draftsmith.cli.main`` in this process (the same code path as the console script, without
+paying for a new interpreter each time); the signal rows run a real subprocess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from draftsmith.atomic import MANIFEST_NAME
+from draftsmith.cli import main
+from draftsmith.testing import REPO, heads_recipe, launch_env, run_trainer, write_chats
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under `folder` with the sha256 of its bytes."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_llama_dir):
+    """A trained tiny run, its export, and a folder of the user's own files."""
+    root = tmp_path_factory.mktemp("bad-input")
+    recipe = heads_recipe(root, tiny_llama_dir, "run", "train.max_steps=2", "train.save_every=2", "train.eval_every=2")
+    run_trainer(recipe)
+    assert main(["export", str(root / "run"), "--out", str(root / "export")]) == 0
+    user = root / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("a day of work\n")
+    (user / "recipe.yaml").write_text("my own recipe, not draftsmith's\n")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in ("red cat", "blue dog")))
+    latin1 = root / "latin1.jsonl"
+    latin1.write_bytes(json.dumps({"prompt": "caf"}).encode()[:-2] + b'\xe9"}\n')
+    return {"root": root, "recipe": root / "run.yaml", "run": root / "run", "export": root / "export", "user": user,
+            "prompts": prompts, "latin1": latin1, "model": tiny_llama_dir}  # fmt: skip
+
+
+def damaged_copy(src: Path, dst: Path, damage) -> Path:
+    shutil.copytree(src, dst)
+    damage(dst)
+    return dst
+
+
+def flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# (name, argv builder, expected exit code, words the one line must hold, setup)
+ROWS = [
+    ("missing recipe", lambda w: ["train", str(w["root"] / "nope.yaml")], 2, ["nope.yaml"]),
+    ("unknown recipe key", lambda w: ["train", str(w["recipe"]), "train.lrr=1e-3"], 2, ["train.lrr", "train.lr"]),
+    ("output_dir is the user's folder", lambda w: ["train", str(w["recipe"]), f"output_dir={w['user']}"], 2, ["mine", "not a draftsmith run"]),
+    ("resume=never on a run", lambda w: ["train", str(w["recipe"]), "train.resume=never"], 2, ["already holds checkpoints"]),
+    ("resume another head kind", lambda w: ["train", str(w["recipe"]), "head.kind=hydra", "train.max_steps=3"], 2, ["head.kind", "hydra", "medusa"]),
+    ("resume a reshaped head", lambda w: ["train", str(w["recipe"]), "head.num_heads=3", "train.max_steps=3"], 2, ["does not fit", "head"]),
+    ("data cache in the user's folder", lambda w: ["prepare", str(w["recipe"]), f"data.cache_dir={w['user']}"], 2, ["data.cache_dir", "not a draftsmith data cache"]),
+    ("export from nowhere", lambda w: ["export", str(w["root"] / "nope"), "--out", str(w["root"] / "x1")], 2, ["not found"]),
+    ("export over the user's folder", lambda w: ["export", str(w["run"]), "--out", str(w["user"])], 2, ["mine", "--overwrite"]),
+    ("export into the checkpoint it reads", lambda w: ["export", str(w["run"]), "--out", str(next((w["run"] / "checkpoints").iterdir()) / "x")], 2, ["inside the input"]),
+    ("export around the run", lambda w: ["export", str(w["run"]), "--out", str(w["root"])], 2, ["contains the input"]),
+    ("export an unknown format", lambda w: ["export", str(w["run"]), "--out", str(w["root"] / "x2"), "--format", "onnx"], 2, ["--format", "onnx"]),
+    ("export to a read-only place", lambda w: ["export", str(w["run"]), "--out", "/sys/draftsmith-probe"], 1, ["PermissionError", "--debug"]),
+    ("a flipped byte in a checkpoint", lambda w: ["export", str(damaged_copy(w["run"], w["root"] / "run-flipped", lambda d: flip(next((d / "checkpoints").iterdir()) / "model.safetensors"))), "--out", str(w["root"] / "x3")], 2, ["sha256", "model.safetensors"]),
+    ("a truncated export", lambda w: ["generate", "--drafter", str(damaged_copy(w["export"], w["root"] / "export-cut", lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:64]))), "--prompt", "hi"], 2, ["model.safetensors"]),
+    ("a cut-off config.json", lambda w: ["eval", "--drafter", str(damaged_copy(w["export"], w["root"] / "export-config", lambda d: (d / "config.json").write_text((d / "config.json").read_text()[:30]))), "--prompts", str(w["prompts"]), "--out", str(w["root"] / "e1")], 2, ["config.json"]),
+    ("an unknown head kind", lambda w: ["eval", "--drafter", str(damaged_copy(w["export"], w["root"] / "export-kind", _unknown_kind)), "--prompts", str(w["prompts"]), "--out", str(w["root"] / "e2")], 2, ["teleport"]),
+    ("--limit 0", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--limit", "0", "--out", str(w["root"] / "e3")], 2, ["--limit"]),
+    ("--limit -1", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--limit", "-1", "--out", str(w["root"] / "e4")], 2, ["--limit"]),
+    ("eval --out is a file", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--out", str(w["user"] / "notes.txt")], 2, ["notes.txt", "not a folder"]),
+    ("eval --out is the user's folder", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--out", str(w["user"])], 2, ["--overwrite"]),
+    ("a tree of a million nodes", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "hi", "--tree", "1000000"], 2, ["1000000 drafted nodes", "limits"]),
+    ("a dynamic tree past the limits", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "hi", "--tree", "dynamic:3,3,100000"], 2, ["limits"]),
+    ("a billion new tokens", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "hi", "--max-new-tokens", "1000000000"], 2, ["--max-new-tokens"]),
+    ("a negative temperature", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "hi", "--temperature", "-1"], 2, ["--temperature"]),
+    ("typical acceptance at temperature 0", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "hi", "--verify", "typical"], 2, ["--verify typical", "temperature"]),
+    ("prompts that are not UTF-8", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["latin1"]), "--out", str(w["root"] / "e5")], 2, ["latin1.jsonl", "not UTF-8"]),
+    ("push an invalid repo id", lambda w: ["push", str(w["export"]), "--repo-id", "no good/repo id"], 2, ["--repo-id"]),
+    ("push a damaged export", lambda w: ["push", str(damaged_copy(w["export"], w["root"] / "export-push", lambda d: flip(d / "model.safetensors"))), "--repo-id", "me/x"], 2, ["sha256"]),
+    ("serve-target without vLLM", lambda w: ["serve-target", str(w["recipe"])], 2, ["no vLLM venv", "make vllm"]),
+]
+
+
+def _unknown_kind(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config["draftsmith"]["head"]["kind"] = "teleport"
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / MANIFEST_NAME).unlink()  # edited by hand, not damaged
+
+
+@pytest.mark.parametrize("name, argv, code, words", ROWS, ids=[row[0] for row in ROWS])
+def test_bad_input_is_one_line_with_its_exit_code_and_loses_nothing(world, capsys, monkeypatch, name, argv, code, words):
+    monkeypatch.setenv("DRAFTSMITH_VLLM_VENV", str(world["root"] / "no-venv"))
+    before = {key: snapshot(world[key]) for key in ("user", "run", "export")}
+    args = argv(world)
+    capsys.readouterr()
+    started = time.monotonic()
+    got = main(args)
+    text = capsys.readouterr().err
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert got == code and len(errors) == 1 and "Traceback" not in text, (name, got, text[-3000:])
+    for word in words:
+        assert word in errors[0], (name, word, errors[0])
+    assert time.monotonic() - started < 120, f"{name} took {time.monotonic() - started:.0f} s"
+    for key, files in before.items():
+        assert snapshot(world[key]) == files, f"{name} changed {key}"
+
+
+def test_the_user_folder_survives_every_row(world):
+    assert (world["user"] / "notes.txt").read_text() == "a day of work\n"
+    assert (world["user"] / "recipe.yaml").read_text() == "my own recipe, not draftsmith's\n"
+
+
+def _silent_server() -> tuple[socket.socket, str]:
+    """A server that accepts connections and never answers."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held = []
+
+    def accept():
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
+def test_push_gives_up_on_a_hub_that_never_answers_and_on_one_that_is_not_there(world):
+    """huggingface_hub reads HF_ENDPOINT and offline mode when it is imported: a fresh process."""
+
+    def push(url: str, *flags: str):
+        env = {**os.environ, "HF_ENDPOINT": url, "HF_TOKEN": "hf_test", "HF_HUB_OFFLINE": "0"}
+        cmd = [sys.executable, "-m", "draftsmith.cli", "push", str(world["export"]), "--repo-id", "me/tiny", *flags]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+    server, url = _silent_server()
+    try:
+        started = time.monotonic()
+        done = push(url, "--timeout", "2", "--deadline", "30")
+        assert done.returncode == 1 and done.stderr.count("\n") == 1 and "did not answer within 2 s" in done.stderr and url in done.stderr, done.stderr
+        assert time.monotonic() - started < 60
+    finally:
+        server.close()
+    # Nothing listens there any more: refused at once, one line, exit 1 (the environment, not the input).
+    done = push(url, "--timeout", "2")
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "cannot reach the Hub" in done.stderr, done.stderr
+
+
+def test_debug_shows_the_traceback_the_one_line_hides(world):
+    missing = str(world["root"] / "nope")
+    quiet = subprocess.run([sys.executable, "-m", "draftsmith.cli", "export", missing, "--out", str(world["root"] / "y")], cwd=REPO, capture_output=True, text=True)
+    loud = subprocess.run([sys.executable, "-m", "draftsmith.cli", "export", missing, "--out", str(world["root"] / "y"), "--debug"], cwd=REPO, capture_output=True, text=True)
+    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr and quiet.stderr.count("\n") == 1, quiet.stderr
+    assert loud.returncode != 0 and "Traceback" in loud.stderr and "ArtifactError" in loud.stderr, loud.stderr[-2000:]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_stopped_run_saves_then_exits_130_or_143(tmp_path, tiny_llama_dir, sig, code):
+    """`train && export` must not export a half-trained drafter: Ctrl-C and SIGTERM save a
+    checkpoint, say how to resume, and exit as shells report a signal."""
+    data = write_chats(tmp_path / "chats.jsonl", n=24, words=3)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"""
+trainer: heads
+output_dir: {tmp_path / 'run'}
+target: {{path: {tiny_llama_dir}}}
+data: {{path: {data}, eval_size: 4, max_length: 64, seed: 1}}
+head: {{kind: medusa, num_heads: 2, num_layers: 1}}
+train: {{micro_batch_size: 2, max_steps: 100000, lr: 0.01, log_every: 1, eval_every: 100000, save_every: 100000, lr_schedule: constant}}
+"""
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "draftsmith.cli", "train", str(recipe)], cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.time() + 180
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() < deadline, "training did not start"
+            time.sleep(0.2)
+        os.kill(proc.pid, sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == code, out[-2000:] + err[-3000:]
+    assert "stopped at step" in out and "run the same command to resume" in err, out[-2000:] + err[-2000:]
+    assert list((tmp_path / "run" / "checkpoints").glob("step-*")), "no checkpoint was saved"
