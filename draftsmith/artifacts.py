@@ -621,6 +621,22 @@ def _read_eagle3(where: str, config: dict, tensors: dict[str, Tensor]) -> Foreig
                 break
     for name in ("fc.weight", "norm.weight", "lm_head.weight"):
         ours[name] = _take(tensors, name if name in tensors else f"model.{name}" if f"model.{name}" in tensors else name, where)
+    # EAGLE-3.1's switches (speculators' trainer turns norm_before_fc and norm_output on by default).
+    # A switch and its tensors must agree: an engine drops a tensor whose switch is off without a word.
+    eagle_config = config.get("eagle_config") or {}
+    switches = {
+        "norm_before_fc": bool(eagle_config.get("norm_before_fc", config.get("norm_before_fc", False))),
+        "fc_norm": bool(config.get("fc_norm", False)),
+        "norm_output": bool(config.get("norm_output", False)),
+    }
+    for switch, prefix in (("norm_before_fc", "input_norm."), ("fc_norm", "fc_norm.")):
+        held = [n for n in list(tensors) if n.startswith((prefix, "model." + prefix))]
+        if held and not switches[switch]:
+            raise ArtifactError(f"{where}: tensor {held[0]} is there but {switch} is off in config.json, so an engine would drop it: set {switch} to true or remove the tensor")
+        for name in held:
+            ours[name[len("model.") :] if name.startswith("model.") else name] = tensors.pop(name)
+        if switches[switch] and not held:
+            raise ArtifactError(f"{where}: config.json turns {switch} on but the weights hold no {prefix}* tensor")
     H = ours["fc.weight"].shape[0]
     if ours["fc.weight"].shape[1] != 3 * int(config.get("target_hidden_size") or H):
         raise ArtifactError(
@@ -651,7 +667,6 @@ def _read_eagle3(where: str, config: dict, tensors: dict[str, Tensor]) -> Foreig
     extra = [n for n in tensors if not n.endswith(("rotary_emb.inv_freq",))]
     if extra:
         raise ArtifactError(f"{where}: tensor {extra[0]} is not part of an EAGLE-3 draft with one midlayer ({len(extra)} such tensor(s))")
-    eagle_config = config.get("eagle_config") or {}
     if config.get("eagle_aux_hidden_state_layer_ids"):
         aux = list(config["eagle_aux_hidden_state_layer_ids"])  # vLLM's key and convention
     elif eagle_config.get("eagle_aux_hidden_state_layer_ids"):
@@ -665,6 +680,7 @@ def _read_eagle3(where: str, config: dict, tensors: dict[str, Tensor]) -> Foreig
         "aux_layer_ids": aux,
         "draft_vocab_size": Vd,
         "norm_before_residual": bool(config.get("norm_before_residual", False)),
+        **switches,
     }
     return ForeignHead("eagle3", "eagle3", values, ours, embedding=embedding)
 

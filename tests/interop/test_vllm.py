@@ -104,6 +104,9 @@ def tiny(tmp_path_factory, vllm):
         "eagle3": train_head(root, target_dir, chats, data_dir, "eagle3", "{kind: eagle3, depth: 3, train_depth: 3, draft_vocab_size: 64}"),
         "eagle": train_head(root, target_dir, chats, data_dir, "eagle", "{kind: eagle, depth: 3, train_depth: 2, fc_bias: false, teacher: false, ce_weight: 1.0}"),
         "medusa": train_head(root, target_dir, chats, data_dir, "medusa", "{kind: medusa, num_heads: 3, lm_head: own}"),
+        # EAGLE-3.1 as speculators' trainer writes it by default, and the per-state fc_norm.
+        "eagle31": train_head(root, target_dir, chats, data_dir, "eagle31", "{kind: eagle3, depth: 3, train_depth: 3, draft_vocab_size: 64, norm_before_fc: true, norm_before_residual: true, norm_output: true}"),
+        "eagle3-fc-norm": train_head(root, target_dir, chats, data_dir, "eagle3-fc-norm", "{kind: eagle3, depth: 3, train_depth: 3, draft_vocab_size: 64, fc_norm: true, norm_output: true}"),
     }
     # A standalone draft: the target with noise in every weight (agrees often, not always), distilled two steps.
     noisy = root / "noisy"
@@ -125,24 +128,28 @@ train: {{micro_batch_size: 4, max_steps: 2, lr: 1.0e-5, eval_every: 2, save_ever
     runs["standalone"] = root / "distill"
     exports = {kind: export(run, root / f"vllm-{kind}", "vllm", ExportOptions(num_speculative_tokens=K)) for kind, run in runs.items()}
     exports["speculators"] = export(runs["eagle3"], root / "speculators-eagle3", "speculators", ExportOptions(num_speculative_tokens=K, verifier=str(target_dir)))
+    exports["speculators-eagle31"] = export(runs["eagle31"], root / "speculators-eagle31", "speculators", ExportOptions(num_speculative_tokens=K, verifier=str(target_dir)))
     prompts = prompts_of(tokenizer, ["say red cat sun", "say dog moon tree", "say blue green", "hello there"])
-    methods = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "standalone": "draft_model"}
+    methods = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "standalone": "draft_model", "eagle3-fc-norm": "eagle3"}
     job = {
         "target": str(target_dir), "prompts": prompts, "max_tokens": MAX_TOKENS,
         "runs": [{"name": "plain"}]
         + [{"name": kind, "method": methods[kind], "model": str(exports[kind]), "k": K} for kind in methods]
-        + [{"name": "speculators", "method": "eagle3", "model": str(exports["speculators"]), "serve": str(exports["speculators"])}],
+        + [{"name": name, "method": "eagle3", "model": str(exports[name]), "serve": str(exports[name])} for name in ("speculators", "speculators-eagle31")],
     }  # fmt: skip
     results = vllm(job, root)
     # draftsmith reads the EAGLE folders back from vLLM's layout; Medusa and the draft LM from their runs.
-    sources = {"eagle3": exports["eagle3"], "eagle": exports["eagle"], "medusa": runs["medusa"], "standalone": runs["standalone"], "speculators": exports["speculators"]}
+    sources = {
+        "eagle3": exports["eagle3"], "eagle": exports["eagle"], "medusa": runs["medusa"], "standalone": runs["standalone"],
+        "speculators": exports["speculators"], "speculators-eagle31": exports["speculators-eagle31"], "eagle3-fc-norm": exports["eagle3-fc-norm"],
+    }  # fmt: skip
     loaded = {kind: load_drafter(folder, tree=",".join(["1"] * K), dtype="float32") for kind, folder in sources.items()}
     return {"results": results, "loaded": loaded, "prompts": prompts, "root": root}
 
 
-@pytest.mark.parametrize("name", ["eagle3", "eagle", "medusa", "standalone", "speculators"])
+@pytest.mark.parametrize("name", ["eagle3", "eagle", "medusa", "standalone", "speculators", "speculators-eagle31", "eagle3-fc-norm"])
 def test_tiny_target_every_kind_loads_whole_decodes_losslessly_and_accepts_as_draftsmith_does(tiny, name):
-    skip = ("t2d",) if name == "speculators" else ()  # speculators' own t2d, which vLLM does not read
+    skip = ("t2d",) if name.startswith("speculators") else ()  # speculators' own t2d, which vLLM does not read
     summary = check_run(name, tiny["results"], tiny["loaded"][name], tiny["prompts"], skip)
     (tiny["root"] / f"summary-{name}.json").write_text(json.dumps(summary))
     # Trained drafters are accepted (the comparison is not one of zeros).

@@ -112,6 +112,12 @@ def probe(model, method: str, tensors: dict) -> dict:
         prefix = "midlayer." if any(k.startswith("midlayer.") for k in tensors) else "layers.0."
         decoder_layer(inner.layers[0], prefix, 2 * H)
         norm(inner.norm, "norm.weight")
+        # EAGLE-3.1: an engine without the switch would have no module to compare with.
+        if "input_norm.weight" in tensors and getattr(inner, "input_norm", None) is not None:
+            norm(inner.input_norm, "input_norm.weight")
+        for j, fc_norm in enumerate(getattr(inner, "fc_norm", None) or []):
+            if f"fc_norm.{j}.weight" in tensors:
+                norm(fc_norm, f"fc_norm.{j}.weight")
         logits(model.compute_logits, "lm_head.weight", H, "d2t" if "d2t" in tensors else None)
     elif method == "eagle":
         inner = model.model

@@ -67,9 +67,12 @@ def test_init_from_data_sets_the_maps_and_the_lm_head_rows(target):
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == expected.ids.tolist()
 
 
-def test_loss_is_the_soft_cross_entropy_on_the_draft_vocabulary(target):
+@pytest.mark.parametrize("out_of_vocab", ["skip", "keep"])
+def test_loss_is_the_soft_cross_entropy_on_the_draft_vocabulary(target, out_of_vocab):
+    """skip: positions whose label is outside the draft vocabulary are left out; keep (speculators'
+    rule): every trained position, against the target renormalised over the draft vocabulary."""
     torch.manual_seed(1)
-    head = Eagle3Head(Eagle3Config(draft_vocab_size=24, depth=2, train_depth=2), target.dims)
+    head = Eagle3Head(Eagle3Config(draft_vocab_size=24, depth=2, train_depth=2, out_of_vocab=out_of_vocab), target.dims)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.2)
@@ -84,12 +87,13 @@ def test_loss_is_the_soft_cross_entropy_on_the_draft_vocabulary(target):
         for s in (1, 2):
             T = 12 - 1 - s  # positions t with a label x_{t+1+s}
             labels = ids[:, 1 + s :]
-            keep = head.t2d[labels]  # the label must lie in the draft vocabulary
+            keep = head.t2d[labels] if out_of_vocab == "skip" else torch.ones_like(labels, dtype=torch.bool)
             draft = torch.log_softmax(head.draft_logits(outputs[s - 1][:, :T]), dim=-1)
             teacher = torch.softmax(feats.logits[:, s : s + T][..., vocab], dim=-1)
             expected.append(-(teacher * draft).sum(-1)[keep].mean())
             counts.append(float(keep.sum()))
-    assert stats["count"].tolist() == counts and 0 < counts[0] < 2 * 9  # some labels fell outside
+    assert stats["count"].tolist() == counts and 0 < counts[0] <= 2 * 10
+    assert (counts[0] < 2 * 10) == (out_of_vocab == "skip")  # some labels fell outside the draft vocabulary
     torch.testing.assert_close(stats["ce"], torch.stack(expected))
     weights = torch.tensor([1.0, 0.8])
     torch.testing.assert_close(loss, (weights * torch.stack(expected)).sum() / weights.sum())
@@ -127,3 +131,48 @@ def test_cli_refuses_settings_the_target_cannot_take(tmp_path, tiny_llama_dir, c
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], errors
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _rms(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def test_the_eagle31_switches_compute_what_speculators_and_vllm_define(target):
+    """norm_before_fc: one RMSNorm over the concatenated states before fc; fc_norm: one per state;
+    both (vLLM's order): input_norm first. norm_output: a step hands norm(s) on, and the logits are
+    lm_head of that same normed state. Written out by hand against the head's own modules."""
+    torch.manual_seed(0)
+    feats = target.features(torch.randint(3, V, (1, 6)), layers=[1, 3, 4])
+    states = [feats.hidden[i] for i in (1, 3, 4)]
+    for switches in ({"norm_before_fc": True}, {"fc_norm": True}, {"norm_before_fc": True, "fc_norm": True}, {}):
+        head = Eagle3Head(Eagle3Config(**switches), target.dims)
+        with torch.no_grad():
+            for p in head.parameters():
+                p.add_(torch.randn_like(p) * 0.1)  # norms away from 1, so a skipped norm shows
+        eps = head.cfg.rms_norm_eps
+        x = torch.cat(states, dim=-1)
+        if switches.get("norm_before_fc"):
+            x = _rms(x, head.input_norm.weight, eps)
+        if switches.get("fc_norm"):
+            x = torch.cat([_rms(part, norm.weight, eps) for norm, part in zip(head.fc_norm, x.chunk(3, -1))], dim=-1)
+        torch.testing.assert_close(head.feature(feats.final_hidden, feats.hidden), x @ head.fc.weight.T)
+        assert ("input_norm.weight" in head.runtime_state_dict()) == bool(switches.get("norm_before_fc"))
+        assert ("fc_norm.2.weight" in head.runtime_state_dict()) == bool(switches.get("fc_norm"))
+    plain, normed = (Eagle3Head(Eagle3Config(norm_output=on), target.dims) for on in (False, True))
+    normed.load_state_dict(plain.state_dict())
+    s = torch.randn(2, 32)
+    torch.testing.assert_close(plain.carry(s), s)
+    torch.testing.assert_close(normed.carry(s), _rms(s, normed.norm.weight, normed.cfg.rms_norm_eps))
+    # The logits of a step are the same either way; what differs is the state the next step reads.
+    torch.testing.assert_close(normed.draft_logits(normed.carry(s)), plain.draft_logits(plain.carry(s)))
+
+
+def test_a_frozen_lm_head_gets_no_gradient_and_stays_the_targets(target):
+    head = Eagle3Head(Eagle3Config(draft_vocab_size=24, depth=2, train_depth=2, train_lm_head=False), target.dims)
+    head.init_from_target(target)
+    assert not head.lm_head.weight.requires_grad
+    ids = torch.randint(3, V, (1, 10), generator=torch.Generator().manual_seed(3))
+    loss, _ = head.loss(target.features(ids, layers=head.required_layers()), torch.ones_like(ids))
+    loss.backward()
+    assert head.lm_head.weight.grad is None and head.fc.weight.grad is not None
+    torch.testing.assert_close(head.lm_head.weight, target.lm_head_weight()[head.draft_ids])

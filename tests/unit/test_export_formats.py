@@ -109,6 +109,38 @@ def test_eagle3_in_each_engine_layout(target, tmp_path, fmt):
     assert loaded.kind == "eagle3" and loaded.meta["layout"] == ("speculators" if fmt == "speculators" else "eagle3")
 
 
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_eagle31_switches_travel_and_come_back(target, tmp_path, fmt):
+    """A head with speculators' default EAGLE-3.1 switches (norm_before_fc, norm_before_residual,
+    norm_output) and one with fc_norm: the folder names every switch and holds input_norm /
+    fc_norm.{i}; read back, it computes the same logits. SGLang's layout refuses them."""
+    for name, switches in (("defaults", {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}), ("fc-norm", {"fc_norm": True})):
+        src, head = head_folder(target, tmp_path / name, "eagle3", aux_layer_ids=[2, 4, 5], **switches)
+        with torch.no_grad():
+            for norm in [getattr(head, "input_norm", None), *getattr(head, "fc_norm", [])]:
+                if norm is not None:
+                    norm.weight.add_(torch.randn_like(norm.weight) * 0.2)  # a norm ignored on reading would show
+        src = write_head_folder(head, json.loads((src / "config.json").read_text())["draftsmith"]["target"], tmp_path / name / "src2")
+        out = export(src, tmp_path / name / fmt, fmt, ExportOptions(verifier=str(target[0])))
+        config = json.loads((out / "config.json").read_text())
+        for key in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual"):
+            assert config[key] is switches.get(key, False), (key, config)
+        tensors = load_file(str(out / "model.safetensors"))
+        assert ("input_norm.weight" in tensors) == switches.get("norm_before_fc", False)
+        assert ("fc_norm.0.weight" in tensors) == switches.get("fc_norm", False)
+        same_logits(target, head, out, target=str(target[0]))
+        with pytest.raises(ExportError, match="does not carry the EAGLE-3.1 switch"):
+            export(src, tmp_path / name / "sglang", "sglang")
+    # A switch and its tensor that disagree: one line, as an engine would drop the tensor silently.
+    config["fc_norm"] = False
+    (out / "config.json").write_text(json.dumps(config))
+    (out / MANIFEST_NAME).unlink()
+    from draftsmith.artifacts import ArtifactError, open_drafter
+
+    with pytest.raises(ArtifactError, match="fc_norm.0.weight is there but fc_norm is off"):
+        open_drafter(out)
+
+
 def test_eagle3_with_the_full_vocabulary_has_no_d2t_and_sglang_gets_non_default_ids(target, tmp_path):
     src, head = head_folder(target, tmp_path, "eagle3", aux_layer_ids=[3, 5, 7])
     out = export(src, tmp_path / "full-vllm", "vllm")

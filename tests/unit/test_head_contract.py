@@ -40,6 +40,9 @@ VARIANTS = {
     "eagle3": [
         {"aux_layer_ids": [1, 2, 3], "draft_vocab_size": 32, "depth": 4, "train_depth": 3},
         {"aux_layer_ids": [3, 1, 2], "norm_before_residual": True},
+        # EAGLE-3.1, as speculators' trainer writes it by default, and the per-state fc_norm.
+        {"aux_layer_ids": [1, 2, 3], "norm_before_fc": True, "norm_before_residual": True, "norm_output": True},
+        {"aux_layer_ids": [1, 2, 3], "fc_norm": True, "norm_output": True},
     ],
 }
 CASES = [(kind, extra) for kind in HEADS for extra in VARIANTS.get(kind, [{}])]

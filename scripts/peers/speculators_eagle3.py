@@ -1,0 +1,208 @@
+"""speculators' EAGLE-3 trained on the data of a draftsmith EAGLE-3 recipe, beside draftsmith's.
+
+    python scripts/peers/speculators_eagle3.py recipes/eagle3/smollm2-135m.yaml \
+        --draftsmith-run runs/eagle3-smollm2-135m --setting same-schedule --out runs/peers/spec-same
+    python scripts/peers/speculators_eagle3.py recipes/eagle3/smollm2-135m.yaml \
+        --draftsmith-run runs/eagle3-smollm2-135m --setting defaults --out runs/peers/spec-defaults
+
+Runs in draftsmith's environment and starts speculators (PyPI speculators==0.9.0) in its own venv
+(--venv, default ~/.cache/draftsmith/venvs/speculators-0.9.0, built when missing: torch 2.13.0
+first, then speculators, minus the CUDA torchvision/torchaudio it pulls) through
+scripts/peers/speculators_train.py, which patches its three GPU assumptions for a CPU.
+
+What both trainers see is the same: the recipe's prepared training examples (draftsmith's data
+cache: the same regenerated answers and token ids), the draft vocabulary of the draftsmith run
+(its d2t/t2d), and the target's hidden states of the same three auxiliary layers plus the last
+layer's output before the final norm (speculators applies the norm itself), computed here in fp32
+and written in speculators' offline layout (a datasets folder plus hidden_states/hs_{i}.safetensors).
+speculators gates the prediction of token t with loss_mask[t-1]; the mask written is draftsmith's
+shifted by one, so both train the prediction of exactly the same tokens.
+
+Settings:
+  same-schedule  draftsmith's recipe as speculators can express it: the same optimizer steps and
+                 tokens a step (packed rows of the run's mean tokens per step), AdamW with the
+                 recipe's lr, weight decay and warmup, a cosine schedule, clipping 1.0, the
+                 recipe's training-time-test depth and step decay, fp32 hidden states, the draft
+                 vocabulary, the plain EAGLE-3 layer (no EAGLE-3.1 norms). What stays speculators'
+                 own: its frozen LM head, KL loss summed over steps, no masking of targets outside
+                 the draft vocabulary, 10 % of the rows held out for its own validation... unless
+                 --train-ratio says otherwise.
+  defaults       speculators as its documentation runs it, at the same number of training tokens:
+                 Muon + AdamW, linear schedule with 1 % warmup, 3 TTT steps of equal weight, its
+                 EAGLE-3.1 norms (norm_before_fc, norm_before_residual, norm_output), 8192-token
+                 packed rows, bf16 hidden states, the full vocabulary.
+
+Writes into --out: data/ (the offline dataset), checkpoints/ (speculators' save path; the last
+epoch's folder is the drafter), train.log, and result.json (the command, wall time, steps,
+trained tokens per second, peak RSS of the trainer, the drafter folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+WRAPPER = REPO / "scripts" / "peers" / "speculators_train.py"
+SPECULATORS = "speculators==0.9.0"
+
+
+def speculators_venv(path: str | None) -> Path:
+    """The speculators venv's python, built (a few minutes) when missing."""
+    from draftsmith.target import cache_root
+
+    venv = Path(path or cache_root() / "venvs" / "speculators-0.9.0")
+    python = venv / "bin" / "python"
+    if python.is_file() and subprocess.run([str(python), "-c", "import speculators"], capture_output=True).returncode == 0:
+        return python
+    print(f"building the speculators venv at {venv} (a few minutes)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "--quiet", "--disable-pip-version-check"]
+    # torch first and pinned: an unpinned resolve pulls gigabytes of CUDA wheels.
+    subprocess.run([*pip, "install", "torch==2.13.0"], check=True)
+    subprocess.run([*pip, "install", "torch==2.13.0", SPECULATORS], check=True)
+    # Its CUDA torchvision/torchaudio break `import transformers` beside the CPU torch.
+    subprocess.run([*pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], check=True)
+    return python
+
+
+def write_offline_data(recipe, run: Path, out: Path, hidden_dtype: str) -> dict:
+    """The recipe's training examples in speculators' offline layout, and the draftsmith run's draft
+    vocabulary as d2t.npy / t2d.npy. Returns what was written."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    from draftsmith.artifacts import open_drafter
+    from draftsmith.data import prepare_data
+    from draftsmith.target import FrozenTarget
+
+    head = open_drafter(run).head
+    if head.cfg.kind != "eagle3":
+        sys.exit(f"error: --draftsmith-run {run} holds a {head.cfg.kind} head, not eagle3")
+    target = FrozenTarget.load(recipe.target.path, "float32", recipe.target.gguf_file)
+    data = prepare_data(recipe.data, target.tokenizer, recipe.data_dir(), target_model=None, progress=True)
+    layers = [i - 1 for i in head.cfg.aux_layer_ids] + [target.dims.num_layers - 1]
+    states = out / "hidden_states"
+    states.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, hidden_dtype)
+    rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    tokens = 0
+    for i, example in enumerate(tqdm(data.train, desc="hidden states", unit="example")):
+        ids = list(example["input_ids"][: recipe.data.max_length])
+        mask = list(example["loss_mask"][: len(ids)])
+        with torch.no_grad():
+            feats = target.features(torch.tensor([ids]), layers=layers, need_logits=False)
+        stacked = torch.stack([feats.hidden[layer][0] for layer in layers], dim=1)  # [T, 4, H]
+        save_file({"hidden_states": stacked.to(dtype).contiguous(), "token_ids": torch.tensor(ids)}, str(states / f"hs_{i}.safetensors"))
+        rows["input_ids"].append(ids)
+        rows["loss_mask"].append(mask[1:] + [0])  # speculators gates token t with mask[t-1]
+        rows["seq_len"].append(len(ids))
+        tokens += len(ids)
+    np.save(out / "d2t.npy", head.d2t.cpu().numpy().astype(np.int64))
+    np.save(out / "t2d.npy", head.t2d.cpu().numpy().astype(bool))
+    (out / "rows.json").write_text(json.dumps(rows))
+    return {"examples": len(rows["seq_len"]), "tokens": tokens, "aux_layer_ids": list(head.cfg.aux_layer_ids), "draft_vocab_size": head.cfg.draft_vocab_size}
+
+
+# Built inside the speculators venv: its datasets version writes the folder its trainer reads.
+SAVE_DATASET = """
+import json, sys
+from datasets import Dataset
+out = sys.argv[1]
+rows = json.load(open(out + "/rows.json"))
+ds = Dataset.from_dict(rows)
+ds.set_format("torch")
+ds.save_to_disk(out)
+"""
+
+
+def run_metrics(run: Path) -> dict:
+    """Tokens a step and steps of the draftsmith run (its metrics.jsonl)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "train" and "tokens" in r]
+    if not steps:
+        sys.exit(f"error: {run / 'metrics.jsonl'} records no training steps with token counts")
+    return {"steps": max(r["step"] for r in steps), "tokens_per_step": sum(r["tokens"] for r in steps) / len(steps)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("recipe", help="the draftsmith EAGLE-3 recipe whose data both train on")
+    p.add_argument("--draftsmith-run", required=True, help="the draftsmith run of that recipe (its draft vocabulary and schedule)")
+    p.add_argument("--setting", required=True, choices=["same-schedule", "defaults"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--venv", default=None, help="speculators venv (default ~/.cache/draftsmith/venvs/speculators-0.9.0)")
+    p.add_argument("--train-ratio", type=float, default=1.0, help="speculators' --train-data-ratio (it validates on the rest)")
+    args = p.parse_args(argv)
+
+    from draftsmith.atomic import check_destination
+    from draftsmith.recipe import load_recipe
+    from draftsmith.serving import servable_folder
+
+    recipe = load_recipe(args.recipe)
+    run, out = Path(args.draftsmith_run), Path(args.out)
+    check_destination(out, inputs=[run], owned=lambda folder: (folder / "result.json").is_file())
+    python = speculators_venv(args.venv)
+    same = args.setting == "same-schedule"
+    data = out / "data"
+    hidden_dtype = "float32" if same else "bfloat16"
+    written = write_offline_data(recipe, run, data, hidden_dtype)
+    subprocess.run([str(python), "-c", SAVE_DATASET, str(data)], check=True)
+    verifier = servable_folder(recipe.target.path, recipe.target.gguf_file)
+    schedule = run_metrics(run)
+    tokens_total = schedule["steps"] * schedule["tokens_per_step"]
+    head = recipe.head
+    common = [
+        "--verifier-name-or-path", str(verifier), "--data-path", str(data), "--save-path", str(out / "checkpoints"),
+        "--speculator-type", "eagle3", "--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--on-missing", "raise",
+        "--num-workers", "0", "--log-dir", str(out / "logs"), "--train-data-ratio", str(args.train_ratio),
+        "--target-layer-ids", *map(str, written["aux_layer_ids"]), "--epochs", "1000", "--checkpoint-freq", "1000",
+    ]  # fmt: skip
+    if same:
+        seq_len = int(round(schedule["tokens_per_step"]))
+        steps = schedule["steps"]
+        flags = [
+            "--total-seq-len", str(seq_len), "--max-steps", str(steps), "--optimizer", "adamw", "--lr", str(recipe.train.lr),
+            "--weight-decay", str(recipe.train.weight_decay), "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(recipe.train.warmup_steps),
+            "--ttt-steps", str(head.train_depth), "--ttt-step-loss-decay", str(head.loss_decay), "--hidden-states-dtype", "float32",
+            "--d2t-path", str(data / "d2t.npy"), "--t2d-path", str(data / "t2d.npy"),
+            "--no-norm-before-fc", "--no-norm-before-residual", "--no-norm-output",
+        ]  # fmt: skip
+    else:
+        seq_len = 8192
+        steps = max(1, int(round(tokens_total / seq_len)))
+        flags = ["--total-seq-len", str(seq_len), "--max-steps", str(steps)]
+    command = [str(python), str(WRAPPER), *common, *flags]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    print(f"training speculators ({args.setting}): {steps} steps of {seq_len} packed tokens; log: {out / 'train.log'}", flush=True)
+    started = time.time()
+    with open(out / "train.log", "w") as log:
+        done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    seconds = time.time() - started
+    if done.returncode:
+        sys.exit(f"error: speculators failed (exit {done.returncode}); see {out / 'train.log'}")
+    epochs = sorted((p for p in (out / "checkpoints").iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    result = {
+        "setting": args.setting, "recipe": args.recipe, "draftsmith_run": str(run), "data": written, "steps": steps,
+        "packed_tokens_per_step": seq_len, "draftsmith_tokens_per_step": schedule["tokens_per_step"], "wall_seconds": round(seconds, 1),
+        "seconds_per_step": round(seconds / steps, 3),
+        "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2),
+        "drafter": str(epochs[-1]) if epochs else None, "command": command,
+    }  # fmt: skip
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "command"}, indent=2))
+    print(f"drafter: {result['drafter']}  (result: {out / 'result.json'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
