@@ -9,6 +9,7 @@ offending key and, for typos, the nearest valid key.
 from __future__ import annotations
 
 import dataclasses
+import typing
 import difflib
 import sys
 from dataclasses import dataclass, field
@@ -584,10 +585,30 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def _words_back(schema: Any, raw: Any) -> Any:
+    """YAML 1.1 reads no/yes/off/on as booleans (``train.mixed_precision=no`` arrives as False):
+    where a field's choices are such words, the boolean goes back to the word it was. Nested
+    sections are walked too."""
+    if not (isinstance(raw, dict) and dataclasses.is_dataclass(schema)):
+        return raw
+    hints = typing.get_type_hints(schema)
+    out = dict(raw)
+    for name, value in raw.items():
+        hint = hints.get(name)
+        if isinstance(value, bool) and typing.get_origin(hint) is typing.Literal:
+            choices = typing.get_args(hint)
+            word = next((w for w in (("yes", "on", "true") if value else ("no", "off", "false")) if w in choices), None)
+            if word is not None:
+                out[name] = word
+        elif isinstance(value, dict) and dataclasses.is_dataclass(hint):
+            out[name] = _words_back(hint, value)
+    return out
+
+
 def _typed(schema: Any, raw: dict, prefix: str) -> Any:
     """Merge `raw` into the structured `schema` and return the dataclass instance."""
     try:
-        conf = OmegaConf.merge(OmegaConf.structured(schema), raw)
+        conf = OmegaConf.merge(OmegaConf.structured(schema), _words_back(schema, raw))
         return OmegaConf.to_object(conf)
     except OmegaConfBaseException as err:
         raise _omegaconf_error(err, prefix) from None

@@ -18,14 +18,19 @@ if [ -f "$OUT/arctic_inference/suffix_decoding/__init__.py" ]; then
 fi
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
-python3 -m venv "$WORK/venv"
-PIP="$WORK/venv/bin/python -m pip --quiet --disable-pip-version-check"
-$PIP install torch==2.13.0   # pinned: an unpinned torch pulls CUDA wheels
-$PIP install setuptools wheel ninja cmake nanobind==2.9.2 protobuf==5.29.5 grpcio-tools numpy
-$PIP download --no-deps --no-binary :all: arctic-inference==0.1.1 -d "$WORK/src"
-PATH="$WORK/venv/bin:$PATH" $PIP wheel --no-build-isolation --no-deps "$WORK"/src/arctic_inference-0.1.1.tar.gz -w "$WORK/wheel"
+# A wheel built before (by this script or by hand) is reused: the build compiles for minutes.
+WHEELS="${ARCTIC_WHEELS:-$HOME/.cache/draftsmith/wheels}"
+mkdir -p "$WHEELS"
+if ! ls "$WHEELS"/arctic_inference-0.1.1-*.whl > /dev/null 2>&1; then
+  python3 -m venv "$WORK/venv"
+  PIP="$WORK/venv/bin/python -m pip --quiet --disable-pip-version-check"
+  $PIP install torch==2.13.0   # pinned: an unpinned torch pulls CUDA wheels
+  $PIP install setuptools wheel ninja cmake nanobind==2.9.2 protobuf==5.29.5 grpcio-tools numpy
+  $PIP download --no-deps --no-binary :all: arctic-inference==0.1.1 -d "$WORK/src"
+  PATH="$WORK/venv/bin:$PATH" $PIP wheel --no-build-isolation --no-deps "$WORK"/src/arctic_inference-0.1.1.tar.gz -w "$WHEELS"
+fi
 mkdir -p "$WORK/unpacked"
-"$WORK/venv/bin/python" -m zipfile -e "$WORK"/wheel/arctic_inference-*.whl "$WORK/unpacked"
+python3 -m zipfile -e "$(ls "$WHEELS"/arctic_inference-0.1.1-*.whl | head -1)" "$WORK/unpacked"
 mkdir -p "$(dirname "$OUT")"
 rm -rf "$OUT.tmp" && mkdir -p "$OUT.tmp" && cp -r "$WORK/unpacked/arctic_inference" "$OUT.tmp/"
 mv "$OUT.tmp" "$OUT"

@@ -13,8 +13,9 @@ scripts/peers/speculators_train.py, which patches its three GPU assumptions for 
 What both trainers see is the same: the recipe's prepared training examples (draftsmith's data
 cache: the same regenerated answers and token ids), the draft vocabulary of the draftsmith run
 (its d2t/t2d), and the target's hidden states of the same three auxiliary layers plus the last
-layer's output before the final norm (speculators applies the norm itself), computed here in fp32
-and written in speculators' offline layout (a datasets folder plus hidden_states/hs_{i}.safetensors).
+layer's output before the final norm (speculators applies the norm itself), computed here in the
+recipe's target precision (as draftsmith's feature cache holds them) and written in speculators'
+offline layout (a datasets folder plus hidden_states/hs_{i}.safetensors).
 speculators gates the prediction of token t with loss_mask[t-1]; the mask written is draftsmith's
 shifted by one, so both train the prediction of exactly the same tokens.
 
@@ -87,8 +88,10 @@ def write_offline_data(recipe, run: Path, out: Path, hidden_dtype: str) -> dict:
     head = open_drafter(run).head
     if head.cfg.kind != "eagle3":
         sys.exit(f"error: --draftsmith-run {run} holds a {head.cfg.kind} head, not eagle3")
-    target = FrozenTarget.load(recipe.target.path, "float32", recipe.target.gguf_file)
-    data = prepare_data(recipe.data, target.tokenizer, recipe.data_dir(), target_model=None, progress=True)
+    # The recipe's target precision: the prepared examples are keyed by it, and draftsmith's feature
+    # cache holds what the target computes in it (written out here in --hidden-states precision).
+    target = FrozenTarget.load(recipe.target.path, recipe.target.dtype, recipe.target.gguf_file)
+    data = prepare_data(recipe.data, target.tokenizer, recipe.data_dir(), target_model=target.model, progress=True)
     layers = [i - 1 for i in head.cfg.aux_layer_ids] + [target.dims.num_layers - 1]
     states = out / "hidden_states"
     states.mkdir(parents=True, exist_ok=True)

@@ -182,3 +182,15 @@ def test_dtypes_default_to_auto(recipe_file):
     assert load_recipe(recipe_file, overrides=["target.dtype=float32"]).target.dtype == "float32"
     with pytest.raises(RecipeError, match="recipe key 'target.dtype'"):
         load_recipe(recipe_file, overrides=["target.dtype=fp32"])
+
+
+def test_yaml_booleans_go_back_to_the_words_a_choice_spells(tmp_path):
+    """YAML 1.1 reads `no` as False: `train.mixed_precision=no` (and `mixed_precision: no` in a file)
+    must still mean the choice "no", not fail on a boolean."""
+    from draftsmith.recipe import load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text("trainer: heads\noutput_dir: out\ntarget: {path: t}\ndata: {path: d.jsonl}\nhead: {kind: medusa}\ntrain: {mixed_precision: no}\n")
+    assert load_recipe(path).train.mixed_precision == "no"
+    assert load_recipe(path, overrides=["train.mixed_precision=bf16"]).train.mixed_precision == "bf16"
+    assert load_recipe(path, overrides=["train.mixed_precision=no"]).train.mixed_precision == "no"
