@@ -36,11 +36,11 @@ def vllm_python() -> Path:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--drafter", required=True, help="a run folder or export of an EAGLE-3, EAGLE or Medusa head, or a draft-LM run")
+    p.add_argument("--drafter", required=True, help="a run folder or export of an EAGLE-3, EAGLE, Medusa or DFlash head, or a draft-LM run")
     p.add_argument("--prompts", default="mtbench")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--k", type=int, default=3, help="tokens vLLM drafts per step (and draftsmith's chain)")
+    p.add_argument("--k", type=int, default=None, help="tokens vLLM drafts per step (and draftsmith's chain); default: a DFlash head's block_size - 1, else 3")
     p.add_argument("--tree", default="4,2,2,1", help="the tree draftsmith also measures")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -49,14 +49,17 @@ def main(argv=None) -> int:
     from draftsmith.data.chat import encode_prompt
     from draftsmith.eval.run import evaluate, load_prompts
     from draftsmith.export import ExportOptions, export
+    from draftsmith.export.vllm import METHODS
     from draftsmith.runtime.load import load_drafter
     from draftsmith.target import _dequantized_cache_dir, resolve_model_path
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     source = open_drafter(args.drafter)
-    folder = export(args.drafter, out / "vllm-export", "vllm", ExportOptions(num_speculative_tokens=args.k), overwrite=True)
-    method = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "standalone": "draft_model"}[source.kind]
+    options = ExportOptions(num_speculative_tokens=args.k)
+    args.k = options.speculative_tokens(source)
+    folder = export(args.drafter, out / "vllm-export", "vllm", options, overwrite=True)
+    method = METHODS[source.kind]
     target_path, gguf = source.target_source()
     folder_of_target, gguf = resolve_model_path(target_path, gguf)
     if gguf is not None:  # vLLM loads the dequantized copy draftsmith keeps of a GGUF target

@@ -40,7 +40,7 @@ def head_folder(target, tmp_path, kind, **cfg):
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    if kind == "eagle3" and head.cfg.draft_vocab_size < tgt.dims.vocab_size:
+    if kind in ("eagle3", "dflash") and 0 < head.cfg.draft_vocab_size < tgt.dims.vocab_size:
         # A draft vocabulary that is not a prefix of the target's: every 2nd id from 10.
         ids = torch.arange(head.cfg.draft_vocab_size) * 2 + 10
         head.d2t.copy_(ids - torch.arange(head.cfg.draft_vocab_size))
@@ -149,11 +149,100 @@ def test_medusa_in_vllm_layout(target, tmp_path):
     assert json.loads((shared / "config.json").read_text())["original_lm_head"] is True
 
 
+DFLASH_LAYER = (
+    "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_dflash_in_each_engine_layout(target, tmp_path, fmt):
+    """z-lab's names in every layout (Qwen3 layers, fc, hidden_norm, norm; the target's embedding
+    and LM head shared, so absent); vLLM's and SGLang's dflash_config with 0-based layer ids,
+    speculators' capture ids and its flag that keeps vLLM bidirectional; read back, the same logits."""
+    src, head = head_folder(target, tmp_path, "dflash", num_layers=2, block_size=5, aux_layer_ids=[2, 4, 7])
+    out = export(src, tmp_path / f"dflash-{fmt}", fmt, ExportOptions(verifier=str(target[0])))
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == {"fc.weight", "hidden_norm.weight", "norm.weight"} | {f"layers.{i}.{n}" for i in range(2) for n in DFLASH_LAYER}
+    Dh = head.cfg.head_dim
+    assert tensors["fc.weight"].shape == (H, 3 * H) and tensors["layers.1.self_attn.k_norm.weight"].shape == (Dh,)
+    assert not (out / "mask_embedding.pt").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert "eagle_config" not in config  # vLLM's runner would prefer its ids to dflash_config's
+    mask = head.cfg.mask_token_id
+    if fmt == "speculators":
+        assert config["speculators_model_type"] == "dflash" and config["architectures"] == ["DFlashDraftModel"]
+        assert config["aux_hidden_state_layer_ids"] == [2, 4, 7] and config["mask_token_id"] == mask and config["block_size"] == 5
+        assert config["sliding_window_non_causal"] is True and config["sample_from_anchor"] is False and config["draft_vocab_size"] == V
+        assert config["speculators_config"]["algorithm"] == "dflash"
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+        assert config["speculators_config"]["verifier"]["name_or_path"] == str(target[0])
+        layer = config["transformer_layer_config"]
+    else:
+        assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 5 and config["num_target_layers"] == N
+        assert config["dflash_config"] == {"mask_token_id": mask, "target_layer_ids": [1, 3, 6], "causal": False}
+        assert "draft_vocab_size" not in config
+        layer = config
+    assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2 and layer["head_dim"] == Dh and layer["vocab_size"] == V
+    assert layer["layer_types"] == ["full_attention"] * 2 and layer["rope_theta"] == head.cfg.rope_theta
+    assert layer["tie_word_embeddings"] is False and layer["hidden_act"] == "silu"
+    card = (out / "README.md").read_text()
+    serve = {"vllm": '"method": "dflash", "model": "<this folder>", "num_speculative_tokens": 4', "sglang": "--speculative-algorithm DFLASH", "speculators": "vllm serve <this folder>"}
+    assert serve[fmt] in card
+    loaded = same_logits(target, head, out)
+    assert loaded.kind == "dflash" and loaded.meta["layout"] == ("speculators" if fmt == "speculators" else "dflash")
+    assert loaded.drafter.head.cfg.aux_layer_ids == [2, 4, 7] and loaded.drafter.head.cfg.block_size == 5
+
+
+def test_dflash_draft_vocabulary_and_mask_vector_in_vllms_layout_only(target, tmp_path):
+    src, head = head_folder(target, tmp_path, "dflash", num_layers=1, block_size=3, draft_vocab_size=24, mask_embedding=True, mask_token_id=V - 1)
+    out = export(src, tmp_path / "dflash-vocab", "vllm")
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["lm_head.weight"].shape == (24, H) and (torch.arange(24) + tensors["d2t"]).tolist() == list(range(10, 58, 2))
+    assert "t2d" not in tensors and "mask_embedding" not in tensors
+    config = json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] == 24
+    saved = torch.load(out / "mask_embedding.pt", weights_only=True)
+    assert saved["mask_token_id"] == V - 1 and torch.equal(saved["embedding"], head.mask_embedding.detach())
+    loaded = same_logits(target, head, out)
+    assert loaded.drafter.head.cfg.mask_embedding and loaded.drafter.head.cfg.draft_vocab_size == 24
+    for fmt, words in (("sglang", "SGLang's DFlash draft has no LM head of its own"), ("speculators", "speculators' DFlash has no learned mask vector")):
+        with pytest.raises(ExportError, match=f"--format {fmt} cannot carry this dflash drafter: {words}"):
+            export(src, tmp_path / f"no-{fmt}", fmt)
+        assert not (tmp_path / f"no-{fmt}").exists()
+
+
+def test_a_causal_dflash_head_keeps_its_causal_blocks(target, tmp_path):
+    src, head = head_folder(target, tmp_path, "dflash", num_layers=1, block_size=4, causal=True)
+    vllm = export(src, tmp_path / "causal-vllm", "vllm")
+    assert json.loads((vllm / "config.json").read_text())["dflash_config"]["causal"] is True
+    spec = export(src, tmp_path / "causal-spec", "speculators")
+    config = json.loads((spec / "config.json").read_text())
+    layer = config["transformer_layer_config"]
+    # speculators makes a layer causal in the block only as a sliding-window layer; its window spans every position.
+    assert config["sliding_window_non_causal"] is False and layer["layer_types"] == ["sliding_attention"]
+    assert layer["sliding_window"] == layer["max_position_embeddings"]
+    for folder in (vllm, spec):
+        assert same_logits(target, head, folder).drafter.head.cfg.causal is True
+    with pytest.raises(ExportError, match="SGLang's DFlash attends bidirectionally inside the block"):
+        export(src, tmp_path / "causal-sglang", "sglang")
+
+
+def test_a_dflash_head_is_served_with_its_block(target, tmp_path):
+    src, _ = head_folder(target, tmp_path, "dflash", num_layers=1, block_size=4)
+    with pytest.raises(ExportError, match=r"trained on blocks of 4 .* use --num-speculative-tokens 3 or leave it out"):
+        export(src, tmp_path / "k5", "vllm", ExportOptions(num_speculative_tokens=5))
+    assert '"num_speculative_tokens": 3' in (export(src, tmp_path / "k3", "vllm", ExportOptions(num_speculative_tokens=3)) / "README.md").read_text()
+    with pytest.raises(ExportError, match="whose path contains 'eagle3' as method eagle3"):
+        export(src, tmp_path / "my-eagle3-dflash", "vllm")
+
+
 @pytest.mark.parametrize(
     "kind, cfg, fmt, message",
     [
         ("hydra", {}, "vllm", "vLLM has no drafter of kind hydra"),
-        ("hydra", {}, "sglang", "SGLang runs EAGLE-3 and EAGLE drafters"),
+        ("hydra", {}, "sglang", "SGLang runs EAGLE-3, EAGLE and DFlash drafters"),
         ("medusa", {}, "speculators", "a medusa drafter has no speculators layout"),
         ("eagle", {"fc_bias": True}, "vllm", "vLLM's EAGLE-1 fc has no bias and drops one without an error"),
         ("eagle3", {"aux_layer_ids": [1, 4, 6]}, "sglang", "start at 1, which SGLang reads as [2, 5, 7] since 2026-05"),
@@ -178,7 +267,7 @@ def test_clover_exports_in_draftsmith_format_only(target, tmp_path):
     assert type(loaded.drafter.head).__name__ == "CloverHead"
     for fmt, words in (
         ("vllm", "vLLM has no drafter of kind clover"),
-        ("sglang", "SGLang runs EAGLE-3 and EAGLE drafters (as draft heads), not clover"),
+        ("sglang", "SGLang runs EAGLE-3, EAGLE and DFlash drafters (as draft heads), not clover"),
         ("speculators", "a clover drafter has no speculators layout here"),
     ):
         out = tmp_path / f"out-{fmt}"
