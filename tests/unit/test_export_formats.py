@@ -370,3 +370,71 @@ def test_a_foreign_folder_whose_config_and_tensors_disagree_fails_in_one_line(ta
     with pytest.raises(ArtifactError) as err:
         load_drafter(folder, target=str(target[0]))
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def _speculators_dflash_folder(target, tmp_path):
+    """A DFlash draft as speculators 0.9.0 writes one with its trainer's defaults (the config keys
+    of a real ``speculators train --speculator-type dflash --dry-run``, scripts/check_speculators_dflash.py):
+    sliding-window layers, causal inside the block, no manifest, no draftsmith block."""
+    src, head = head_folder(target, tmp_path, "dflash", num_layers=2, block_size=4, aux_layer_ids=[2, 4, 5], causal=True, mask_token_id=V - 1)
+    folder = tmp_path / "speculators-written"
+    folder.mkdir()
+    save_file({k: v.to(torch.bfloat16) for k, v in head.state_dict().items()}, str(folder / "model.safetensors"))
+    cfg = head.cfg
+    layer = {
+        "attention_bias": False, "head_dim": cfg.head_dim, "hidden_act": "silu", "hidden_size": H, "intermediate_size": cfg.intermediate_size,
+        "layer_types": ["sliding_attention"] * 2, "max_position_embeddings": 4096, "max_window_layers": 28, "model_type": "qwen3",
+        "num_attention_heads": cfg.num_attention_heads, "num_hidden_layers": 2, "num_key_value_heads": cfg.num_key_value_heads,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"}, "sliding_window": 2048,
+        "tie_word_embeddings": False, "use_sliding_window": True, "vocab_size": V,
+    }  # fmt: skip
+    config = {
+        "architectures": ["DFlashDraftModel"], "auto_map": {"": "config.DFlashSpeculatorConfig"}, "aux_hidden_state_layer_ids": [2, 4, 5],
+        "block_size": 4, "draft_vocab_size": V, "dtype": "bfloat16", "mask_token_id": V - 1, "sample_from_anchor": False,
+        "sliding_window_non_causal": False, "speculators_model_type": "dflash", "speculators_version": "0.9.0", "target_hidden_size": None,
+        "tie_word_embeddings": False, "transformer_layer_config": layer,
+        "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy", "proposal_methods": [
+            {"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1}],
+            "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": str(target[0])}},
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, head
+
+
+def test_a_dflash_folder_written_by_speculators_decodes_causal_as_trained(target, tmp_path, capsys):
+    from draftsmith.runtime.load import load_drafter
+
+    folder, head = _speculators_dflash_folder(target, tmp_path)
+    loaded = load_drafter(folder, dtype="float32")
+    assert loaded.target_path == str(target[0]) and loaded.meta["layout"] == "speculators"
+    got = loaded.drafter.head
+    assert got.cfg.causal is True and got.cfg.aux_layer_ids == [2, 4, 5] and got.cfg.block_size == 4 and got.cfg.num_layers == 2
+    assert "sliding window of 2048 is not applied" in capsys.readouterr().err
+    ids = torch.randint(3, V, (1, 12), generator=torch.Generator().manual_seed(1))
+    feats = target[1].features(ids, layers=head.required_layers())
+    with torch.no_grad():
+        bf16 = type(head)(head.cfg, head.dims)
+        bf16.load_state_dict({k: v.to(torch.bfloat16).float() if v.is_floating_point() else v for k, v in head.state_dict().items()})
+        torch.testing.assert_close(got(feats), bf16.eval()(feats))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda c: c.update(sample_from_anchor=True), "sample_from_anchor is set; draftsmith's DFlash head has no such variant"),
+        (lambda c: c["transformer_layer_config"].update(layer_types=["sliding_attention", "full_attention"]), "layers mix sliding-window and full attention"),
+        (lambda c: c.pop("mask_token_id"), "no mask_token_id"),
+        (lambda c: c.update(aux_hidden_state_layer_ids=[2, 4]), "tensor fc.weight has shape"),
+    ],
+)
+def test_a_dflash_folder_draftsmith_cannot_compute_fails_in_one_line(target, tmp_path, damage, message):
+    from draftsmith.artifacts import ArtifactError
+    from draftsmith.runtime.load import load_drafter
+
+    folder, _ = _speculators_dflash_folder(target, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    damage(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArtifactError) as err:
+        load_drafter(folder, dtype="float32")
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
