@@ -185,6 +185,9 @@ def choose_mask_token(vocab_size: int, tokenizer=None, seen: Sequence[int] = ())
 
 
 class DFlashHead(DraftHead):
+    """DFlash (see the module docstring): ``forward`` gives every position's block, ``loss`` trains
+    sampled blocks, ``start_drafting`` drafts one block per step."""
+
     config_class = DFlashConfig
 
     def __init__(self, cfg: DFlashConfig, dims: TargetDims) -> None:
@@ -246,7 +249,7 @@ class DFlashHead(DraftHead):
             if answers:
                 raise ValueError(
                     f"recipe key 'head.mask_token_id'={mask} is a token of the training answers ({answers} times): the target emits it, "
-                    "and an anchor with that id reads as a mask slot in vLLM; choose an id the data never holds, or -1"
+                    "and the draft cannot tell an anchor with that id from a mask slot; choose an id the data never holds, or -1"
                 )
         if self.lm_head is None:
             return None
