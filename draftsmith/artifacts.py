@@ -7,7 +7,7 @@ A path is one of (decided once, from what the folder records):
     draftsmith head export       config.json with a "draftsmith" block (``export --format draftsmith``)
     early-exit export            a plain HF causal-LM folder whose config.json has a "layerskip" block
     third-party EAGLE / EAGLE-3  config.json in vLLM's, SGLang's or speculators' layout (SpecForge,
-                                 speculators, our own engine exports)
+    or DFlash                    speculators, z-lab, our own engine exports)
     plain HF causal-LM folder    a draft LM (exported by draftsmith or not); with ``exit_layer`` the
                                  model drafts for itself instead
     built-in model name          e.g. qwen2.5-coder-0.5b, as it ships
@@ -45,6 +45,8 @@ from draftsmith.runs import (
 from draftsmith.target import BUILTIN_MODELS
 
 CONFIG_NAME = "config.json"
+# Where vLLM reads a DFlash draft's learned mask vector: {"mask_token_id": int, "embedding": [H]} (or the bare tensor).
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
 # How checkpoints name the drafter's weights inside model.safetensors, per drafter kind.
 HEAD_PREFIX, DRAFT_PREFIX, MODEL_PREFIX = "head.", "draft.", "model."
 # The config.json block of an early-exit export.
@@ -507,13 +509,15 @@ class ForeignHead:
 
 
 def detect_layout(config: dict) -> Optional[str]:
-    """'speculators', 'eagle3' or 'eagle' for a third-party drafter config.json, else None (our own
-    head folders, plain causal LMs, anything else)."""
+    """'speculators', 'dflash', 'eagle3' or 'eagle' for a third-party drafter config.json, else None
+    (our own head folders, plain causal LMs, anything else)."""
     if "draftsmith" in config:
         return None
     if "speculators_model_type" in config:
         return "speculators"
     archs = " ".join(config.get("architectures") or [])
+    if "DFlash" in archs or isinstance(config.get("dflash_config"), dict):
+        return "dflash"
     if "Eagle3" in archs:
         return "eagle3"
     if "Eagle" in archs or config.get("model_type") == "eagle":
@@ -564,20 +568,26 @@ def read_foreign(folder: str | Path, config: Optional[dict] = None) -> ForeignHe
     config = config if config is not None else read_json(folder / CONFIG_NAME)
     layout = detect_layout(config)
     if layout is None:
-        raise ArtifactError(f"{folder} is not an EAGLE or EAGLE-3 drafter in vLLM's, SGLang's or speculators' layout (config.json architectures {config.get('architectures')})")
+        raise ArtifactError(f"{folder} is not an EAGLE, EAGLE-3 or DFlash drafter in vLLM's, SGLang's or speculators' layout (config.json architectures {config.get('architectures')})")
     tensors = _load_tensors(folder)
     where = f"{folder} ({layout} layout)"
     if layout == "speculators":
-        if config["speculators_model_type"] != "eagle3":
-            raise ArtifactError(f"{where}: speculators model type {config['speculators_model_type']!r}; draftsmith reads eagle3")
+        kind = config["speculators_model_type"]
+        if kind not in ("eagle3", "dflash"):
+            raise ArtifactError(f"{where}: speculators model type {kind!r}; draftsmith reads eagle3 and dflash")
         layer = dict(config.get("transformer_layer_config") or {})
         verifier = (config.get("speculators_config") or {}).get("verifier") or {}
-        head = _read_eagle3(where, {**layer, **config}, tensors)
+        if kind == "dflash":
+            head = _read_dflash(where, folder, layer, config, tensors, speculators=True)
+        else:
+            head = _read_eagle3(where, {**layer, **config}, tensors)
+            # speculators' own default is True when the key is missing, as vLLM reads it on this path.
+            head.config["norm_before_residual"] = bool(config.get("norm_before_residual", True))
         head.target_path = verifier.get("name_or_path")
-        # speculators' own default is True when the key is missing, as vLLM reads it on this path.
-        head.config["norm_before_residual"] = bool(config.get("norm_before_residual", True))
         head.layout = "speculators"
         return head
+    if layout == "dflash":
+        return _read_dflash(where, folder, config, config, tensors, speculators=False)
     if layout == "eagle3":
         return _read_eagle3(where, config, tensors)
     return _read_eagle(where, config.get("model") if config.get("model_type") == "eagle" else config, tensors)
@@ -648,21 +658,7 @@ def _read_eagle3(where: str, config: dict, tensors: dict[str, Tensor]) -> Foreig
     if declared != Vd:
         raise ArtifactError(f"{where}: lm_head.weight has {Vd} rows but the config says draft_vocab_size {declared}")
     vocab = int(config.get("vocab_size") or Vd)
-    d2t = tensors.pop("d2t", None)
-    if d2t is None:
-        d2t = torch.zeros(Vd, dtype=torch.int64)
-    elif d2t.shape != (Vd,):
-        raise ArtifactError(f"{where}: d2t has shape {tuple(d2t.shape)}, the draft vocabulary {Vd} tokens")
-    ours["d2t"] = d2t.to(torch.int64)
-    ids = torch.arange(Vd) + ours["d2t"]
-    if int(ids.max()) >= vocab or int(ids.min()) < 0:
-        raise ArtifactError(f"{where}: d2t maps draft ids to target ids outside the vocabulary of {vocab}")
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[ids] = True
-    given = tensors.pop("t2d", None)
-    if given is not None and not torch.equal(given.to(torch.bool), t2d):
-        raise ArtifactError(f"{where}: t2d and d2t describe different draft vocabularies")
-    ours["t2d"] = t2d
+    ours["d2t"], ours["t2d"] = _read_draft_vocabulary(where, tensors, Vd, vocab)
     embedding = tensors.pop("embed_tokens.weight", tensors.pop("model.embed_tokens.weight", None))
     extra = [n for n in tensors if not n.endswith(("rotary_emb.inv_freq",))]
     if extra:
@@ -683,6 +679,97 @@ def _read_eagle3(where: str, config: dict, tensors: dict[str, Tensor]) -> Foreig
         **switches,
     }
     return ForeignHead("eagle3", "eagle3", values, ours, embedding=embedding)
+
+
+def _read_draft_vocabulary(where: str, tensors: dict[str, Tensor], Vd: int, vocab: int) -> tuple[Tensor, Tensor]:
+    """(d2t, t2d) of a draft LM head with Vd rows over a target vocabulary of `vocab`, popped from
+    `tensors` (d2t absent: the first Vd ids; t2d, where a layout keeps it, must agree)."""
+    d2t = tensors.pop("d2t", None)
+    if d2t is None:
+        d2t = torch.zeros(Vd, dtype=torch.int64)
+    elif d2t.shape != (Vd,):
+        raise ArtifactError(f"{where}: d2t has shape {tuple(d2t.shape)}, the draft vocabulary {Vd} tokens")
+    d2t = d2t.to(torch.int64)
+    ids = torch.arange(Vd) + d2t
+    if int(ids.max()) >= vocab or int(ids.min()) < 0:
+        raise ArtifactError(f"{where}: d2t maps draft ids to target ids outside the vocabulary of {vocab}")
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    given = tensors.pop("t2d", None)
+    if given is not None and not torch.equal(given.to(torch.bool), t2d):
+        raise ArtifactError(f"{where}: t2d and d2t describe different draft vocabularies")
+    return d2t, t2d
+
+
+def _read_dflash(where: str, folder: Path, layer: dict, config: dict, tensors: dict[str, Tensor], speculators: bool) -> ForeignHead:
+    """A DFlash draft in vLLM's / SGLang's / z-lab's layout (``layer`` = ``config``: a Qwen3 config
+    with ``dflash_config``) or speculators' (``layer`` = its transformer_layer_config; aux ids in
+    vLLM's capture convention at the top level). What our head cannot compute is refused in one line."""
+    tensors = {n[len("model.") :] if n.startswith("model.") else n: t for n, t in tensors.items() if not n.endswith("rotary_emb.inv_freq")}
+    dflash = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
+    unsupported = [k for k in ("use_swa", "attention_sink_bias", "attention_value_scale", "sample_from_anchor") if dflash.get(k) or (speculators and config.get(k))]
+    if layer.get("attention_bias"):
+        unsupported.append("attention_bias")
+    if unsupported:
+        raise ArtifactError(f"{where}: {unsupported[0]} is set; draftsmith's DFlash head has no such variant")
+    types = list(layer.get("layer_types") or [])
+    sliding = [t == "sliding_attention" for t in types]
+    if any(sliding) and not all(sliding):
+        raise ArtifactError(f"{where}: layers mix sliding-window and full attention; draftsmith's DFlash head has one kind of layer")
+    if speculators:
+        # speculators' training: full-attention layers see the whole block, sliding ones are causal in
+        # it unless sliding_window_non_causal (vLLM 0.32 applies that flag to every layer instead).
+        causal = all(sliding) and bool(sliding) and not config.get("sliding_window_non_causal", False)
+        aux = list(config.get("aux_hidden_state_layer_ids") or [])
+        mask = config.get("mask_token_id")
+    else:
+        causal = bool(config.get("is_causal", dflash.get("causal", all(sliding) and bool(sliding))))
+        aux = [i + 1 for i in dflash.get("target_layer_ids") or []]  # 0-based layer outputs -> vLLM's capture ids
+        mask = dflash.get("mask_token_id", config.get("mask_token_id"))
+    if mask is None:
+        hint = " (SGLang's mask_token string needs the tokenizer: write mask_token_id)" if "mask_token" in dflash else ""
+        raise ArtifactError(f"{where}: no mask_token_id{hint}")
+    if any(sliding) and int(layer.get("sliding_window") or 0) < int(layer.get("max_position_embeddings") or 0):
+        log(f"note: {where}: its layers' sliding window of {layer.get('sliding_window')} is not applied: contexts longer than it draft differently (never a wrong output)", sys.stderr)
+    block = config.get("block_size", dflash.get("block_size", 16))  # 16: z-lab's and SGLang's default
+    for name in ("fc.weight", "hidden_norm.weight", "norm.weight"):
+        _take(dict(tensors), name, where)
+    layers = sorted({int(n.split(".")[1]) for n in tensors if n.startswith("layers.")})
+    declared = int(layer.get("num_hidden_layers") or len(layers))
+    if layers != list(range(declared)):
+        raise ArtifactError(f"{where}: the config has {declared} decoder layer(s), the weights hold layers {layers}")
+    embedding = tensors.pop("embed_tokens.weight", None)
+    vocab = int(layer.get("vocab_size") or 0)
+    Vd = 0
+    if "lm_head.weight" in tensors:
+        Vd = int(tensors["lm_head.weight"].shape[0])
+        vocab = vocab or Vd
+        tensors["d2t"], tensors["t2d"] = _read_draft_vocabulary(where, tensors, Vd, vocab)
+    else:
+        for name in ("d2t", "t2d"):
+            if name in tensors:
+                raise ArtifactError(f"{where}: tensor {name} without an lm_head.weight of the draft's own")
+    mask_file = folder / MASK_EMBEDDING_FILE
+    if mask_file.is_file():
+        try:
+            saved = torch.load(mask_file, map_location="cpu", weights_only=True)
+        except Exception as err:  # pickle and zip errors alike
+            raise ArtifactError(f"{mask_file} is unreadable ({type(err).__name__})") from None
+        vector = saved.get("embedding") if isinstance(saved, dict) else saved
+        if isinstance(saved, dict) and saved.get("mask_token_id", mask) != mask:
+            raise ArtifactError(f"{mask_file} is the mask vector of token {saved['mask_token_id']}, the config's mask token is {mask}")
+        tensors["mask_embedding"] = torch.as_tensor(vector).flatten()
+    values = {
+        **_shape_keys(layer),
+        "num_layers": declared,
+        "block_size": int(block),
+        "aux_layer_ids": aux,
+        "mask_token_id": int(mask),
+        "mask_embedding": mask_file.is_file(),
+        "causal": causal,
+        "draft_vocab_size": Vd,
+    }
+    return ForeignHead("dflash", "dflash", values, tensors, embedding=embedding)
 
 
 def _read_eagle(where: str, config: dict, tensors: dict[str, Tensor]) -> ForeignHead:
@@ -709,6 +796,7 @@ __all__ = [
     "EarlyExitArtifact",
     "ForeignHead",
     "HeadArtifact",
+    "MASK_EMBEDDING_FILE",
     "ModelArtifact",
     "build_head",
     "detect_layout",

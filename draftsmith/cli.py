@@ -388,7 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="a run folder, a checkpoint folder or a draftsmith export")
     p.add_argument("--out", required=True, help="the folder to write")
     p.add_argument("--format", default="draftsmith", choices=["draftsmith", "vllm", "sglang", "speculators"], help="whose layout (default: draftsmith)")
-    p.add_argument("--num-speculative-tokens", type=_bounded(int, 1, 64), default=3, help="tokens per step in the serve command (and speculators' config)")
+    p.add_argument(
+        "--num-speculative-tokens", type=_bounded(int, 1, 64), default=None,
+        help="tokens per step in the serve command (and speculators' config); default: a DFlash head's block_size - 1, else 3",
+    )  # fmt: skip
     p.add_argument("--verifier", default=None, help="speculators: the target the folder names (default: the recorded target's hub id or path)")
     p.add_argument("--overwrite", action="store_true", help="replace --out even when it holds files draftsmith did not write there")
     p.set_defaults(func=cmd_export)

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", default="mtbench")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--k", type=int, default=3, help="tokens a trained drafter drafts per step (vLLM and draftsmith's chain)")
+    p.add_argument("--k", type=int, default=3, help="tokens a trained drafter drafts per step (vLLM and draftsmith's chain); a DFlash head drafts its block_size - 1")
     p.add_argument("--no-draftsmith", action="store_true", help="skip decoding the trained drafters in draftsmith's runtime")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -104,8 +104,10 @@ def main(argv=None) -> int:
             name, path = Path(item).name, item
         artifact = open_drafter(path)
         foreign = isinstance(artifact, HeadArtifact) and artifact.head is None
-        served = Path(path) if foreign else export(path, out / f"vllm-{name}", "vllm", ExportOptions(num_speculative_tokens=args.k), overwrite=True)
-        drafters.append({"name": name, "path": path, "artifact": artifact, "served": served, "method": METHODS.get(artifact.kind, artifact.kind)})
+        # A block drafter (DFlash) is served with the block it was trained on.
+        k = args.k if foreign or artifact.kind != "dflash" else ExportOptions().speculative_tokens(artifact)
+        served = Path(path) if foreign else export(path, out / f"vllm-{name}", "vllm", ExportOptions(num_speculative_tokens=k), overwrite=True)
+        drafters.append({"name": name, "path": path, "artifact": artifact, "served": served, "method": METHODS.get(artifact.kind, artifact.kind), "k": k})
     target_path, gguf = (args.target, None) if args.target else drafters[0]["artifact"].target_source() if drafters else (None, None)
     if not target_path:
         sys.exit("error: name the target with --target (no trained drafter records one)")
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
     ids = [encode_prompt(tokenizer, m) for m in prompts]
 
     runs = [{"name": "plain"}]
-    runs += [{"name": d["name"], "method": d["method"], "model": str(d["served"]), "k": args.k} for d in drafters]
+    runs += [{"name": d["name"], "method": d["method"], "model": str(d["served"]), "k": d["k"]} for d in drafters]
     runs += [{"name": f"ngram-k{k}" + (f"-{c['prompt_lookup_min']}-{c['prompt_lookup_max']}" if c else ""), "method": "ngram", "k": k, "config": c} for k, c in map(parse_ngram, args.ngram)]
     arctic = os.environ.get("ARCTIC_INFERENCE_PATH")
     skipped = {}
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
         })  # fmt: skip
     if not args.no_draftsmith:
         for d in drafters:
-            loaded = load_drafter(d["path"], target=args.target, tree=",".join(["1"] * args.k), dtype="float32")
+            loaded = load_drafter(d["path"], target=args.target, tree=",".join(["1"] * d["k"]), dtype="float32")
             stats, extra = evaluate(loaded, prompts, args.max_new_tokens, baseline=False, progress=True)
             ours = {
                 "mean_accepted_length": stats.mean_accepted_length,

@@ -17,11 +17,40 @@ class ExportError(ValueError):
 class ExportOptions:
     """Settings the engine layouts need beyond the drafter itself."""
 
-    # Tokens drafted per step in the serve command (and speculators' proposal method).
-    num_speculative_tokens: int = 3
+    # Tokens drafted per step in the serve command (and speculators' proposal method); None: a
+    # block drafter's whole block (DFlash: block_size - 1), else DEFAULT_SPECULATIVE_TOKENS.
+    num_speculative_tokens: Optional[int] = None
     # speculators: the target the folder names as its verifier (default: the recorded target's
     # hub id, else its path).
     verifier: Optional[str] = None
+
+    def speculative_tokens(self, drafter) -> int:
+        """Tokens per step for `drafter`: as given, else its block (DFlash drafts block_size - 1
+        per forward, and the engines' block is num_speculative_tokens + 1), else 3."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        if drafter.kind == "dflash":
+            return drafter.head.cfg.block_size - 1
+        return DEFAULT_SPECULATIVE_TOKENS
+
+
+# Tokens per step in a serve command when neither the user nor the drafter says otherwise.
+DEFAULT_SPECULATIVE_TOKENS = 3
+
+
+def block_refusal(drafter, options: ExportOptions) -> Optional[str]:
+    """A DFlash head served with another number of tokens per step than it was trained for: the
+    engines run a block of num_speculative_tokens + 1 slots, all attending to each other, so a
+    shorter or longer block computes something the head never learned."""
+    if drafter.kind != "dflash" or options.num_speculative_tokens is None:
+        return None
+    B = drafter.head.cfg.block_size
+    if options.num_speculative_tokens != B - 1:
+        return (
+            f"the head was trained on blocks of {B} (the anchor and {B - 1} drafted slots), and the engine's block is "
+            f"num_speculative_tokens + 1: use --num-speculative-tokens {B - 1} or leave it out"
+        )
+    return None
 
 
 def write_provenance(folder: Path, recipe_yaml: str, metrics: Optional[dict], card: str) -> None:
@@ -42,4 +71,4 @@ def source_record(artifact) -> dict:
     }
 
 
-__all__ = ["ExportError", "ExportOptions", "source_record", "write_provenance"]
+__all__ = ["DEFAULT_SPECULATIVE_TOKENS", "ExportError", "ExportOptions", "block_refusal", "source_record", "write_provenance"]

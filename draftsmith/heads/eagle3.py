@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from draftsmith.heads.base import TargetDims, TargetFeatures, depth_labels, depth_loss
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.layers import DecoderLayer, LayerShape, RMSNorm
-from draftsmith.heads.vocab import draft_vocabulary
+from draftsmith.heads.vocab import draft_vocabulary, to_target_vocab
 from draftsmith.target import FrozenTarget
 
 # The draft vocabulary when the recipe leaves it at 0 (SpecForge's default), capped at the target's.
@@ -92,27 +92,35 @@ class Eagle3Config(LayerShape):
     def resolve_draft(self, dims: TargetDims) -> None:
         """Fill aux_layer_ids and draft_vocab_size for this target (in place) and check them: three
         distinct ids within 1..N, a draft vocabulary no larger than the target's."""
-        N, V = dims.num_layers, dims.vocab_size
-        if not self.aux_layer_ids:
-            default = [2, N // 2, N - 3]
-            if len(set(default)) < 3 or min(default) < 1:
-                raise ValueError(
-                    f"the default auxiliary layers (2, N//2, N-3) = {tuple(default)} of a {N}-layer target are not three distinct "
-                    "layers: set recipe key 'head.aux_layer_ids' (vLLM convention, ids in 1..N)"
-                )
-            self.aux_layer_ids = default
-        ids = list(self.aux_layer_ids)
-        if len(ids) != 3 or len(set(ids)) != 3:
-            raise ValueError(f"recipe key 'head.aux_layer_ids' must name 3 distinct layers, got {ids}")
-        if not all(1 <= i <= N for i in ids):
-            raise ValueError(
-                f"recipe key 'head.aux_layer_ids'={ids} lies outside the target: ids run from 1 (the output of decoder layer 0) "
-                f"to {N} (the last layer's output) for this {N}-layer target"
-            )
-        self.aux_layer_ids = sorted(ids)  # the engines concatenate in ascending order
+        V = dims.vocab_size
+        self.aux_layer_ids = resolve_aux_layer_ids(self.aux_layer_ids, dims.num_layers, count=3)
         if self.draft_vocab_size > V:
             raise ValueError(f"recipe key 'head.draft_vocab_size'={self.draft_vocab_size} is larger than the target's vocabulary of {V}")
         self.draft_vocab_size = self.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, V)
+
+
+def resolve_aux_layer_ids(ids: Sequence[int], num_layers: int, count: Optional[int] = None) -> list[int]:
+    """The target layers a head reads, in vLLM's convention (id L = the input of decoder layer L,
+    the output of layer L - 1; ids 1..N), ascending as the engines concatenate them: `ids`, or
+    when empty the engines' default (2, N//2, N-3). ValueError naming head.aux_layer_ids when they
+    are not `count` (default: at least one) distinct layers of this N-layer target."""
+    N = num_layers
+    if not ids:
+        ids = [2, N // 2, N - 3]
+        if len(set(ids)) < 3 or min(ids) < 1:
+            raise ValueError(
+                f"the default auxiliary layers (2, N//2, N-3) = {tuple(ids)} of a {N}-layer target are not three distinct "
+                "layers: set recipe key 'head.aux_layer_ids' (vLLM convention, ids in 1..N)"
+            )
+    ids = list(ids)
+    if len(set(ids)) != len(ids) or (count is not None and len(ids) != count) or not ids:
+        raise ValueError(f"recipe key 'head.aux_layer_ids' must name {count or 'one or more'} distinct layers, got {ids}")
+    if not all(1 <= i <= N for i in ids):
+        raise ValueError(
+            f"recipe key 'head.aux_layer_ids'={ids} lies outside the target: ids run from 1 (the output of decoder layer 0) "
+            f"to {N} (the last layer's output) for this {N}-layer target"
+        )
+    return sorted(ids)
 
 
 class Eagle3Layer(DecoderLayer):
@@ -202,11 +210,8 @@ class Eagle3Head(EagleHead):
         return self.lm_head(output if self.cfg.norm_output else self.norm(output))
 
     def logits(self, output: Tensor, lm_head=None) -> Tensor:
-        """Logits over the target's vocabulary [...,V]: the draft's at its tokens, -inf elsewhere (a
-        draft never proposes a token outside its vocabulary)."""
-        draft = self.draft_logits(output)
-        full = draft.new_full((*draft.shape[:-1], self.dims.vocab_size), float("-inf"))
-        return full.index_copy(-1, self.draft_ids, draft)
+        """Logits over the target's vocabulary [...,V] (-inf outside the draft vocabulary)."""
+        return to_target_vocab(self.draft_logits(output), self.draft_ids, self.dims.vocab_size)
 
     # ------------------------------------------------------------------ training
 

@@ -152,12 +152,15 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + turned * sin
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: Sequence[tuple[Tensor, Tensor]] = ()) -> Tensor:
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: Sequence[tuple[Tensor, Tensor]] = (), own_allowed: Optional[Tensor] = None
+) -> Tensor:
     """Softmax attention with grouped-query key/value heads, in at least fp32.
 
     q [B,H,P,Dh]; k, v [B,Hkv,S,Dh]; allowed [B or 1,1,P,S] bool. ``own``: extra (k, v) pairs
     [B,Hkv,P,Dh] that position p alone sees, entry p of each (the training-time-test diagonal: a
-    drafted token's own earlier steps). Returns [B,H,P,Dh].
+    drafted token's own earlier steps; a DFlash block's slots). ``own_allowed`` [P, len(own)] bool:
+    which of them each position sees (default: all). Returns [B,H,P,Dh].
     """
     H, Hkv = q.shape[1], k.shape[1]
     dtype = torch.promote_types(q.dtype, torch.float32)
@@ -167,6 +170,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: Sequence[tuple
     scores = torch.matmul(q, expand(k).transpose(-1, -2)) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
     diag = [(q * expand(kd)).sum(-1, keepdim=True) * scale for kd, _ in own]  # [B,H,P,1] each
+    if own_allowed is not None:
+        diag = [d.masked_fill(~own_allowed[:, j].view(-1, 1), float("-inf")) for j, d in enumerate(diag)]
     weights = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
     S = k.shape[2]
     out = torch.matmul(weights[..., :S], expand(v))
@@ -204,9 +209,10 @@ def causal_allowed(
 
 class Attention(nn.Module):
     """q/k/v/o projections with grouped-query heads; q, k and v may read a wider input than the
-    hidden size (EAGLE-3's midlayer reads [embedding; feature], 2D)."""
+    hidden size (EAGLE-3's midlayer reads [embedding; feature], 2D). ``qk_norm`` adds Qwen3's
+    per-head RMSNorm of queries and keys (``q_norm``, ``k_norm`` over Dh) before the rotation."""
 
-    def __init__(self, hidden_size: int, shape: LayerShape, input_size: Optional[int] = None) -> None:
+    def __init__(self, hidden_size: int, shape: LayerShape, input_size: Optional[int] = None, qk_norm: bool = False) -> None:
         super().__init__()
         H, Hkv, Dh = shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim
         if H % Hkv:
@@ -217,15 +223,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, Hkv * Dh, bias=False)
         self.v_proj = nn.Linear(width, Hkv * Dh, bias=False)
         self.o_proj = nn.Linear(H * Dh, hidden_size, bias=False)
+        self.q_norm = RMSNorm(Dh, shape.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(Dh, shape.rms_norm_eps) if qk_norm else None
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B,P,W] -> q [B,H,P,Dh], k and v [B,Hkv,P,Dh], rotary applied (cos/sin [B or 1,P,Dh])."""
         B, P, _ = x.shape
-        q = self.q_proj(x).view(B, P, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, P, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, P, self.heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        k, v = self.kv(x, cos, sin)
+        return _rotate(q.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1)), k, v
+
+    def kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values alone: x [B,P,W] -> k, v [B,Hkv,P,Dh], keys normed and rotated (DFlash
+        projects the target's context with each layer's own key/value weights)."""
+        B, P, _ = x.shape
+        k = self.k_proj(x).view(B, P, self.kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         v = self.v_proj(x).view(B, P, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+        return _rotate(k.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1)), v
 
     def output(self, attended: Tensor, dtype: torch.dtype) -> Tensor:
         """attended [B,H,P,Dh] -> [B,P,D]."""
@@ -255,14 +273,17 @@ class DecoderLayer(nn.Module):
     - ``forward_cached``: drafting, appending to a KV cache with a tree visibility mask.
 
     ``input_norm=False`` leaves out ``input_layernorm`` (EAGLE's first layer reads its fused input
-    as it is). ``prepare(x)`` gives the usual pre-norm pair (attention input, residual); a head with
-    another input (EAGLE-3's [embedding; feature]) builds that pair itself.
+    as it is); ``qk_norm=True`` makes it a Qwen3 layer (DFlash's). ``prepare(x)`` gives the usual
+    pre-norm pair (attention input, residual); a head with another input (EAGLE-3's [embedding;
+    feature]) builds that pair itself.
     """
 
-    def __init__(self, hidden_size: int, shape: LayerShape, input_size: Optional[int] = None, input_norm: bool = True) -> None:
+    def __init__(
+        self, hidden_size: int, shape: LayerShape, input_size: Optional[int] = None, input_norm: bool = True, qk_norm: bool = False
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size, shape.rms_norm_eps) if input_norm else None
-        self.self_attn = Attention(hidden_size, shape, input_size)
+        self.self_attn = Attention(hidden_size, shape, input_size, qk_norm)
         self.post_attention_layernorm = RMSNorm(hidden_size, shape.rms_norm_eps)
         self.mlp = MLP(hidden_size, shape.intermediate_size)
 

@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 
-
 @dataclass
 class DraftVocabulary:
     d2t: Tensor  # [Vd] int64
@@ -59,4 +58,12 @@ def draft_vocabulary(examples: Sequence[dict], vocab_size: int, draft_vocab_size
     return DraftVocabulary(d2t=d2t, t2d=t2d, coverage=float(counts[chosen].sum()) / total)
 
 
-__all__ = ["DraftVocabulary", "draft_vocabulary"]
+def to_target_vocab(draft_logits: Tensor, draft_ids: Tensor, vocab_size: int) -> Tensor:
+    """Draft-vocabulary logits [...,Vd] as logits over the target's vocabulary [...,V]: the draft's
+    at its tokens (``draft_ids`` [Vd], ascending target ids), -inf elsewhere, so a draft never
+    proposes a token outside its vocabulary."""
+    full = draft_logits.new_full((*draft_logits.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy(-1, draft_ids, draft_logits)
+
+
+__all__ = ["DraftVocabulary", "draft_vocabulary", "to_target_vocab"]

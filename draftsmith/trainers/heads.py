@@ -131,11 +131,16 @@ class HeadTrainer:
         self.data = prepare_shared_data(r, acc, tokenizer, None if self.shard_target else self.target.model)
 
         self.head = build_head(r, self.target.dims)
-        chose = self.head.init_from_data(self.data.train)
+        try:
+            chose = self.head.init_from_data(self.data.train)
+        except ValueError as err:  # a head setting the data contradicts: bad input, named by the head
+            raise RecipeError(str(err)) from None
         if chose:
             log(f"head {r.head.kind}: {chose}")
         with self._target_io_weights():
-            self.head.init_from_target(self.target)
+            chose = self.head.init_from_target(self.target)
+        if chose:
+            log(f"head {r.head.kind}: {chose}")
         pad = pad_token_id(tokenizer)
         self.collator = Collator(pad_token_id=pad, max_length=r.data.max_length, packing=r.data.packing)
         self.source = FeatureSource(

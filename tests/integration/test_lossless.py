@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from draftsmith.heads.clover import CloverConfig, CloverHead
+from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.hydra import HydraConfig, HydraHead
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead
@@ -85,6 +86,18 @@ def _random_clover(target, seed, **cfg):
     return head.eval()
 
 
+def _random_dflash(target, seed, **cfg):
+    """A DFlash head reading the target's first and last layers, perturbed from its start."""
+    torch.manual_seed(seed)
+    head = DFlashHead(DFlashConfig(**{"aux_layer_ids": sorted({1, target.dims.num_layers}), "num_layers": 1, **cfg}), target.dims)
+    head.init_from_target(target)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return head.eval()
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def setup(request):
     arch = request.param
@@ -119,6 +132,9 @@ DRAFTERS = {
         ),
         False,
     ),
+    # DFlash: one block forward per step; a chain, and a product tree of each slot's top candidates.
+    "dflash-chain": (lambda t, o, n: HeadDrafter(_random_dflash(t, 12, block_size=5), t, TreeSpec.chain(4)), False),
+    "dflash-tree": (lambda t, o, n: HeadDrafter(_random_dflash(t, 13, block_size=5, causal=True), t, default_tree(4, (4, 2, 2, 1))), False),
     "medusa-dynamic": (lambda t, o, n: HeadDrafter(_random_medusa(t, 8), t, DynamicTreeSpec(depth=3, topk=3, budget=8)), False),
     "other-lm-chain": (lambda t, o, n: StandaloneDrafter(o, TreeSpec.chain(3)), False),
     "noisy-chain": (lambda t, o, n: StandaloneDrafter(n, TreeSpec.chain(4)), False),
@@ -204,6 +220,12 @@ def test_sampled_speculative_tokens_follow_the_target(drafter_kind):
 
 def test_sampled_speculative_tokens_follow_the_target_with_a_clover_head():
     assert _speculative_joint_p_value(500, seed=0, head=lambda t: _random_clover(t, 11, depth=2)) > 1e-3
+
+
+def test_sampled_speculative_tokens_follow_the_target_with_a_dflash_head():
+    """A block of 3 (anchor + 2 slots) drafts the static tree's two depths in one forward."""
+    head = lambda t: _random_dflash(t, 14, block_size=3, mask_token_id=V - 1, draft_vocab_size=6)  # noqa: E731
+    assert _speculative_joint_p_value(500, seed=0, head=head) > 1e-3
 
 
 def test_the_sampling_check_rejects_a_verifier_that_always_accepts(monkeypatch):

@@ -139,3 +139,34 @@ def test_quickstart_settings_bf16_target_and_its_frozen_lm_head(tmp_path, tiny_l
     weights = load_file(str(list_checkpoints(recipe.output_dir)[-1] / "model.safetensors"))
     assert not any("lm_head" in k for k in weights)  # the shared LM head stays the target's
     assert summary["top1"][0] > 0.2
+
+
+def test_dflash_golden_run_from_the_feature_cache_on_packed_rows(tmp_path, tiny_llama_dir):
+    """A DFlash head trains from the feature cache on packed rows: loss goes down, the mask token is
+    chosen from the data and recorded, the slots' held-out accuracy is reported per depth, and the
+    checkpoint decodes exactly the target's greedy output (the data's answers are not the random
+    target's, so acceptance is the interop test's business: tests/interop/test_vllm_dflash.py)."""
+    from draftsmith.runtime.generate import speculative_generate
+    from draftsmith.runtime.load import load_drafter
+
+    recipe = heads_recipe(
+        tmp_path, tiny_llama_dir, "dflash", "data.packing=true", "data.features.mode=cache",
+        head="{kind: dflash, block_size: 4, num_layers: 1, aux_layer_ids: [1, 2, 3], draft_vocab_size: 64}",
+    )  # fmt: skip
+    trainer, summary, _ = run_trainer(recipe)
+    curve = logged(Path(recipe.output_dir))
+    first, last = sum(curve[s] for s in (1, 2, 3)) / 3, sum(curve[s] for s in (28, 29, 30)) / 3
+    assert last < 0.8 * first, curve
+    state = read_state(list_checkpoints(recipe.output_dir)[-1])
+    mask = state["head"]["mask_token_id"]
+    assert mask >= 0 and state["drafter"] == {"kind": "dflash"}
+    assert not any(mask in e["input_ids"] for e in trainer.data.train + trainer.data.eval)
+    assert len(summary["top1"]) == 3 and summary["top1"][0] > 0
+    loaded = load_drafter(recipe.output_dir, tree="1,1,1", dtype="float32")
+    tok = loaded.target.tokenizer
+    for question in ("say red cat sun moon", "say dog tree blue green"):
+        text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+        want = loaded.target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24, pad_token_id=0, eos_token_id=None)
+        out, _ = speculative_generate(loaded.target, loaded.drafter, ids, 24)
+        assert out.tolist() == want.tolist()

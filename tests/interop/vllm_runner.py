@@ -6,10 +6,11 @@ The job names a target folder, prompts as token ids, a number of new tokens, and
 ``speculative_config``, plus any keys of ``"config"``, e.g. ngram's prompt_lookup_min/max; no
 ``model`` for the methods that need none: ngram, suffix) or ``{"name", "method", "model", "serve":
 folder}`` (``LLM(model=folder)``: a speculators folder that names its target itself). For each run
-the result holds the greedy output token ids and, for a drafter, vLLM's spec-decode counters
-(drafts, draft tokens, accepted tokens, accepted per position) in all and per prompt, and the
-tensor probe: every tensor of the drafter's
-checkpoint is checked against the modules vLLM built from it, by value (norms, embeddings) or by
+the result holds the greedy output token ids and, for a drafter, the speculative method vLLM
+resolved, its spec-decode counters (drafts, draft tokens, accepted tokens, accepted per position)
+in all and per prompt, for DFlash every block it drafted (the proposer is wrapped in this process),
+and the tensor probe: every tensor of the drafter's checkpoint (and a DFlash mask vector file) is
+checked against the modules vLLM built from it, by value (norms, embeddings, the mask vector) or by
 running the module on a random input and comparing with the checkpoint's own arithmetic (linears,
 which vLLM repacks on CPU, and the LM head through compute_logits, which applies d2t). A tensor
 the probe cannot find a use for is reported as unchecked.
@@ -28,6 +29,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+
+
+# A DFlash draft's learned mask vector, beside its safetensors (vLLM reads {"embedding": [H], ...}).
+MASK_FILE = "mask_embedding.pt"
 
 
 def counters(llm) -> dict:
@@ -90,6 +95,9 @@ def probe(model, method: str, tensors: dict) -> dict:
         for name in ("input_layernorm.weight", "post_attention_layernorm.weight", "hidden_norm.weight"):
             if prefix + name in tensors:
                 norm(getattr(layer, name.split(".")[0]), prefix + name)
+        for name in ("q_norm", "k_norm"):  # Qwen3 layers (DFlash)
+            if f"{prefix}self_attn.{name}.weight" in tensors:
+                norm(getattr(attn, name), f"{prefix}self_attn.{name}.weight")
 
     def logits(compute, lm_head_name, H, d2t=None):
         h = torch.randn(3, H)
@@ -119,6 +127,18 @@ def probe(model, method: str, tensors: dict) -> dict:
             if f"fc_norm.{j}.weight" in tensors:
                 norm(fc_norm, f"fc_norm.{j}.weight")
         logits(model.compute_logits, "lm_head.weight", H, "d2t" if "d2t" in tensors else None)
+    elif method == "dflash":
+        inner = model.model
+        H = tensors["norm.weight"].shape[0]
+        linear(inner.fc, ["fc.weight"], torch.randn(3, tensors["fc.weight"].shape[1]))
+        norm(inner.hidden_norm, "hidden_norm.weight")
+        norm(inner.norm, "norm.weight")
+        for i, layer in enumerate(inner.layers):
+            decoder_layer(layer, f"layers.{i}.", H)
+        if "lm_head.weight" in tensors:  # a draft vocabulary; otherwise vLLM shares the target's LM head
+            logits(model.compute_logits, "lm_head.weight", H, "d2t" if "d2t" in tensors else None)
+        if MASK_FILE in tensors:
+            checked[MASK_FILE] = rel(inner.mask_embedding.data, tensors[MASK_FILE]) if inner.has_separate_mask_embedding else float("inf")
     elif method == "eagle":
         inner = model.model
         H = tensors["fc.weight"].shape[0]
@@ -151,9 +171,29 @@ def probe(model, method: str, tensors: dict) -> dict:
 # ----------------------------------------------------------------------------- runs
 
 
+def record_dflash_blocks(records: list) -> None:
+    """Wrap vLLM's DFlash proposer so that every drafting step appends (position of the bonus token,
+    the bonus token, the drafted tokens) of the request to `records` (batch size 1)."""
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    original = getattr(DFlashProposer.propose, "__wrapped__", DFlashProposer.propose)
+
+    def propose(self, *args, **kwargs):
+        drafts = original(self, *args, **kwargs)
+        records.append([int(self.positions[0]), int(self.input_ids[0]), [int(t) for t in drafts[0].tolist()]])
+        return drafts
+
+    propose.__wrapped__ = original
+    DFlashProposer.propose = propose
+
+
 def run(job: dict, spec: dict | None) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    blocks: list = []
+    if spec is not None and spec["method"] == "dflash":
+        record_dflash_blocks(blocks)
 
     kwargs = dict(
         model=(spec or {}).get("serve") or job["target"], dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=job.get("max_model_len", 512),
@@ -168,17 +208,21 @@ def run(job: dict, spec: dict | None) -> dict:
     load_seconds = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
     before = counters(llm) if spec else None
-    outputs, per_prompt, started = [], [], time.perf_counter()
+    outputs, per_prompt, drafted, started = [], [], [], time.perf_counter()
     # One prompt at a time (max_num_seqs=1): the same schedule as draftsmith's batch-size-1 runtime,
     # and the counters' change over each call is that prompt's own.
     for ids in job["prompts"]:
         mark = counters(llm) if spec else None
+        blocks.clear()
         result = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
         outputs.append(list(result.outputs[0].token_ids))
+        drafted.append(list(blocks))
         if spec is not None:
             per_prompt.append(delta(counters(llm), mark))
     seconds = time.perf_counter() - started
     out = {"outputs": outputs, "seconds": seconds, "load_seconds": load_seconds, "new_tokens": sum(map(len, outputs))}
+    if spec is not None and spec["method"] == "dflash":
+        out["blocks"] = drafted  # per prompt: [position, bonus token, drafted tokens] of every step
     if spec is not None:
         out["counters"] = delta(counters(llm), before)
         out["per_prompt"] = per_prompt
@@ -186,6 +230,9 @@ def run(job: dict, spec: dict | None) -> dict:
         tensors = {}
         for file in sorted(Path(spec["model"]).glob("*.safetensors")):
             tensors.update(load_file(str(file)))
+        if (Path(spec["model"]) / MASK_FILE).is_file():
+            tensors[MASK_FILE] = torch.load(Path(spec["model"]) / MASK_FILE, weights_only=True)["embedding"]
+        out["method"] = llm.llm_engine.vllm_config.speculative_config.method
         method = spec["method"]
         out["probe"] = llm.collective_rpc(lambda worker: probe(worker.model_runner.drafter.model, method, tensors))[0]
         out["tensors"] = sorted(tensors)

@@ -41,7 +41,7 @@ def head_folder(target, tmp_path, kind, **cfg):
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    if kind == "eagle3" and head.cfg.draft_vocab_size < tgt.dims.vocab_size:
+    if kind in ("eagle3", "dflash") and 0 < head.cfg.draft_vocab_size < tgt.dims.vocab_size:
         # A draft vocabulary that is not a prefix of the target's: every 2nd id from 10.
         ids = torch.arange(head.cfg.draft_vocab_size) * 2 + 10
         head.d2t.copy_(ids - torch.arange(head.cfg.draft_vocab_size))
@@ -182,11 +182,100 @@ def test_medusa_in_vllm_layout(target, tmp_path):
     assert json.loads((shared / "config.json").read_text())["original_lm_head"] is True
 
 
+DFLASH_LAYER = (
+    "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_dflash_in_each_engine_layout(target, tmp_path, fmt):
+    """z-lab's names in every layout (Qwen3 layers, fc, hidden_norm, norm; the target's embedding
+    and LM head shared, so absent); vLLM's and SGLang's dflash_config with 0-based layer ids,
+    speculators' capture ids and its flag that keeps vLLM bidirectional; read back, the same logits."""
+    src, head = head_folder(target, tmp_path, "dflash", num_layers=2, block_size=5, aux_layer_ids=[2, 4, 7])
+    out = export(src, tmp_path / f"dflash-{fmt}", fmt, ExportOptions(verifier=str(target[0])))
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == {"fc.weight", "hidden_norm.weight", "norm.weight"} | {f"layers.{i}.{n}" for i in range(2) for n in DFLASH_LAYER}
+    Dh = head.cfg.head_dim
+    assert tensors["fc.weight"].shape == (H, 3 * H) and tensors["layers.1.self_attn.k_norm.weight"].shape == (Dh,)
+    assert not (out / "mask_embedding.pt").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert "eagle_config" not in config  # vLLM's runner would prefer its ids to dflash_config's
+    mask = head.cfg.mask_token_id
+    if fmt == "speculators":
+        assert config["speculators_model_type"] == "dflash" and config["architectures"] == ["DFlashDraftModel"]
+        assert config["aux_hidden_state_layer_ids"] == [2, 4, 7] and config["mask_token_id"] == mask and config["block_size"] == 5
+        assert config["sliding_window_non_causal"] is True and config["sample_from_anchor"] is False and config["draft_vocab_size"] == V
+        assert config["speculators_config"]["algorithm"] == "dflash"
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+        assert config["speculators_config"]["verifier"]["name_or_path"] == str(target[0])
+        layer = config["transformer_layer_config"]
+    else:
+        assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 5 and config["num_target_layers"] == N
+        assert config["dflash_config"] == {"mask_token_id": mask, "target_layer_ids": [1, 3, 6], "causal": False}
+        assert "draft_vocab_size" not in config
+        layer = config
+    assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2 and layer["head_dim"] == Dh and layer["vocab_size"] == V
+    assert layer["layer_types"] == ["full_attention"] * 2 and layer["rope_theta"] == head.cfg.rope_theta
+    assert layer["tie_word_embeddings"] is False and layer["hidden_act"] == "silu"
+    card = (out / "README.md").read_text()
+    serve = {"vllm": '"method": "dflash", "model": "<this folder>", "num_speculative_tokens": 4', "sglang": "--speculative-algorithm DFLASH", "speculators": "vllm serve <this folder>"}
+    assert serve[fmt] in card
+    loaded = same_logits(target, head, out)
+    assert loaded.kind == "dflash" and loaded.meta["layout"] == ("speculators" if fmt == "speculators" else "dflash")
+    assert loaded.drafter.head.cfg.aux_layer_ids == [2, 4, 7] and loaded.drafter.head.cfg.block_size == 5
+
+
+def test_dflash_draft_vocabulary_and_mask_vector_in_vllms_layout_only(target, tmp_path):
+    src, head = head_folder(target, tmp_path, "dflash", num_layers=1, block_size=3, draft_vocab_size=24, mask_embedding=True, mask_token_id=V - 1)
+    out = export(src, tmp_path / "dflash-vocab", "vllm")
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["lm_head.weight"].shape == (24, H) and (torch.arange(24) + tensors["d2t"]).tolist() == list(range(10, 58, 2))
+    assert "t2d" not in tensors and "mask_embedding" not in tensors
+    config = json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] == 24
+    saved = torch.load(out / "mask_embedding.pt", weights_only=True)
+    assert saved["mask_token_id"] == V - 1 and torch.equal(saved["embedding"], head.mask_embedding.detach())
+    loaded = same_logits(target, head, out)
+    assert loaded.drafter.head.cfg.mask_embedding and loaded.drafter.head.cfg.draft_vocab_size == 24
+    for fmt, words in (("sglang", "SGLang's DFlash draft has no LM head of its own"), ("speculators", "speculators' DFlash has no learned mask vector")):
+        with pytest.raises(ExportError, match=f"--format {fmt} cannot carry this dflash drafter: {words}"):
+            export(src, tmp_path / f"no-{fmt}", fmt)
+        assert not (tmp_path / f"no-{fmt}").exists()
+
+
+def test_a_causal_dflash_head_keeps_its_causal_blocks(target, tmp_path):
+    src, head = head_folder(target, tmp_path, "dflash", num_layers=1, block_size=4, causal=True)
+    vllm = export(src, tmp_path / "causal-vllm", "vllm")
+    assert json.loads((vllm / "config.json").read_text())["dflash_config"]["causal"] is True
+    spec = export(src, tmp_path / "causal-spec", "speculators")
+    config = json.loads((spec / "config.json").read_text())
+    layer = config["transformer_layer_config"]
+    # speculators makes a layer causal in the block only as a sliding-window layer; its window spans every position.
+    assert config["sliding_window_non_causal"] is False and layer["layer_types"] == ["sliding_attention"]
+    assert layer["sliding_window"] == layer["max_position_embeddings"]
+    for folder in (vllm, spec):
+        assert same_logits(target, head, folder).drafter.head.cfg.causal is True
+    with pytest.raises(ExportError, match="SGLang's DFlash attends bidirectionally inside the block"):
+        export(src, tmp_path / "causal-sglang", "sglang")
+
+
+def test_a_dflash_head_is_served_with_its_block(target, tmp_path):
+    src, _ = head_folder(target, tmp_path, "dflash", num_layers=1, block_size=4)
+    with pytest.raises(ExportError, match=r"trained on blocks of 4 .* use --num-speculative-tokens 3 or leave it out"):
+        export(src, tmp_path / "k5", "vllm", ExportOptions(num_speculative_tokens=5))
+    assert '"num_speculative_tokens": 3' in (export(src, tmp_path / "k3", "vllm", ExportOptions(num_speculative_tokens=3)) / "README.md").read_text()
+    with pytest.raises(ExportError, match="whose path contains 'eagle3' as method eagle3"):
+        export(src, tmp_path / "my-eagle3-dflash", "vllm")
+
+
 @pytest.mark.parametrize(
     "kind, cfg, fmt, message",
     [
         ("hydra", {}, "vllm", "vLLM has no drafter of kind hydra"),
-        ("hydra", {}, "sglang", "SGLang runs EAGLE-3 and EAGLE drafters"),
+        ("hydra", {}, "sglang", "SGLang runs EAGLE-3, EAGLE and DFlash drafters"),
         ("medusa", {}, "speculators", "a medusa drafter has no speculators layout"),
         ("eagle", {"fc_bias": True}, "vllm", "vLLM's EAGLE-1 fc has no bias and drops one without an error"),
         ("eagle3", {"aux_layer_ids": [1, 4, 6]}, "sglang", "start at 1, which SGLang reads as [2, 5, 7] since 2026-05"),
@@ -213,7 +302,7 @@ def test_clover_exports_in_draftsmith_format_only(target, tmp_path):
     assert type(loaded.drafter.head).__name__ == "CloverHead"
     for fmt, words in (
         ("vllm", "vLLM has no drafter of kind clover"),
-        ("sglang", "SGLang runs EAGLE-3 and EAGLE drafters (as draft heads), not clover"),
+        ("sglang", "SGLang runs EAGLE-3, EAGLE and DFlash drafters (as draft heads), not clover"),
         ("speculators", "a clover drafter has no speculators layout here"),
     ):
         out = tmp_path / f"out-{fmt}"
@@ -234,14 +323,17 @@ def test_cli_refusals_exit_2_with_one_line_and_write_nothing(target, tmp_path):
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "draftsmith.cli", "export", *map(str, args)], capture_output=True, text=True, cwd=REPO)
 
+    dflash, _ = head_folder(target, tmp_path, "dflash", num_layers=1, block_size=4, draft_vocab_size=24)
     for args, words in (
         ((src, "--format", "vllm", "--out", tmp_path / "a"), "vLLM has no drafter of kind hydra"),
         ((empty, "--format", "vllm", "--out", tmp_path / "b"), "neither a draftsmith checkpoint nor a run folder"),
+        ((dflash, "--format", "vllm", "--num-speculative-tokens", "5", "--out", tmp_path / "d"), "trained on blocks of 4"),
+        ((dflash, "--format", "sglang", "--out", tmp_path / "e"), "SGLang's DFlash draft has no LM head of its own"),
     ):
         proc = cli(*args)
         errors = [line for line in proc.stderr.splitlines() if line.strip()]
         assert proc.returncode == 2 and len(errors) == 1 and words in errors[0], proc.stderr
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not any((tmp_path / name).exists() for name in "abde")
     ok = cli(head_folder(target, tmp_path, "eagle3", aux_layer_ids=[2, 4, 5])[0], "--format", "vllm", "--out", tmp_path / "c")
     assert ok.returncode == 0 and "README.md" in ok.stdout, ok.stderr
 
@@ -316,3 +408,71 @@ def test_a_foreign_folder_whose_config_and_tensors_disagree_fails_in_one_line(ta
     with pytest.raises(ArtifactError) as err:
         load_drafter(folder, target=str(target[0]))
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def _speculators_dflash_folder(target, tmp_path):
+    """A DFlash draft as speculators 0.9.0 writes one with its trainer's defaults (the config keys
+    of a real ``speculators train --speculator-type dflash --dry-run``, scripts/check_speculators_dflash.py):
+    sliding-window layers, causal inside the block, no manifest, no draftsmith block."""
+    src, head = head_folder(target, tmp_path, "dflash", num_layers=2, block_size=4, aux_layer_ids=[2, 4, 5], causal=True, mask_token_id=V - 1)
+    folder = tmp_path / "speculators-written"
+    folder.mkdir()
+    save_file({k: v.to(torch.bfloat16) for k, v in head.state_dict().items()}, str(folder / "model.safetensors"))
+    cfg = head.cfg
+    layer = {
+        "attention_bias": False, "head_dim": cfg.head_dim, "hidden_act": "silu", "hidden_size": H, "intermediate_size": cfg.intermediate_size,
+        "layer_types": ["sliding_attention"] * 2, "max_position_embeddings": 4096, "max_window_layers": 28, "model_type": "qwen3",
+        "num_attention_heads": cfg.num_attention_heads, "num_hidden_layers": 2, "num_key_value_heads": cfg.num_key_value_heads,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"}, "sliding_window": 2048,
+        "tie_word_embeddings": False, "use_sliding_window": True, "vocab_size": V,
+    }  # fmt: skip
+    config = {
+        "architectures": ["DFlashDraftModel"], "auto_map": {"": "config.DFlashSpeculatorConfig"}, "aux_hidden_state_layer_ids": [2, 4, 5],
+        "block_size": 4, "draft_vocab_size": V, "dtype": "bfloat16", "mask_token_id": V - 1, "sample_from_anchor": False,
+        "sliding_window_non_causal": False, "speculators_model_type": "dflash", "speculators_version": "0.9.0", "target_hidden_size": None,
+        "tie_word_embeddings": False, "transformer_layer_config": layer,
+        "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy", "proposal_methods": [
+            {"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1}],
+            "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": str(target[0])}},
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, head
+
+
+def test_a_dflash_folder_written_by_speculators_decodes_causal_as_trained(target, tmp_path, capsys):
+    from draftsmith.runtime.load import load_drafter
+
+    folder, head = _speculators_dflash_folder(target, tmp_path)
+    loaded = load_drafter(folder, dtype="float32")
+    assert loaded.target_path == str(target[0]) and loaded.meta["layout"] == "speculators"
+    got = loaded.drafter.head
+    assert got.cfg.causal is True and got.cfg.aux_layer_ids == [2, 4, 5] and got.cfg.block_size == 4 and got.cfg.num_layers == 2
+    assert "sliding window of 2048 is not applied" in capsys.readouterr().err
+    ids = torch.randint(3, V, (1, 12), generator=torch.Generator().manual_seed(1))
+    feats = target[1].features(ids, layers=head.required_layers())
+    with torch.no_grad():
+        bf16 = type(head)(head.cfg, head.dims)
+        bf16.load_state_dict({k: v.to(torch.bfloat16).float() if v.is_floating_point() else v for k, v in head.state_dict().items()})
+        torch.testing.assert_close(got(feats), bf16.eval()(feats))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda c: c.update(sample_from_anchor=True), "sample_from_anchor is set; draftsmith's DFlash head has no such variant"),
+        (lambda c: c["transformer_layer_config"].update(layer_types=["sliding_attention", "full_attention"]), "layers mix sliding-window and full attention"),
+        (lambda c: c.pop("mask_token_id"), "no mask_token_id"),
+        (lambda c: c.update(aux_hidden_state_layer_ids=[2, 4]), "tensor fc.weight has shape"),
+    ],
+)
+def test_a_dflash_folder_draftsmith_cannot_compute_fails_in_one_line(target, tmp_path, damage, message):
+    from draftsmith.artifacts import ArtifactError
+    from draftsmith.runtime.load import load_drafter
+
+    folder, _ = _speculators_dflash_folder(target, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    damage(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArtifactError) as err:
+        load_drafter(folder, dtype="float32")
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -44,6 +44,13 @@ VARIANTS = {
         {"aux_layer_ids": [1, 2, 3], "norm_before_fc": True, "norm_before_residual": True, "norm_output": True},
         {"aux_layer_ids": [1, 2, 3], "fc_norm": True, "norm_output": True},
     ],
+    # DFlash: bidirectional blocks over the target's LM head; a learned mask vector with a draft
+    # vocabulary (d2t); speculators' causal blocks with the mask token chosen from the target.
+    "dflash": [
+        {"aux_layer_ids": [1, 2, 3], "block_size": 4, "num_layers": 2, "mask_token_id": 47},
+        {"aux_layer_ids": [1, 3], "block_size": 3, "num_layers": 1, "mask_token_id": 5, "mask_embedding": True, "draft_vocab_size": 32, "loss_weighting": "exp"},
+        {"aux_layer_ids": [2], "block_size": 5, "num_layers": 1, "causal": True, "loss_weighting": "uniform"},
+    ],
 }
 CASES = [(kind, extra) for kind in HEADS for extra in VARIANTS.get(kind, [{}])]
 IDS = [f"{kind}-{'-'.join(f'{k}={v}' for k, v in extra.items()) or 'defaults'}" for kind, extra in CASES]
