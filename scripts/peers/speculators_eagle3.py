@@ -26,8 +26,7 @@ Settings:
                  recipe's training-time-test depth and step decay, fp32 hidden states, the draft
                  vocabulary, the plain EAGLE-3 layer (no EAGLE-3.1 norms). What stays speculators'
                  own: its frozen LM head, KL loss summed over steps, no masking of targets outside
-                 the draft vocabulary, 10 % of the rows held out for its own validation... unless
-                 --train-ratio says otherwise.
+                 the draft vocabulary. It validates on draftsmith's held-out examples.
   defaults       speculators as its documentation runs it, at the same number of training tokens:
                  Muon + AdamW, linear schedule with 1 % warmup, 3 TTT steps of equal weight, its
                  EAGLE-3.1 norms (norm_before_fc, norm_before_residual, norm_output), 8192-token
@@ -42,7 +41,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -98,7 +99,10 @@ def write_offline_data(recipe, run: Path, out: Path, hidden_dtype: str) -> dict:
     dtype = getattr(torch, hidden_dtype)
     rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
     tokens = 0
-    for i, example in enumerate(tqdm(data.train, desc="hidden states", unit="example")):
+    # speculators validates on the last rows (int(rows x train ratio) onward): the held-out split
+    # goes there, so it trains on exactly the training examples and validates on draftsmith's.
+    examples = list(data.train) + list(data.eval)
+    for i, example in enumerate(tqdm(examples, desc="hidden states", unit="example")):
         ids = list(example["input_ids"][: recipe.data.max_length])
         mask = list(example["loss_mask"][: len(ids)])
         with torch.no_grad():
@@ -108,11 +112,16 @@ def write_offline_data(recipe, run: Path, out: Path, hidden_dtype: str) -> dict:
         rows["input_ids"].append(ids)
         rows["loss_mask"].append(mask[1:] + [0])  # speculators gates token t with mask[t-1]
         rows["seq_len"].append(len(ids))
-        tokens += len(ids)
+        tokens += len(ids) if i < len(data.train) else 0
     np.save(out / "d2t.npy", head.d2t.cpu().numpy().astype(np.int64))
     np.save(out / "t2d.npy", head.t2d.cpu().numpy().astype(bool))
     (out / "rows.json").write_text(json.dumps(rows))
-    return {"examples": len(rows["seq_len"]), "tokens": tokens, "aux_layer_ids": list(head.cfg.aux_layer_ids), "draft_vocab_size": head.cfg.draft_vocab_size}
+    return {
+        "train_examples": len(data.train), "eval_examples": len(data.eval), "train_tokens": tokens,
+        # int(rows x ratio) is the first validation row: exactly the training examples before it.
+        "train_data_ratio": (len(data.train) + 0.5) / len(examples),
+        "aux_layer_ids": list(head.cfg.aux_layer_ids), "draft_vocab_size": head.cfg.draft_vocab_size,
+    }  # fmt: skip
 
 
 # Built inside the speculators venv: its datasets version writes the folder its trainer reads.
@@ -125,6 +134,17 @@ ds = Dataset.from_dict(rows)
 ds.set_format("torch")
 ds.save_to_disk(out)
 """
+
+
+def packed_rows(lengths: list[int], seq_len: int) -> int:
+    """Rows of at most `seq_len` tokens the examples fill when packed in order (longer ones cut)."""
+    rows, used = 0, seq_len
+    for n in lengths:
+        n = min(n, seq_len)
+        if used + n > seq_len:
+            rows, used = rows + 1, 0
+        used += n
+    return rows
 
 
 def run_metrics(run: Path) -> dict:
@@ -143,7 +163,6 @@ def main(argv=None) -> int:
     p.add_argument("--setting", required=True, choices=["same-schedule", "defaults"])
     p.add_argument("--out", required=True)
     p.add_argument("--venv", default=None, help="speculators venv (default ~/.cache/draftsmith/venvs/speculators-0.9.0)")
-    p.add_argument("--train-ratio", type=float, default=1.0, help="speculators' --train-data-ratio (it validates on the rest)")
     args = p.parse_args(argv)
 
     from draftsmith.atomic import check_destination
@@ -166,8 +185,8 @@ def main(argv=None) -> int:
     common = [
         "--verifier-name-or-path", str(verifier), "--data-path", str(data), "--save-path", str(out / "checkpoints"),
         "--speculator-type", "eagle3", "--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--on-missing", "raise",
-        "--num-workers", "0", "--log-dir", str(out / "logs"), "--train-data-ratio", str(args.train_ratio),
-        "--target-layer-ids", *map(str, written["aux_layer_ids"]), "--epochs", "1000", "--checkpoint-freq", "1000",
+        "--num-workers", "0", "--log-dir", str(out / "logs"), "--train-data-ratio", f"{written['train_data_ratio']:.6f}",
+        "--target-layer-ids", *map(str, written["aux_layer_ids"]), "--checkpoint-freq", "1",
     ]  # fmt: skip
     if same:
         seq_len = int(round(schedule["tokens_per_step"]))
@@ -183,7 +202,12 @@ def main(argv=None) -> int:
         seq_len = 8192
         steps = max(1, int(round(tokens_total / seq_len)))
         flags = ["--total-seq-len", str(seq_len), "--max-steps", str(steps)]
-    command = [str(python), str(WRAPPER), *common, *flags]
+    # speculators' --max-steps ends an epoch early but not the run: every later epoch still takes one
+    # step. So the run gets just the epochs that hold `steps` optimizer steps (rows of packed
+    # examples, filled in order as its sampler does), and its log says how many ran.
+    rows_per_epoch = packed_rows(json.loads((data / "rows.json").read_text())["seq_len"][: written["train_examples"]], seq_len)
+    epochs = math.ceil(steps / rows_per_epoch)
+    command = [str(python), str(WRAPPER), *common, *flags, "--epochs", str(epochs)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     print(f"training speculators ({args.setting}): {steps} steps of {seq_len} packed tokens; log: {out / 'train.log'}", flush=True)
@@ -193,11 +217,14 @@ def main(argv=None) -> int:
     seconds = time.time() - started
     if done.returncode:
         sys.exit(f"error: speculators failed (exit {done.returncode}); see {out / 'train.log'}")
+    ran = max((int(n) for n in re.findall(r"global_step=(\d+)", (out / "train.log").read_text())), default=-1) + 1
     epochs = sorted((p for p in (out / "checkpoints").iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     result = {
-        "setting": args.setting, "recipe": args.recipe, "draftsmith_run": str(run), "data": written, "steps": steps,
+        "setting": args.setting, "recipe": args.recipe, "draftsmith_run": str(run), "data": written, "steps": steps, "steps_run": ran,
         "packed_tokens_per_step": seq_len, "draftsmith_tokens_per_step": schedule["tokens_per_step"], "wall_seconds": round(seconds, 1),
-        "seconds_per_step": round(seconds / steps, 3),
+        "seconds_per_step": round(seconds / max(ran, 1), 3), "rows_per_epoch": rows_per_epoch,
+        # Real tokens a row holds on average, times the rows trained.
+        "trained_tokens": round(ran * written["train_tokens"] / rows_per_epoch),
         "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2),
         "drafter": str(epochs[-1]) if epochs else None, "command": command,
     }  # fmt: skip
