@@ -26,7 +26,9 @@ if ! ls "$WHEELS"/arctic_inference-0.1.1-*.whl > /dev/null 2>&1; then
   PIP="$WORK/venv/bin/python -m pip --quiet --disable-pip-version-check"
   $PIP install torch==2.13.0   # pinned: an unpinned torch pulls CUDA wheels
   $PIP install setuptools wheel ninja cmake nanobind==2.9.2 protobuf==5.29.5 grpcio-tools numpy
-  $PIP download --no-deps --no-binary :all: arctic-inference==0.1.1 -d "$WORK/src"
+  # Only the sdist itself, its metadata read without isolation: `--no-binary :all:` would also ask for
+  # its isolated build requirements (CUDA torch 2.7.0 among them) as sources to compile.
+  PATH="$WORK/venv/bin:$PATH" $PIP download --no-deps --no-build-isolation --no-binary arctic-inference arctic-inference==0.1.1 -d "$WORK/src"
   PATH="$WORK/venv/bin:$PATH" $PIP wheel --no-build-isolation --no-deps "$WORK"/src/arctic_inference-0.1.1.tar.gz -w "$WHEELS"
 fi
 mkdir -p "$WORK/unpacked"
