@@ -13,6 +13,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 EXIT_RUN_FAILED = 1
@@ -511,3 +512,18 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def script_main(main: Callable[[], int]) -> int:
+    """The entry of a script under scripts/: bad input (what `draftsmith` itself reports as such,
+    BadInput included) is one line on stderr and exit 2, as for the CLI; DRAFTSMITH_DEBUG=1 shows
+    the traceback instead."""
+    from draftsmith.recipe import RecipeError
+
+    try:
+        return main()
+    except (RecipeError, *_known_errors()) as err:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT

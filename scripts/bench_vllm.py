@@ -33,6 +33,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from draftsmith.cli import BadInput
+
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = REPO / "tests" / "interop" / "vllm_runner.py"
 
@@ -40,10 +42,7 @@ RUNNER = REPO / "tests" / "interop" / "vllm_runner.py"
 def vllm_python() -> Path:
     from draftsmith.serving import vllm_python as find
 
-    try:
-        return find()
-    except FileNotFoundError as err:
-        sys.exit(f"error: {err}")
+    return find()  # FileNotFoundError (no vLLM venv) is bad input: one line, exit 2
 
 
 def bootstrap(per_prompt: list[dict], resamples: int = 2000, seed: int = 0) -> list[float] | None:
@@ -97,13 +96,15 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     check_destination(out, owned=lambda folder: (folder / "results.json").is_file())
-    out.mkdir(parents=True, exist_ok=True)
-    drafters = []
-    for item in args.drafter:
+    opened = []
+    for item in args.drafter:  # every drafter opened (and refused) before anything is written
         name, sep, path = item.partition("=")
         if not sep:
             name, path = Path(item).name, item
-        artifact = open_drafter(path)
+        opened.append((name, path, open_drafter(path)))
+    out.mkdir(parents=True, exist_ok=True)
+    drafters = []
+    for name, path, artifact in opened:
         foreign = isinstance(artifact, HeadArtifact) and artifact.head is None
         # A block drafter (DFlash) is served with the block it was trained on.
         k = args.k if foreign or artifact.kind != "dflash" else ExportOptions().speculative_tokens(artifact)
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
         drafters.append({"name": name, "path": path, "artifact": artifact, "served": served, "method": METHODS.get(artifact.kind, artifact.kind), "k": k})
     target_path, gguf = (args.target, None) if args.target else drafters[0]["artifact"].target_source() if drafters else (None, None)
     if not target_path:
-        sys.exit("error: name the target with --target (no trained drafter records one)")
+        raise BadInput("name the target with --target (no trained drafter records one)")
     target_folder = servable_folder(target_path, gguf)
     _, tokenizer = load_causal_lm(str(target_folder), "float32")
     prompts = load_prompts(args.prompts, args.limit)
@@ -211,4 +212,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from draftsmith.cli import script_main
+
+    sys.exit(script_main(main))

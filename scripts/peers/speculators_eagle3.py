@@ -50,6 +50,8 @@ import sys
 import time
 from pathlib import Path
 
+from draftsmith.cli import BadInput
+
 REPO = Path(__file__).resolve().parents[2]
 WRAPPER = REPO / "scripts" / "peers" / "speculators_train.py"
 SPECULATORS = "speculators==0.9.0"
@@ -63,6 +65,9 @@ def speculators_venv(path: str | None) -> Path:
     python = venv / "bin" / "python"
     if python.is_file() and subprocess.run([str(python), "-c", "import speculators"], capture_output=True).returncode == 0:
         return python
+    if path is not None:
+        # A venv the user named is theirs: never installed into, only used.
+        raise BadInput(f"--venv {venv}: no python there imports speculators (leave --venv out to build one at {cache_root() / 'venvs' / 'speculators-0.9.0'})")
     print(f"building the speculators venv at {venv} (a few minutes)", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(python), "-m", "pip", "--quiet", "--disable-pip-version-check"]
@@ -88,7 +93,7 @@ def write_offline_data(recipe, run: Path, out: Path, hidden_dtype: str) -> dict:
 
     head = open_drafter(run).head
     if head.cfg.kind != "eagle3":
-        sys.exit(f"error: --draftsmith-run {run} holds a {head.cfg.kind} head, not eagle3")
+        raise BadInput(f"--draftsmith-run {run} holds a {head.cfg.kind} head, not eagle3")
     # The recipe's target precision: the prepared examples are keyed by it, and draftsmith's feature
     # cache holds what the target computes in it (written out here in --hidden-states precision).
     target = FrozenTarget.load(recipe.target.path, recipe.target.dtype, recipe.target.gguf_file)
@@ -152,7 +157,7 @@ def run_metrics(run: Path) -> dict:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "train" and "tokens" in r]
     if not steps:
-        sys.exit(f"error: {run / 'metrics.jsonl'} records no training steps with token counts")
+        raise BadInput(f"{run / 'metrics.jsonl'} records no training steps with token counts")
     return {"steps": max(r["step"] for r in steps), "tokens_per_step": sum(r["tokens"] for r in steps) / len(steps)}
 
 
@@ -235,4 +240,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from draftsmith.cli import script_main
+
+    sys.exit(script_main(main))

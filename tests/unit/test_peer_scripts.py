@@ -1,0 +1,98 @@
+"""The peer benchmark scripts' own logic (packing arithmetic, the ngram flag, the bootstrap) and
+their bad input: one line, exit 2, before anything heavy runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftsmith.cli import BadInput, script_main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_script(relative: str):
+    path = REPO / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def peers():
+    return load_script("scripts/peers/speculators_eagle3.py")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("scripts/bench_vllm.py")
+
+
+def test_packed_rows_fill_in_order_and_cut_long_examples(peers):
+    # [500, 500] | [300] (1300 would not fit) | [1216] (1300 cut to the row)
+    assert peers.packed_rows([500, 500, 300, 1300], 1216) == 3
+    assert peers.packed_rows([1216, 1], 1216) == 2
+    assert peers.packed_rows([600, 616], 1216) == 1
+    assert peers.packed_rows([], 1216) == 0
+
+
+def test_ngram_flag(bench):
+    assert bench.parse_ngram("3") == (3, {})
+    assert bench.parse_ngram("3:1-3") == (3, {"prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    assert bench.parse_ngram("5:2") == (5, {"prompt_lookup_min": 2, "prompt_lookup_max": 2})
+
+
+def test_bootstrap_interval_brackets_the_pooled_mean(bench):
+    per_prompt = [{"drafts": 10, "accepted": a} for a in (2, 4, 6, 8, 10, 3, 5)]
+    low, high = bench.bootstrap(per_prompt)
+    pooled = 1 + sum(p["accepted"] for p in per_prompt) / sum(p["drafts"] for p in per_prompt)
+    assert low < pooled < high
+    assert 1.0 <= low and high <= 2.0
+    # Prompts that all agree leave no spread; fewer than two prompts with drafts give no interval.
+    same = bench.bootstrap([{"drafts": 4, "accepted": 2}] * 5)
+    assert same == pytest.approx([1.5, 1.5])
+    assert bench.bootstrap([{"drafts": 4, "accepted": 2}, {"drafts": 0, "accepted": 0}]) is None
+
+
+def test_script_main_maps_bad_input_to_one_line_exit_2(capsys, monkeypatch):
+    monkeypatch.delenv("DRAFTSMITH_DEBUG", raising=False)
+
+    def bad():
+        raise BadInput("--flag: not usable")
+
+    assert script_main(bad) == 2
+    assert capsys.readouterr().err == "error: --flag: not usable\n"
+
+    def broken():
+        raise RuntimeError("a bug, not bad input")
+
+    with pytest.raises(RuntimeError):
+        script_main(broken)
+
+
+def test_speculators_script_refuses_a_venv_without_speculators(peers, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("DRAFTSMITH_DEBUG", raising=False)
+    venv = tmp_path / "not-a-venv"
+    argv = [
+        "speculators_eagle3.py", str(REPO / "recipes/eagle3/smollm2-135m.yaml"), "--draftsmith-run", str(tmp_path / "run"),
+        "--setting", "same-schedule", "--out", str(tmp_path / "out"), "--venv", str(venv),
+    ]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    assert script_main(peers.main) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --venv {venv}: no python there imports speculators") and err.count("\n") == 1
+    assert not venv.exists() and not (tmp_path / "out").exists()  # nothing built, nothing written
+
+
+def test_bench_script_refuses_a_missing_drafter(bench, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("DRAFTSMITH_DEBUG", raising=False)
+    missing = tmp_path / "no-such-run"
+    monkeypatch.setattr(sys, "argv", ["bench_vllm.py", "--drafter", f"mine={missing}", "--out", str(tmp_path / "out")])
+    assert script_main(bench.main) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(missing) in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
