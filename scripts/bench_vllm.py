@@ -16,9 +16,11 @@ or a folder another tool wrote in an engine layout (a speculators folder, served
 needs the arctic-inference package (ARCTIC_INFERENCE_PATH: a folder holding the built package, put
 on vLLM's path; without it the run is recorded as not run, with the reason).
 
-For every run: vLLM's mean acceptance length (1 + accepted / drafts, vLLM's own formula) with a
-percentile bootstrap interval over prompts, acceptance per position, tokens/s, speedup over plain
-decoding in the same process, and whether the outputs equal the plain ones. For every trained
+For every run: vLLM's mean acceptance length (1 + accepted / drafts, vLLM's own formula, which
+leaves out the steps where nothing was drafted) with a percentile bootstrap interval over prompts,
+acceptance per position, tokens per target forward (every step counted: the figure to compare
+with model-free methods), tokens/s, speedup over plain decoding in the same process, and whether
+the outputs equal the plain ones. For every trained
 drafter: draftsmith's runtime on the same prompts drafting the same chain of K (`draftsmith eval`'s
 figures), and how far its mean accepted length is from vLLM's. Writes results.json, results.md
 and acceptance.csv (the RedHatAI speculator-benchmark columns, one row per run) into --out.
@@ -81,6 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-draftsmith", action="store_true", help="skip decoding the trained drafters in draftsmith's runtime")
     p.add_argument("--draftsmith-limit", type=int, default=None, help="decode only the first N prompts in draftsmith's runtime (compared with vLLM on the same N)")
     p.add_argument("--out", required=True)
+    p.add_argument("--resume", action="store_true", help="continue an interrupted benchmark in --out: the same job, its finished vLLM runs kept")
     args = p.parse_args(argv)
 
     from draftsmith.artifacts import HeadArtifact, open_drafter
@@ -95,7 +98,9 @@ def main(argv=None) -> int:
     from draftsmith.target import load_causal_lm
 
     out = Path(args.out)
-    check_destination(out, owned=lambda folder: (folder / "results.json").is_file())
+    resuming = args.resume and (out / "job.json").is_file()
+    if not resuming:
+        check_destination(out, owned=lambda folder: (folder / "results.json").is_file())
     opened = []
     for item in args.drafter:  # every drafter opened (and refused) before anything is written
         name, sep, path = item.partition("=")
@@ -129,6 +134,11 @@ def main(argv=None) -> int:
         else:
             skipped[f"suffix-k{k}"] = "arctic-inference is not installed for vLLM (set ARCTIC_INFERENCE_PATH to a folder holding the built package)"
     job = {"target": str(target_folder), "prompts": ids, "max_tokens": args.max_new_tokens, "max_model_len": 2048, "memory": 0.2, "runs": runs}
+    if resuming:
+        before = json.loads((out / "job.json").read_text())
+        if {k: v for k, v in before.items() if k != "resume"} != job:
+            raise BadInput(f"--resume: {out / 'job.json'} holds another benchmark (other prompts, runs or settings); give another --out")
+        job["resume"] = True
     (out / "job.json").write_text(json.dumps(job))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")
@@ -157,6 +167,10 @@ def main(argv=None) -> int:
             "mean_acceptance_length_ci95": bootstrap(got["per_prompt"]),
             "per_position_acceptance": [n / max(1, c["drafts"]) for n in c["per_pos"]],
             "drafts": c["drafts"], "draft_tokens": c["draft_tokens"], "accepted": c["accepted"],
+            # Every target forward gives one token plus the drafts it accepts (the first, the prefill's,
+            # has none), so forwards = new tokens - accepted. Unlike vLLM's acceptance length, this
+            # counts the steps where a model-free method found nothing to draft.
+            "tokens_per_target_forward": got["new_tokens"] / max(1, got["new_tokens"] - c["accepted"]),
             "tokens_per_second": got["new_tokens"] / got["seconds"],
             "speedup": got["new_tokens"] / got["seconds"] / plain_tps,
             "identical_outputs": f"{sum(a == b for a, b in zip(plain['outputs'], got['outputs']))}/{len(ids)}",
@@ -192,19 +206,19 @@ def main(argv=None) -> int:
         "",
         f"Plain decoding: {plain_tps:.1f} tokens/s.",
         "",
-        "| run | k | vLLM mean acceptance length [95% CI] | per position | tokens/s | speedup | identical to plain | draftsmith runtime, chain of k (vLLM on the same prompts) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | k | vLLM mean acceptance length [95% CI] | per position | tokens per target forward | tokens/s | speedup | identical to plain | draftsmith runtime, chain of k (vLLM on the same prompts) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in results["runs"].items():
         ci = r["mean_acceptance_length_ci95"]
         ours = r.get("draftsmith_runtime")
         lines.append(
             f"| {name} | {r['k']} | {r['mean_acceptance_length']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
-            + f" | {', '.join(f'{x:.3f}' for x in r['per_position_acceptance'])} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | {r['identical_outputs']} | "
+            + f" | {', '.join(f'{x:.3f}' for x in r['per_position_acceptance'])} | {r['tokens_per_target_forward']:.3f} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | {r['identical_outputs']} | "
             + (f"{ours['mean_accepted_length']:.3f} ({ours['vllm_mean_acceptance_length']:.3f}, {ours['prompts']} prompts)" if ours else "") + " |"
         )
     for name, why in skipped.items():
-        lines.append(f"| {name} | | not run: {why} | | | | | |")
+        lines.append(f"| {name} | | not run: {why} | | | | | | |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"results: {out.resolve()}/results.json, results.md, acceptance.csv")

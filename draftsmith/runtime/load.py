@@ -81,7 +81,9 @@ def _head(artifact: HeadArtifact, target: Optional[str], dtype: str, tree: Optio
     head = artifact.head_for(tgt.dims, target_path).to(tgt.device)
     if artifact.foreign is not None and artifact.foreign.embedding is not None:
         own, theirs = tgt.model.get_input_embeddings().weight, artifact.foreign.embedding
-        if theirs.shape != own.shape or not torch.allclose(theirs.to(own.dtype), own, atol=1e-3, rtol=1e-3):
+        # Compared at the folder's own precision: speculators 0.9.0 saves every tensor in bf16, the
+        # target's embedding among them, whatever precision it trained in.
+        if theirs.shape != own.shape or not torch.allclose(theirs.float(), own.to(theirs.dtype).float(), atol=1e-3, rtol=1e-3):
             raise ArtifactError(f"{artifact.folder} carries an embedding that is not the target's ({target_path}); draftsmith drafts with the target's embedding")
     meta: dict = {"head": artifact.metrics} if artifact.foreign is None else {"layout": artifact.layout}
     if spec is not None:

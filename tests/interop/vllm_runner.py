@@ -187,6 +187,27 @@ def record_dflash_blocks(records: list) -> None:
     DFlashProposer.propose = propose
 
 
+def guard_llvmlite() -> None:
+    """vLLM 0.32 on CPU, at every engine start, scans every module's attributes and reads
+    `vars(value).get("kernel")`. llvmlite (imported by the ngram proposer through numba) keeps a
+    library object whose __getattr__ wraps any name, `__dict__` included, so every engine started
+    in a process after an ngram one failed ("'_lib_fn_wrapper' object has no attribute 'get'").
+    Dunder names are refused there as on any object; the C functions it wraps stay as they are."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    wrapper = getattr(ffi, "_lib_wrapper", None)
+    if wrapper is None or getattr(wrapper, "_dunders_refused", False):
+        return
+    lazy = wrapper.__getattr__
+
+    def refuse_dunders(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return lazy(self, name)
+
+    wrapper.__getattr__ = refuse_dunders
+    wrapper._dunders_refused = True
+
+
 def run(job: dict, spec: dict | None) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -203,6 +224,7 @@ def run(job: dict, spec: dict | None) -> dict:
         kwargs["speculative_config"] = {
             "method": spec["method"], "num_speculative_tokens": spec["k"], **({"model": spec["model"]} if spec.get("model") else {}), **spec.get("config", {}),
         }  # fmt: skip
+    guard_llvmlite()
     started = time.perf_counter()
     llm = LLM(**kwargs)
     load_seconds = time.perf_counter() - started
@@ -242,8 +264,11 @@ def run(job: dict, spec: dict | None) -> dict:
 def main(job_path: str, result_path: str) -> int:
     job = json.loads(Path(job_path).read_text())
     runs = job["runs"]
-    results = {}
+    # With "resume", the runs an earlier call of the same job finished are kept, not run again.
+    results = json.loads(Path(result_path).read_text()) if job.get("resume") and Path(result_path).is_file() else {}
     for entry in runs:
+        if entry["name"] in results:
+            continue
         results[entry["name"]] = run(job, None if entry.get("method") is None else entry)
         Path(result_path).write_text(json.dumps(results))  # partial results survive a later failure
     return 0

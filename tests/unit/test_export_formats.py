@@ -410,6 +410,34 @@ def test_a_foreign_folder_whose_config_and_tensors_disagree_fails_in_one_line(ta
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_foreign_folder_may_carry_the_targets_embedding_in_bf16(target, tmp_path):
+    # speculators 0.9.0 writes its whole checkpoint in bf16, the target's embedding included.
+    from draftsmith.artifacts import ArtifactError
+    from draftsmith.runtime.load import load_drafter
+
+    # Embedding entries of real models' size (SmolLM2's reach 1.96), where a bf16 rounding is
+    # larger than a fixed fp32 tolerance.
+    model = tiny_causal_lm("llama", vocab_size=V, hidden_size=H, num_layers=N, seed=0)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(100.0)
+    src = tmp_path / "large-embedding"
+    model.save_pretrained(src)
+    target[1].tokenizer.save_pretrained(src)
+    target = (src, FrozenTarget(model, target[1].tokenizer, source=str(src)))
+    folder, _ = _specforge_folder(target, tmp_path)
+    tensors = load_file(str(folder / "model.safetensors"))
+    embedding = model.get_input_embeddings().weight.detach()
+    assert (embedding.to(torch.bfloat16).float() - embedding).abs().max() > 1e-2
+    tensors["embed_tokens.weight"] = embedding.to(torch.bfloat16)
+    save_file(tensors, str(folder / "model.safetensors"))
+    load_drafter(folder, target=str(target[0]))
+    # One bf16 step off in one place is another embedding.
+    tensors["embed_tokens.weight"][3, 5] += 0.5
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ArtifactError, match="carries an embedding that is not the target's"):
+        load_drafter(folder, target=str(target[0]))
+
+
 def _speculators_dflash_folder(target, tmp_path):
     """A DFlash draft as speculators 0.9.0 writes one with its trainer's defaults (the config keys
     of a real ``speculators train --speculator-type dflash --dry-run``, scripts/check_speculators_dflash.py):
