@@ -18,6 +18,7 @@ the probe cannot find a use for is reported as unchecked.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -270,6 +271,10 @@ def main(job_path: str, result_path: str) -> int:
         if entry["name"] in results:
             continue
         results[entry["name"]] = run(job, None if entry.get("method") is None else entry)
+        # The finished engine is torn down now: collected later, in the middle of the next engine's
+        # run, its teardown took the process-wide parallel state with it ("pipeline model parallel
+        # group is not initialized", seen on the sixth engine of a process).
+        gc.collect()
         Path(result_path).write_text(json.dumps(results))  # partial results survive a later failure
     return 0
 
