@@ -96,3 +96,16 @@ def test_bench_script_refuses_a_missing_drafter(bench, tmp_path, capsys, monkeyp
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(missing) in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_paired_difference_resamples_prompts_together(bench):
+    base = [{"drafts": 10, "accepted": a} for a in (1, 9, 2, 8, 3, 7)]
+    assert bench.paired_difference(base, base) == pytest.approx([0.0, 0.0, 0.0])
+    # One more accepted token on every prompt: a small difference, but on every prompt, so the
+    # paired interval excludes 0 although the two unpaired intervals overlap.
+    better = [{"drafts": 10, "accepted": p["accepted"] + 1} for p in base]
+    low, mid, high = bench.paired_difference(better, base)
+    assert 0 < low <= mid <= high and mid == pytest.approx(0.1)
+    ours, theirs = bench.bootstrap(better), bench.bootstrap(base)
+    assert ours[0] < theirs[1]
+    assert bench.paired_difference(base, base[:-1]) is None
