@@ -47,37 +47,9 @@ def vllm_python() -> Path:
     return find()  # FileNotFoundError (no vLLM venv) is bad input: one line, exit 2
 
 
-def bootstrap(per_prompt: list[dict], resamples: int = 2000, seed: int = 0) -> list[float] | None:
-    """95% percentile interval of 1 + accepted / drafts over prompts resampled with replacement."""
-    import torch
-
-    rows = [(p["drafts"], p["accepted"]) for p in per_prompt if p["drafts"]]
-    if len(rows) < 2:
-        return None
-    drafts = torch.tensor([d for d, _ in rows], dtype=torch.float64)
-    accepted = torch.tensor([a for _, a in rows], dtype=torch.float64)
-    pick = torch.randint(len(rows), (resamples, len(rows)), generator=torch.Generator().manual_seed(seed))
-    taus = 1 + accepted[pick].sum(1) / drafts[pick].sum(1)
-    return torch.quantile(taus, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-
-
-def paired_difference(first: list[dict], second: list[dict], resamples: int = 2000, seed: int = 0) -> list[float] | None:
-    """Mean acceptance length of `first` minus `second` on the same prompts: [2.5 %, 50 %, 97.5 %]
-    of the difference over prompts resampled together (one resample serves both), which tells a
-    small real difference from noise better than two overlapping intervals do."""
-    import torch
-
-    if len(first) != len(second) or len(first) < 2:
-        return None
-
-    def tau(per_prompt, pick):
-        drafts = torch.tensor([p["drafts"] for p in per_prompt], dtype=torch.float64)
-        accepted = torch.tensor([p["accepted"] for p in per_prompt], dtype=torch.float64)
-        return 1 + accepted[pick].sum(1) / drafts[pick].sum(1).clamp(min=1)
-
-    pick = torch.randint(len(first), (resamples, len(first)), generator=torch.Generator().manual_seed(seed))
-    diff = tau(first, pick) - tau(second, pick)
-    return torch.quantile(diff, torch.tensor([0.025, 0.5, 0.975], dtype=torch.float64)).tolist()
+def per_prompt_rows(per_prompt: list[dict]) -> list[tuple[int, int]]:
+    """vLLM's counters per prompt as (drafts, accepted): its acceptance length is 1 + accepted / drafts."""
+    return [(p["drafts"], p["accepted"]) for p in per_prompt]
 
 
 def parse_ngram(text: str) -> tuple[int, dict]:
@@ -108,6 +80,7 @@ def main(argv=None) -> int:
     from draftsmith.artifacts import HeadArtifact, open_drafter
     from draftsmith.atomic import check_destination
     from draftsmith.data.chat import encode_prompt
+    from draftsmith.eval.acceptance import paired_tau_difference, tau_interval
     from draftsmith.eval.report import write_acceptance_csv
     from draftsmith.eval.run import evaluate, load_prompts
     from draftsmith.export import ExportOptions, export
@@ -120,20 +93,18 @@ def main(argv=None) -> int:
     resuming = args.resume and (out / "job.json").is_file()
     if not resuming:
         check_destination(out, owned=lambda folder: (folder / "results.json").is_file())
-    opened = []
+    drafters = []
     for item in args.drafter:  # every drafter opened (and refused) before anything is written
         name, sep, path = item.partition("=")
         if not sep:
             name, path = Path(item).name, item
-        opened.append((name, path, open_drafter(path)))
-    out.mkdir(parents=True, exist_ok=True)
-    drafters = []
-    for name, path, artifact in opened:
+        artifact = open_drafter(path)
         foreign = isinstance(artifact, HeadArtifact) and artifact.head is None
         # A block drafter (DFlash) is served with the block it was trained on.
         k = args.k if foreign or artifact.kind != "dflash" else ExportOptions().speculative_tokens(artifact)
-        served = Path(path) if foreign else export(path, out / f"vllm-{name}", "vllm", ExportOptions(num_speculative_tokens=k), overwrite=True)
-        drafters.append({"name": name, "path": path, "artifact": artifact, "served": served, "method": METHODS.get(artifact.kind, artifact.kind), "k": k})
+        # Another tool's engine folder is served as it is; ours is exported (below) into --out.
+        served = Path(path) if foreign else out / f"vllm-{name}"
+        drafters.append({"name": name, "path": path, "artifact": artifact, "served": served, "method": METHODS.get(artifact.kind, artifact.kind), "k": k, "export": not foreign})
     target_path, gguf = (args.target, None) if args.target else drafters[0]["artifact"].target_source() if drafters else (None, None)
     if not target_path:
         raise BadInput("name the target with --target (no trained drafter records one)")
@@ -158,6 +129,11 @@ def main(argv=None) -> int:
         if {k: v for k, v in before.items() if k != "resume"} != job:
             raise BadInput(f"--resume: {out / 'job.json'} holds another benchmark (other prompts, runs or settings); give another --out")
         job["resume"] = True
+    # Nothing is written before every check has passed.
+    out.mkdir(parents=True, exist_ok=True)
+    for d in drafters:
+        if d["export"]:
+            export(d["path"], d["served"], "vllm", ExportOptions(num_speculative_tokens=d["k"]), overwrite=True)
     (out / "job.json").write_text(json.dumps(job))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")
@@ -183,7 +159,7 @@ def main(argv=None) -> int:
         row = {
             "name": run["name"], "method": run["method"], "k": run["k"],
             "mean_acceptance_length": 1 + c["accepted"] / max(1, c["drafts"]),
-            "mean_acceptance_length_ci95": bootstrap(got["per_prompt"]),
+            "mean_acceptance_length_ci95": tau_interval(per_prompt_rows(got["per_prompt"])),
             "per_position_acceptance": [n / max(1, c["drafts"]) for n in c["per_pos"]],
             "drafts": c["drafts"], "draft_tokens": c["draft_tokens"], "accepted": c["accepted"],
             # Every target forward gives one token plus the drafts it accepts (the first, the prefill's,
@@ -221,7 +197,9 @@ def main(argv=None) -> int:
     # Every pair of trained drafters, on the same prompts.
     names = [d["name"] for d in drafters]
     pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1 :]]
-    results["paired_differences"] = {f"{a} - {b}": paired_difference(vllm[a]["per_prompt"], vllm[b]["per_prompt"]) for a, b in pairs}
+    results["paired_differences"] = {
+        f"{a} - {b}": paired_tau_difference(per_prompt_rows(vllm[a]["per_prompt"]), per_prompt_rows(vllm[b]["per_prompt"])) for a, b in pairs
+    }
     (out / "results.json").write_text(json.dumps(results, indent=2))
     write_acceptance_csv(out / "acceptance.csv", rows)
     lines = [

@@ -127,21 +127,10 @@ class AcceptanceStats:
         return _ratio(self.accepted_tokens + self.steps, self.steps)
 
     def mean_accepted_length_interval(self, level: float = 0.95, resamples: int = 2000, seed: int = 0) -> list[float] | None:
-        """A percentile bootstrap interval of tau over generations (prompts): resample the
-        generations with replacement, take tau = sum(accepted + steps) / sum(steps) of each
-        resample. None with fewer than two generations. Tells a difference from prompt-to-prompt
-        noise when two drafters ran on the same prompts."""
-        rows = [(s, a) for s, a in self.per_generation if s]
-        if len(rows) < 2:
-            return None
-        import torch
-
-        steps = torch.tensor([s for s, _ in rows], dtype=torch.float64)
-        accepted = torch.tensor([a for _, a in rows], dtype=torch.float64)
-        pick = torch.randint(len(rows), (resamples, len(rows)), generator=torch.Generator().manual_seed(seed))
-        taus = (accepted[pick].sum(1) + steps[pick].sum(1)) / steps[pick].sum(1)
-        low, high = torch.quantile(taus, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
-        return [low, high]
+        """A percentile bootstrap interval of tau over generations (prompts): `tau_interval` of
+        their (steps, accepted). Tells a difference from prompt-to-prompt noise when two drafters
+        ran on the same prompts."""
+        return tau_interval(self.per_generation, level, resamples, seed)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -250,6 +239,49 @@ class AcceptanceStats:
                 assisted_seconds=self.assisted_seconds,
             )
         return out
+
+
+def _resampled_taus(rows: list[tuple[int, int]], pick):
+    """tau = 1 + sum(accepted) / sum(steps) of each resample; `rows` holds (steps, accepted) per
+    prompt, `pick` [resamples, prompts] the resampled row indices."""
+    import torch
+
+    steps = torch.tensor([s for s, _ in rows], dtype=torch.float64)
+    accepted = torch.tensor([a for _, a in rows], dtype=torch.float64)
+    return 1 + accepted[pick].sum(1) / steps[pick].sum(1).clamp(min=1)
+
+
+def _resample(count: int, resamples: int, seed: int):
+    import torch
+
+    return torch.randint(count, (resamples, count), generator=torch.Generator().manual_seed(seed))
+
+
+def tau_interval(rows: list[tuple[int, int]], level: float = 0.95, resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """A percentile bootstrap interval of tau = 1 + accepted / steps over prompts, from (steps,
+    accepted) per prompt (a generation's steps, or an engine's drafts): prompts resampled with
+    replacement. Prompts with no steps are left out; None with fewer than two left."""
+    import torch
+
+    rows = [(s, a) for s, a in rows if s]
+    if len(rows) < 2:
+        return None
+    taus = _resampled_taus(rows, _resample(len(rows), resamples, seed))
+    return torch.quantile(taus, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
+
+
+def paired_tau_difference(first: list[tuple[int, int]], second: list[tuple[int, int]], resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """tau of `first` minus tau of `second`, two drafters' (steps, accepted) on the same prompts in
+    the same order: [2.5 %, 50 %, 97.5 %] of the difference over prompts resampled together (one
+    resample serves both), which tells a small real difference from noise better than two
+    overlapping intervals do. None unless both hold the same two or more prompts."""
+    import torch
+
+    if len(first) != len(second) or len(first) < 2:
+        return None
+    pick = _resample(len(first), resamples, seed)
+    diff = _resampled_taus(first, pick) - _resampled_taus(second, pick)
+    return torch.quantile(diff, torch.tensor([0.025, 0.5, 0.975], dtype=torch.float64)).tolist()
 
 
 def _grow(counts: list[int], size: int) -> None:

@@ -8,6 +8,7 @@ from fractions import Fraction
 import pytest
 
 from draftsmith.eval import AcceptanceStats, write_report
+from draftsmith.eval.acceptance import paired_tau_difference, tau_interval
 
 META = {
     "target": "tiny-target",
@@ -188,3 +189,30 @@ def test_tree_steps_count_only_judged_depths():
     assert stats.acceptance_rate == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="attempted"):
         stats.add_step(1, 3, attempted=3)
+
+
+def test_tau_interval_brackets_the_pooled_mean():
+    rows = [(10, a) for a in (2, 4, 6, 8, 10, 3, 5)]  # (steps, accepted) per prompt
+    low, high = tau_interval(rows)
+    pooled = 1 + sum(a for _, a in rows) / sum(s for s, _ in rows)
+    assert low < pooled < high
+    assert 1.0 <= low and high <= 2.0
+    # Prompts that all agree leave no spread; fewer than two prompts with steps give no interval.
+    assert tau_interval([(4, 2)] * 5) == pytest.approx([1.5, 1.5])
+    assert tau_interval([(4, 2), (0, 0)]) is None
+    # AcceptanceStats' interval is this one over its generations.
+    stats = AcceptanceStats(per_generation=list(rows))
+    assert stats.mean_accepted_length_interval() == tau_interval(rows)
+
+
+def test_paired_tau_difference_resamples_prompts_together():
+    base = [(10, a) for a in (1, 9, 2, 8, 3, 7)]
+    assert paired_tau_difference(base, base) == pytest.approx([0.0, 0.0, 0.0])
+    # One more accepted token on every prompt: a small difference, but on every prompt, so the
+    # paired interval excludes 0 although the two unpaired intervals overlap.
+    better = [(s, a + 1) for s, a in base]
+    low, mid, high = paired_tau_difference(better, base)
+    assert 0 < low <= mid <= high and mid == pytest.approx(0.1)
+    ours, theirs = tau_interval(better), tau_interval(base)
+    assert ours[0] < theirs[1]
+    assert paired_tau_difference(base, base[:-1]) is None

@@ -1,5 +1,4 @@
-"""The peer benchmark scripts' own logic (packing arithmetic, the ngram flag, the bootstrap) and
-their bad input: one line, exit 2, before anything heavy runs."""
+"""The peer benchmark scripts' own logic (packing arithmetic, the ngram flag) and their bad input: one line, exit 2, before anything heavy runs."""
 
 from __future__ import annotations
 
@@ -46,18 +45,6 @@ def test_ngram_flag(bench):
     assert bench.parse_ngram("5:2") == (5, {"prompt_lookup_min": 2, "prompt_lookup_max": 2})
 
 
-def test_bootstrap_interval_brackets_the_pooled_mean(bench):
-    per_prompt = [{"drafts": 10, "accepted": a} for a in (2, 4, 6, 8, 10, 3, 5)]
-    low, high = bench.bootstrap(per_prompt)
-    pooled = 1 + sum(p["accepted"] for p in per_prompt) / sum(p["drafts"] for p in per_prompt)
-    assert low < pooled < high
-    assert 1.0 <= low and high <= 2.0
-    # Prompts that all agree leave no spread; fewer than two prompts with drafts give no interval.
-    same = bench.bootstrap([{"drafts": 4, "accepted": 2}] * 5)
-    assert same == pytest.approx([1.5, 1.5])
-    assert bench.bootstrap([{"drafts": 4, "accepted": 2}, {"drafts": 0, "accepted": 0}]) is None
-
-
 def test_script_main_maps_bad_input_to_one_line_exit_2(capsys, monkeypatch):
     monkeypatch.delenv("DRAFTSMITH_DEBUG", raising=False)
 
@@ -97,15 +84,3 @@ def test_bench_script_refuses_a_missing_drafter(bench, tmp_path, capsys, monkeyp
     assert err.startswith("error: ") and str(missing) in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
-
-def test_paired_difference_resamples_prompts_together(bench):
-    base = [{"drafts": 10, "accepted": a} for a in (1, 9, 2, 8, 3, 7)]
-    assert bench.paired_difference(base, base) == pytest.approx([0.0, 0.0, 0.0])
-    # One more accepted token on every prompt: a small difference, but on every prompt, so the
-    # paired interval excludes 0 although the two unpaired intervals overlap.
-    better = [{"drafts": 10, "accepted": p["accepted"] + 1} for p in base]
-    low, mid, high = bench.paired_difference(better, base)
-    assert 0 < low <= mid <= high and mid == pytest.approx(0.1)
-    ours, theirs = bench.bootstrap(better), bench.bootstrap(base)
-    assert ours[0] < theirs[1]
-    assert bench.paired_difference(base, base[:-1]) is None
