@@ -446,6 +446,16 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def _bad_input_errors() -> tuple[type[BaseException], ...]:
+    from draftsmith.recipe import RecipeError
+
+    return (RecipeError, *_known_errors())
+
+
+def _debug_env() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The deepspeed launcher injects --local_rank=N (older launchers: --local_rank N); the rank
@@ -467,8 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(stop.code or 0)
     # What gets recorded beside outputs: this command as it was given (launcher flags dropped).
     args.argv = ["draftsmith", *argv]
-    debug = debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-    from draftsmith.recipe import RecipeError
+    debug = debug or _debug_env()
     from draftsmith.trainers.engine import TrainingError
 
     def fail(message: str, code: int, hint: bool = False) -> int:
@@ -487,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         return fail(str(err), EXIT_RUN_FAILED)
-    except (RecipeError, *_known_errors()) as err:
+    except _bad_input_errors() as err:
         if debug:
             raise
         return fail(str(err), EXIT_BAD_INPUT)
@@ -510,20 +519,19 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
     return (ServerError, HubError)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def script_main(main: Callable[[], int]) -> int:
     """The entry of a script under scripts/: bad input (what `draftsmith` itself reports as such,
     BadInput included) is one line on stderr and exit 2, as for the CLI; DRAFTSMITH_DEBUG=1 shows
     the traceback instead."""
-    from draftsmith.recipe import RecipeError
-
     try:
         return main()
-    except (RecipeError, *_known_errors()) as err:
-        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+    except _bad_input_errors() as err:
+        if _debug_env():
             raise
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
