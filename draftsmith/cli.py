@@ -90,9 +90,12 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+SERVER_LOG = "vllm-server.log"  # serve-target's log, by default in the data cache it serves
+
+
 def check_data_dir(folder: Path) -> None:
     """The data cache gets recipe.yaml and command.txt beside its files: refuse a folder that holds
-    files of the user's (absent, empty, or an earlier data cache are fine)."""
+    files of the user's (absent, empty, an earlier data cache, or one serve-target logs into are fine)."""
     from draftsmith.runs import RunFolderError
 
     if not folder.exists():
@@ -102,7 +105,7 @@ def check_data_dir(folder: Path) -> None:
     entries = sorted(p.name for p in folder.iterdir())
     command = folder / "command.txt"
     ours = (command.is_file() and command.read_text(errors="replace").startswith("draftsmith")) or any(
-        name.startswith(("examples-", "regenerated-", "features")) for name in entries
+        name.startswith(("examples-", "regenerated-", "features")) or name == SERVER_LOG for name in entries
     )
     if entries and not ours:
         raise RunFolderError(
@@ -119,7 +122,7 @@ def cmd_serve_target(args) -> int:
     recipe = _load(args.recipe)
     name = recipe.data.regenerate.server.model or recipe.target.path
     folder = servable_folder(recipe.target.path, recipe.target.gguf_file)
-    log_file = Path(args.log or recipe.data_dir() / "vllm-server.log")
+    log_file = Path(args.log or recipe.data_dir() / SERVER_LOG)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     python = vllm_python()
 

@@ -243,6 +243,9 @@ def test_draftsmith_prepare_through_a_server_gives_the_hf_backends_examples(tiny
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     assert cli.main(["prepare", str(recipe), f"data.cache_dir={tmp_path / 'hf'}"]) == 0
+    # `draftsmith serve-target` logs into the data cache it serves before prepare has written anything
+    (tmp_path / "server").mkdir()
+    (tmp_path / "server" / "vllm-server.log").write_text("INFO Started server process\n")
     with FakeOpenAIServer(model, tokenizer, name=str(tiny_llama_dir)) as server:
         assert cli.main(["prepare", str(recipe), f"data.cache_dir={tmp_path / 'server'}", "data.regenerate.backend=server", f"data.regenerate.server.url={server.url}"]) == 0
     hf, served = (torch.load(next((tmp_path / d).glob("examples-*.pt")), weights_only=True) for d in ("hf", "server"))
