@@ -135,7 +135,11 @@ class HeadSession:
 
     ``decided`` counts the target's positions the session has read. Subclasses implement
     ``extend`` and ``expand``; ``rollback`` drops whatever the tree added (default: nothing).
+    ``forwards`` counts the passes through the head's layer stack in this session, where drafting
+    is such passes (EAGLE, EAGLE-3, DFlash); None for heads whose per-depth projections are not.
     """
+
+    forwards: Optional[int] = None
 
     def __init__(self, head: "DraftHead", embed: Callable[[Tensor], Tensor], lm_head: Callable[[Tensor], Tensor]) -> None:
         self.head = head

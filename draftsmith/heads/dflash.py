@@ -458,6 +458,7 @@ class DFlashSession(HeadSession):
         super().__init__(head, embed, lm_head)
         self.kv: list[Optional[tuple[Tensor, Tensor]]] = [None for _ in head.layers]
         self.slot_logits: Optional[Tensor] = None  # [K,V] of the current step
+        self.forwards = 0  # one block forward per step; the context's keys/values are projections, not a pass
 
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
         head, M, start = self.head, hidden.shape[1], self.decided
@@ -471,6 +472,7 @@ class DFlashSession(HeadSession):
         positions = (self.decided + torch.arange(S, device=device)).view(1, 1, S)
         visible = torch.ones(1, 1, self.decided, dtype=torch.bool, device=device)
         out = head.run_blocks(block, positions, self.kv, visible, self.embed)
+        self.forwards += 1
         self.slot_logits = head.logits(out[0, 0, 1:], self.lm_head)
 
     def expand(self, frontier: Any) -> Tensor:

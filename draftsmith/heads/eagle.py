@@ -242,6 +242,7 @@ class EagleSession(HeadSession):
         self.caches: list[dict] = [{} for _ in head.layers]
         self.outputs: dict[int, Tensor] = {}  # node id -> its output a [1,1,D]
         self.slots: dict[int, int] = {}  # node id -> cache entry
+        self.forwards = 0
 
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
         M, start = hidden.shape[1], self.decided
@@ -249,6 +250,7 @@ class EagleSession(HeadSession):
         positions = torch.arange(start, start + M, device=hidden.device)
         visible = torch.ones(M, start + M, dtype=torch.bool).tril(diagonal=start)
         out = self.head.draft_forward(feature, tokens, positions, self.caches, visible, self.embed)
+        self.forwards += 1
         self.decided = start + M
         self.outputs, self.slots = {0: out[:, -1:]}, {}  # the root's output comes from the last decided position
 
@@ -268,6 +270,7 @@ class EagleSession(HeadSession):
             tokens = torch.tensor([[frontier.tokens[n] for n in todo]], device=device)
             positions = torch.tensor([self.decided - 1 + frontier.depths[n] for n in todo], device=device)
             out = self.head.draft_forward(feature, tokens, positions, self.caches, tree_visibility(self.decided, cached, ancestors), self.embed)
+            self.forwards += 1
             for row, node in enumerate(todo):
                 self.outputs[node] = out[:, row : row + 1]
                 self.slots[node] = cached + row

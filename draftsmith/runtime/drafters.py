@@ -257,6 +257,11 @@ class HeadDrafter:
     def reset(self, prompt: Optional[Tensor]) -> None:
         self.session = self.head.start_drafting(self.target.embed, self.target.lm_head)
 
+    @property
+    def forwards(self) -> Optional[int]:
+        """Passes through the head's layer stack since reset (None for heads without one)."""
+        return self.session.forwards
+
     @torch.no_grad()
     def propose(self, state: DraftState) -> DraftTree:
         device = state.tokens.device
@@ -308,6 +313,7 @@ class StandaloneDrafter:
         self.cache = DynamicCache(config=self.model.config)
         self.cached_len = 0
         self._slots, self._tree_ids, self._prefix = {}, [], 0
+        self.forwards = 0  # draft model forwards since reset
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -315,6 +321,7 @@ class StandaloneDrafter:
 
     def _forward(self, ids: Tensor, positions: Tensor, mask: Optional[Tensor]) -> Tensor:
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache, use_cache=True)
+        self.forwards += 1
         return out.logits[0]
 
     @torch.no_grad()

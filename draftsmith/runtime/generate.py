@@ -38,6 +38,8 @@ class GenerationStats:
         depth d was judged (the step reached depth d-1 and the node reached there had children) /
         accepted. target_forwards: target forward passes, the prefill included. new_tokens: tokens
         emitted. wall_time: seconds for the whole call; draft_time: seconds inside the drafter.
+        draft_forwards: the drafter's forward passes (its ``forwards`` after the call; None where
+        the drafter does not count them).
     The autoregressive baseline reports one step per token, each with accept_len 0.
     """
 
@@ -50,6 +52,7 @@ class GenerationStats:
     new_tokens: int = 0
     wall_time: float = 0.0
     draft_time: float = 0.0
+    draft_forwards: Optional[int] = None
 
     @property
     def steps(self) -> int:
@@ -270,6 +273,7 @@ def speculative_generate(
         layers = {i: h[:, path] for i, h in tree_layers.items()}
     stats.new_tokens = len(new)
     stats.wall_time = time.perf_counter() - start
+    stats.draft_forwards = getattr(drafter, "forwards", None)
     out = torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)
     return torch.cat([input_ids, out], dim=1), stats
 
