@@ -189,6 +189,7 @@ def main(argv=None) -> int:
                 "mean_accepted_length": stats.mean_accepted_length,
                 "mean_accepted_length_ci95": stats.mean_accepted_length_interval(),
                 "per_depth_acceptance": [a / max(1, stats.steps) for a in stats.depth_accepts],
+                "draft_forwards_per_token": extra.get("draft_forwards_per_token"),
                 # vLLM on the same prompts (its counters per prompt), for the agreement.
                 "vllm_mean_acceptance_length": 1 + sum(p["accepted"] for p in theirs) / max(1, sum(p["drafts"] for p in theirs)),
             }
