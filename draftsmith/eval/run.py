@@ -94,7 +94,8 @@ def evaluate(
     eos = _stops(loaded)
     plain = sampling.target_alone()
     stats = AcceptanceStats()
-    identical, draft_time, draft_forwards, spec_tokens = 0, 0.0, 0, 0
+    identical, draft_time = 0, 0.0
+    draft_forwards: Optional[int] = 0  # None once a generation's drafter does not count its passes
     for i, messages in enumerate(tqdm(prompts, desc="eval", disable=not progress, dynamic_ncols=True)):
         ids = _prompt_ids(loaded, messages)
         gen = torch.Generator(device=target.device).manual_seed(seed + i)
@@ -103,10 +104,7 @@ def evaluate(
             stats.add_step(accepted, max(depth, 1), attempted=min(attempted, max(depth, 1)))
         stats.add_generation(g.new_tokens, g.wall_time, g.target_forwards)
         draft_time += g.draft_time
-        if draft_forwards is not None and g.draft_forwards is not None:
-            draft_forwards, spec_tokens = draft_forwards + g.draft_forwards, spec_tokens + g.new_tokens
-        else:
-            draft_forwards = None
+        draft_forwards = None if draft_forwards is None or g.draft_forwards is None else draft_forwards + g.draft_forwards
         if baseline:
             gen = torch.Generator(device=target.device).manual_seed(seed + i)
             base, b = autoregressive_generate(target, ids, max_new_tokens, plain, eos_token_id=eos, generator=gen)
@@ -127,10 +125,10 @@ def evaluate(
                 handle.remove()
             stats.add_assisted(res.shape[1] - ids.shape[1], time.perf_counter() - started, counter["n"])
     extra = {"draft_seconds": round(draft_time, 3)}
-    if draft_forwards is not None and spec_tokens:
+    if draft_forwards is not None and stats.new_tokens:
         # EAGLE drafts k tokens in k passes, DFlash in one: what drafting costs beside the target.
         extra["draft_forwards"] = draft_forwards
-        extra["draft_forwards_per_token"] = round(draft_forwards / spec_tokens, 4)
+        extra["draft_forwards_per_token"] = round(draft_forwards / stats.new_tokens, 4)
     if baseline and sampling.greedy:
         extra["greedy_identical_to_baseline"] = f"{identical}/{len(prompts)}"
     return stats, extra

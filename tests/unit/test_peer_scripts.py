@@ -83,4 +83,3 @@ def test_bench_script_refuses_a_missing_drafter(bench, tmp_path, capsys, monkeyp
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(missing) in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
-
