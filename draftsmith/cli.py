@@ -102,10 +102,11 @@ def check_data_dir(folder: Path) -> None:
         return
     if not folder.is_dir():
         raise RunFolderError(f"data.cache_dir {folder} exists and is not a folder")
-    entries = sorted(p.name for p in folder.iterdir())
+    # serve-target's log proves nothing either way: the other entries decide.
+    entries = sorted(p.name for p in folder.iterdir() if p.name != SERVER_LOG)
     command = folder / "command.txt"
     ours = (command.is_file() and command.read_text(errors="replace").startswith("draftsmith")) or any(
-        name.startswith(("examples-", "regenerated-", "features")) or name == SERVER_LOG for name in entries
+        name.startswith(("examples-", "regenerated-", "features")) for name in entries
     )
     if entries and not ours:
         raise RunFolderError(

@@ -260,6 +260,20 @@ def test_draftsmith_prepare_through_a_server_gives_the_hf_backends_examples(tiny
     assert err[-1].startswith("error: GET ") and "is the server up" in err[-1]
 
 
+def test_a_user_folder_with_a_server_log_in_it_is_still_refused(tiny_llama_dir, tmp_path, capsys):
+    from draftsmith import cli
+
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("a day of work\n")
+    (user / "vllm-server.log").write_text("INFO Started server process\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"trainer: heads\noutput_dir: {tmp_path / 'run'}\ntarget: {{path: {tiny_llama_dir}}}\ndata: {{path: x.jsonl}}\nhead: {{kind: medusa}}\n")
+    assert cli.main(["prepare", str(recipe), f"data.cache_dir={user}"]) == 2
+    assert "not a draftsmith data cache" in capsys.readouterr().err
+    assert sorted(p.name for p in user.iterdir()) == ["notes.txt", "vllm-server.log"]
+
+
 def test_serve_target_without_a_vllm_venv_says_how_to_get_one(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     from draftsmith import cli
 
