@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     from draftsmith.eval.report import write_acceptance_csv
     from draftsmith.eval.run import evaluate, load_prompts
     from draftsmith.export import ExportOptions, export
-    from draftsmith.export.vllm import METHODS
+    from draftsmith.export.vllm import METHODS, refusal as vllm_refusal
     from draftsmith.runtime.load import load_drafter
     from draftsmith.serving import servable_folder
     from draftsmith.target import load_causal_lm
@@ -104,6 +104,11 @@ def main(argv=None) -> int:
         k = args.k if foreign or artifact.kind != "dflash" else ExportOptions().speculative_tokens(artifact)
         # Another tool's engine folder is served as it is; ours is exported (below) into --out.
         served = Path(path) if foreign else out / f"vllm-{name}"
+        # What vLLM cannot serve from there (its folder-name rule included) is refused before any
+        # drafter is exported into --out.
+        reason = None if foreign else vllm_refusal(artifact, served, ExportOptions(num_speculative_tokens=k))
+        if reason:
+            raise BadInput(f"--drafter {item}: vLLM cannot serve it from {served}: {reason}")
         drafters.append({"name": name, "path": path, "artifact": artifact, "served": served, "method": METHODS.get(artifact.kind, artifact.kind), "k": k, "export": not foreign})
     target_path, gguf = (args.target, None) if args.target else drafters[0]["artifact"].target_source() if drafters else (None, None)
     if not target_path:

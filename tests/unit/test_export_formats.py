@@ -3,6 +3,7 @@ config keys each engine reads, refusals in one line (exit 2, nothing written), a
 folders in those layouts, ours or written by anyone, load into draftsmith with the same logits.
 That the engines themselves load them is tests/interop's."""
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -504,3 +505,22 @@ def test_a_dflash_folder_draftsmith_cannot_compute_fails_in_one_line(target, tmp
     with pytest.raises(ArtifactError) as err:
         load_drafter(folder, dtype="float32")
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_bench_vllm_refuses_an_out_that_vllm_would_misread_before_exporting_anything(target, tmp_path, capsys, monkeypatch):
+    """vLLM picks the method from a draft's path: a DFlash drafter benchmarked under an --out naming
+    eagle3 is refused in one line, and no drafter listed before it is exported there first."""
+    from draftsmith.cli import script_main
+
+    spec = importlib.util.spec_from_file_location("bench_vllm", REPO / "scripts/bench_vllm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.delenv("DRAFTSMITH_DEBUG", raising=False)
+    eagle3, _ = head_folder(target, tmp_path, "eagle3")
+    dflash, _ = head_folder(target, tmp_path, "dflash", num_layers=1, block_size=4)
+    out = tmp_path / "bench-eagle3-against-dflash"
+    monkeypatch.setattr(sys, "argv", ["bench_vllm.py", "--drafter", f"e3={eagle3}", "--drafter", f"df={dflash}", "--out", str(out)])
+    assert script_main(bench.main) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --drafter df={dflash}") and "contains 'eagle3' as method eagle3" in err and err.count("\n") == 1
+    assert not out.exists()
