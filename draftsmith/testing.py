@@ -175,6 +175,17 @@ def run_trainer(recipe, interrupt_at: int | None = None):
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def load_script(relative: str):
+    """A script of the repository (scripts/...) imported as a module, so a test can call its main."""
+    import importlib.util
+
+    path = REPO / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 # How each launcher starts N processes of a module (the command line continues with the module).
 LAUNCHERS = {
     "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node={n}", "-m"],

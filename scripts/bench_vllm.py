@@ -106,10 +106,11 @@ def main(argv=None) -> int:
         served = Path(path) if foreign else out / f"vllm-{name}"
         # What vLLM cannot serve from there (its folder-name rule included) is refused before any
         # drafter is exported into --out.
-        reason = None if foreign else vllm_refusal(artifact, served, ExportOptions(num_speculative_tokens=k))
+        options = None if foreign else ExportOptions(num_speculative_tokens=k)
+        reason = None if options is None else vllm_refusal(artifact, served, options)
         if reason:
             raise BadInput(f"--drafter {item}: vLLM cannot serve it from {served}: {reason}")
-        drafters.append({"name": name, "path": path, "artifact": artifact, "served": served, "method": METHODS.get(artifact.kind, artifact.kind), "k": k, "export": not foreign})
+        drafters.append({"name": name, "path": path, "artifact": artifact, "served": served, "method": METHODS.get(artifact.kind, artifact.kind), "k": k, "export": options})
     target_path, gguf = (args.target, None) if args.target else drafters[0]["artifact"].target_source() if drafters else (None, None)
     if not target_path:
         raise BadInput("name the target with --target (no trained drafter records one)")
@@ -137,8 +138,8 @@ def main(argv=None) -> int:
     # Nothing is written before every check has passed.
     out.mkdir(parents=True, exist_ok=True)
     for d in drafters:
-        if d["export"]:
-            export(d["path"], d["served"], "vllm", ExportOptions(num_speculative_tokens=d["k"]), overwrite=True)
+        if d["export"] is not None:
+            export(d["path"], d["served"], "vllm", d["export"], overwrite=True)
     (out / "job.json").write_text(json.dumps(job))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")

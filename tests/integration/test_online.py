@@ -2,7 +2,6 @@
 learns from what the target verified; the target stays frozen; an empty buffer warns, never crashes;
 the simulation script plots the curve."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,11 +9,9 @@ import pytest
 import torch
 
 from draftsmith.recipe import load_recipe
-from draftsmith.testing import save_tiny_model
+from draftsmith.testing import load_script, save_tiny_model
 from draftsmith.trainers import TRAINERS
 from draftsmith.trainers.online import EmptyReplayWarning, serve_records
-
-from draftsmith.testing import REPO as ROOT
 
 
 def write_prompts(path: Path, words: list[str], n: int) -> Path:
@@ -96,9 +93,7 @@ def test_update_with_empty_buffer_warns_and_goes_on(setup_dir):
 
 def test_simulate_online_script_plots(setup_dir, tmp_path, monkeypatch):
     root, target, draft, chat, code = setup_dir
-    spec = importlib.util.spec_from_file_location("simulate_online", ROOT / "scripts" / "simulate_online.py")
-    simulate_online = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(simulate_online)
+    simulate_online = load_script("scripts/simulate_online.py")
     out = tmp_path / "sim"
     rc = simulate_online.main([
         "--target", str(target), "--draft", str(draft), "--first", str(chat), "--then", str(code),

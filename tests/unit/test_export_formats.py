@@ -3,7 +3,6 @@ config keys each engine reads, refusals in one line (exit 2, nothing written), a
 folders in those layouts, ours or written by anyone, load into draftsmith with the same logits.
 That the engines themselves load them is tests/interop's."""
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -17,7 +16,7 @@ from draftsmith.atomic import MANIFEST_NAME
 from draftsmith.export import ExportError, ExportOptions, export, write_head_folder
 from draftsmith.heads import HEADS
 from draftsmith.target import FrozenTarget
-from draftsmith.testing import REPO, tiny_causal_lm, tiny_tokenizer
+from draftsmith.testing import REPO, load_script, tiny_causal_lm, tiny_tokenizer
 
 V, H, N = len(tiny_tokenizer()), 64, 8
 
@@ -512,9 +511,7 @@ def test_bench_vllm_refuses_an_out_that_vllm_would_misread_before_exporting_anyt
     eagle3 is refused in one line, and no drafter listed before it is exported there first."""
     from draftsmith.cli import script_main
 
-    spec = importlib.util.spec_from_file_location("bench_vllm", REPO / "scripts/bench_vllm.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("scripts/bench_vllm.py")
     monkeypatch.delenv("DRAFTSMITH_DEBUG", raising=False)
     eagle3, _ = head_folder(target, tmp_path, "eagle3")
     dflash, _ = head_folder(target, tmp_path, "dflash", num_layers=1, block_size=4)

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
 from draftsmith.cli import BadInput, script_main
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_script(relative: str):
-    path = REPO / relative
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from draftsmith.testing import REPO, load_script
 
 
 @pytest.fixture(scope="module")
