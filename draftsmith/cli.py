@@ -44,19 +44,20 @@ def _split_recipe_args(items: list[str]) -> tuple[list[str], list[str]]:
     return paths, overrides
 
 
-def _load(items: list[str]):
+def _load(items: list[str], device: str | None = None):
+    """The recipe of a command line's files and overrides; `device` (--device) overrides train.device."""
     from draftsmith.recipe import RecipeError, load_recipe
 
     paths, overrides = _split_recipe_args(items)
     if not paths:
         raise RecipeError("no recipe file given (e.g. draftsmith train recipes/medusa/smollm2-135m.yaml)")
-    return load_recipe(*paths, overrides=overrides)
+    return load_recipe(*paths, overrides=overrides + ([f"train.device={device}"] if device else []))
 
 
 def cmd_train(args) -> int:
     from draftsmith.trainers import TRAINERS
 
-    recipe = _load(args.recipe)
+    recipe = _load(args.recipe, args.device)
     trainer = TRAINERS[recipe.trainer](recipe, argv=args.argv)
     try:
         trainer.setup()
@@ -80,7 +81,7 @@ def cmd_prepare(args) -> int:
     from draftsmith.recipe import save_resolved
     from draftsmith.trainers import TRAINERS
 
-    recipe = _load(args.recipe)
+    recipe = _load(args.recipe, args.device)
     check_data_dir(recipe.data_dir())
     stats = TRAINERS[recipe.trainer].prepare(recipe)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -240,9 +241,24 @@ def _exit_layers(text: str):
     return values[0] if len(values) == 1 and "," not in text else values
 
 
+def _device(text: str) -> str:
+    """--device: checked before any model loads (a CUDA device that is not there is one line)."""
+    from draftsmith.target import DeviceError, resolve_device
+
+    try:
+        resolve_device(text)
+    except DeviceError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+DEVICE_HELP = "where models run: auto (default: CUDA when a device is visible, else the CPU), cpu, cuda or cuda:N"
+
+
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help="an export folder, a run/checkpoint folder, an HF causal-LM folder, or a built-in model name")
     p.add_argument("--target", default=None, help="override the target the drafter recorded")
+    p.add_argument("--device", type=_device, default=None, help=DEVICE_HELP + "; on CUDA verification runs in the fused kernel")
     p.add_argument(
         "--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
         help="precision of decoding (default auto: bf16 where the hardware has it, fp32 elsewhere; greedy output is token-identical to the target's own only in float32)",
@@ -279,10 +295,11 @@ def _sampling(args):
 
 def cmd_generate(args) -> int:
     from draftsmith.eval.run import generate_one
+    from draftsmith.runtime.generate import verification_kernel
     from draftsmith.runtime.load import load_drafter
 
     sampling = _sampling(args)
-    loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer)
+    loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer, device=args.device)
     text, new, stats = generate_one(loaded, [{"role": "user", "content": args.prompt}], args.max_new_tokens, sampling, args.seed)
     print(text)
     tau = (sum(stats.accept_lens) + stats.steps) / max(stats.steps, 1)
@@ -291,7 +308,8 @@ def cmd_generate(args) -> int:
     else:
         drafting = f"tree: {loaded.meta.get('tree', 'given')}"
     print(
-        f"\n[{loaded.kind} drafter, {drafting}; verification: {sampling.describe()}] "
+        f"\n[{loaded.kind} drafter, {drafting}; on {loaded.target.device}; verification: {sampling.describe()}, "
+        f"{verification_kernel(loaded.target.device, sampling)}] "
         f"{stats.new_tokens} tokens in {stats.steps} target steps: "
         f"mean accepted length {tau:.2f}, {stats.new_tokens / max(stats.wall_time, 1e-9):.1f} tokens/s",
         file=sys.stderr,
@@ -303,6 +321,7 @@ def cmd_eval(args) -> int:
     from draftsmith.atomic import check_destination
     from draftsmith.eval.report import write_report
     from draftsmith.eval.run import evaluate, load_prompts
+    from draftsmith.runtime.generate import verification_kernel
     from draftsmith.runtime.load import load_drafter
 
     sampling = _sampling(args)
@@ -313,11 +332,11 @@ def cmd_eval(args) -> int:
 
         loaded, stats, extra, rows = sweep_exit_layers(
             args.drafter, None if args.exit_layer == "sweep" else args.exit_layer, prompts, args.tree, args.dtype, args.target,
-            assisted=not args.no_assisted, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+            assisted=not args.no_assisted, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, device=args.device,
         )
         extra["exit_sweep"] = rows
     else:
-        loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer)
+        loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer, device=args.device)
         stats, extra = evaluate(
             loaded, prompts, args.max_new_tokens, sampling, args.seed,
             baseline=True, assisted=loaded.kind in ("standalone", "early_exit") and not args.no_assisted,
@@ -338,6 +357,8 @@ def cmd_eval(args) -> int:
         "verification": sampling.describe(),
         "lossless": sampling.lossless,
         "target_dtype": str(loaded.target.dtype).replace("torch.", ""),
+        "device": str(loaded.target.device),
+        "verification_kernel": verification_kernel(loaded.target.device, sampling),
         **extra,
     }
     report = write_report(stats, args.out, meta)
@@ -367,10 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a drafter from a recipe")
     p.add_argument("recipe", nargs="+", help="recipe YAML files, then key=value overrides")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="where the run trains: auto (CUDA when a device is visible, else the CPU), cpu or cuda (the recipe's train.device; under a launcher each rank takes its own GPU)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("prepare", help="run the data step of a recipe on its own (regeneration, tokenization)")
     p.add_argument("recipe", nargs="+", help="recipe YAML files, then key=value overrides")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="where the target runs (the recipe's train.device)")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("serve-target", help="serve a recipe's target with vLLM's OpenAI server, for data.regenerate.backend=server")
@@ -438,6 +461,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
         ("draftsmith.atomic", "DestinationError"),
         ("draftsmith.data", "DataError"),
         ("draftsmith.target", "TargetLoadError"),
+        ("draftsmith.target", "DeviceError"),
         ("draftsmith.runs", "RunFolderError"),
         ("draftsmith.export", "ExportError"),
         ("draftsmith.runtime.tree", "TreeError"),

@@ -187,7 +187,11 @@ class TrainConfig:
     # The learning rate decays to lr * min_lr_ratio.
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
-    # auto: bf16 autocast where the machine computes bf16 natively, none elsewhere.
+    # Where the run trains (the target, the draft, the batches): auto is CUDA when a device is
+    # visible (each rank its local one under a launcher), else the CPU; or cpu, cuda. `draftsmith
+    # train --device` sets it too.
+    device: str = "auto"
+    # auto: bf16 autocast where the training device computes bf16 natively, none elsewhere.
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     seed: int = 0
     log_every: int = 10
@@ -210,6 +214,9 @@ class TrainConfig:
             "keep_last": self.keep_last,
         })  # fmt: skip
         _within(f"{key}.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        if self.device not in ("auto", "cpu", "cuda"):
+            # One device per rank: a launcher gives each rank its own GPU, so cuda:N is not a recipe's to pin.
+            raise RecipeError(f"recipe key '{key}.device' must be auto, cpu or cuda, got {self.device!r}")
         if self.tree_nodes < 0:
             raise RecipeError(f"recipe key '{key}.tree_nodes' must be >= 0, got {self.tree_nodes}")
         if self.global_batch_size is not None:

@@ -169,21 +169,75 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def auto_dtype() -> tuple[str, str]:
-    """(dtype, why) for ``dtype: auto``: bfloat16 where this machine computes it natively, else
-    float32. On a CPU without AVX512-BF16 or AMX a bf16 matmul is emulated and about 50x slower
-    than fp32 (docs/ENVIRONMENT.md). DRAFTSMITH_AUTO_DTYPE (float32, bfloat16, float16) overrides
-    the choice for every "auto" in the process and its children (the test suite pins float32, so
-    its figures do not depend on the machine's CPU)."""
+# What "auto" chose, and why, is printed once per process and subject.
+_ANNOUNCED: set[str] = set()
+
+
+class DeviceError(ValueError):
+    """A device that cannot be used here (``--device cuda`` without CUDA, a malformed name)."""
+
+
+DEVICE_NAMES = "auto, cpu, cuda or cuda:N"
+
+
+def resolve_device(name: str = "auto") -> tuple[torch.device, str]:
+    """(device, why) for a ``--device`` or ``train.device`` value: "auto" is the best accelerator
+    present (CUDA: this process's local rank under a launcher, else the current device), else the
+    CPU; "cpu", "cuda" and "cuda:N" name one. A CUDA device that is not there is a DeviceError."""
+    name = str(name).strip() or "auto"
+    local = int(os.environ.get("LOCAL_RANK", "-1"))
+    if name == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu"), f"no CUDA device is visible (torch {torch.__version__})"
+        device = torch.device("cuda", local if local >= 0 else torch.cuda.current_device())
+        return device, f"CUDA device {torch.cuda.get_device_name(device)} is present"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise DeviceError(f"device {name!r}: expected {DEVICE_NAMES}") from None
+    if device.type == "cpu":
+        return torch.device("cpu"), "asked for"
+    if device.type != "cuda":
+        raise DeviceError(f"device {name!r}: draftsmith runs on {DEVICE_NAMES}")
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise DeviceError(f"device {name!r}: no CUDA device is visible (torch {torch.__version__}, {build}); use --device cpu or auto")
+    index = device.index if device.index is not None else (local if local >= 0 else torch.cuda.current_device())
+    if index >= torch.cuda.device_count():
+        raise DeviceError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    device = torch.device("cuda", index)
+    return device, f"asked for ({torch.cuda.get_device_name(device)})"
+
+
+def choose_device(name: str = "auto", what: str = "model") -> torch.device:
+    """The device `what` runs on (resolve_device), printed once per process and subject with why."""
+    device, why = resolve_device(name)
+    key = f"device:{what}"
+    if key not in _ANNOUNCED:
+        _ANNOUNCED.add(key)
+        log(f"device {name}: {what} on {device} ({why})", sys.stderr)
+    return device
+
+
+def auto_dtype(device: Optional[torch.device | str] = None) -> tuple[str, str]:
+    """(dtype, why) for ``dtype: auto`` on `device`, the device the model runs on (default: the one
+    ``device: auto`` picks): bfloat16 where that device computes it natively, else float32. On a CPU
+    without AVX512-BF16 or AMX a bf16 matmul is emulated and about 50x slower than fp32
+    (docs/ENVIRONMENT.md), so a model kept on the CPU of a GPU machine runs in float32 there.
+    DRAFTSMITH_AUTO_DTYPE (float32, bfloat16, float16) overrides the choice for every "auto" in the
+    process and its children (the test suite pins float32, so its figures do not depend on the
+    machine's CPU)."""
     forced = os.environ.get("DRAFTSMITH_AUTO_DTYPE")
     if forced:
         if forced not in DTYPES:
             raise TargetLoadError(f"DRAFTSMITH_AUTO_DTYPE={forced!r}: expected one of {', '.join(DTYPES)}")
         return forced, "DRAFTSMITH_AUTO_DTYPE says so"
-    if torch.cuda.is_available():
+    device = torch.device(device) if device is not None else resolve_device("auto")[0]
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
         if torch.cuda.is_bf16_supported():
-            return "bfloat16", f"CUDA device {torch.cuda.get_device_name()} computes bf16 natively"
-        return "float32", f"CUDA device {torch.cuda.get_device_name()} has no native bf16"
+            return "bfloat16", f"CUDA device {name} computes bf16 natively"
+        return "float32", f"CUDA device {name} has no native bf16"
     flags = _cpu_flags()
     native = sorted(flags & {"avx512_bf16", "amx_bf16"})
     capability = torch.backends.cpu.get_cpu_capability()
@@ -192,24 +246,26 @@ def auto_dtype() -> tuple[str, str]:
     return "float32", f"this CPU has no native bf16 ({capability}; no avx512_bf16 or amx_bf16 in /proc/cpuinfo)"
 
 
-_ANNOUNCED: set[str] = set()
 
-
-def resolve_dtype(name: str, what: str = "model") -> str:
-    """A recipe dtype ("auto", "float32", "bfloat16", "float16") as a concrete one. "auto" is
-    resolved by auto_dtype, and the choice and its reason are printed once per process and subject."""
+def resolve_dtype(name: str, what: str = "model", device: Optional[torch.device | str] = None) -> str:
+    """A recipe dtype ("auto", "float32", "bfloat16", "float16") as a concrete one for a model on
+    `device` (see auto_dtype). The choice of "auto" and its reason are printed once per process and subject."""
     if name != "auto":
         return name
-    chosen, why = auto_dtype()
+    chosen, why = auto_dtype(device)
     if what not in _ANNOUNCED:
         _ANNOUNCED.add(what)
         log(f"dtype auto: {what} in {chosen} ({why})", sys.stderr)
     return chosen
 
 
-def load_causal_lm(path: str, dtype: str = "auto", gguf_file: Optional[str] = None, what: str = "model"):
-    """Load (model, tokenizer) offline from a hub id, folder, GGUF file or built-in name, in
-    `dtype` ("auto": see auto_dtype).
+def load_causal_lm(
+    path: str, dtype: str = "auto", gguf_file: Optional[str] = None, what: str = "model", device: Optional[torch.device | str] = "cpu"
+):
+    """Load (model, tokenizer) offline from a hub id, folder, GGUF file or built-in name onto
+    `device`, in `dtype` ("auto": what that device computes natively, see auto_dtype). With
+    device None the model stays where ``from_pretrained`` puts it (ZeRO-3 partitions under
+    zero.Init), and "auto" asks the CPU.
 
     GGUF files are dequantized once into a float32 safetensors folder under cache_root(), which
     reloads in under a second instead of re-parsing the GGUF every time; every load, whatever its
@@ -218,7 +274,7 @@ def load_causal_lm(path: str, dtype: str = "auto", gguf_file: Optional[str] = No
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, gguf = resolve_model_path(path, gguf_file)
-    torch_dtype = DTYPES[resolve_dtype(dtype, what)]
+    torch_dtype = DTYPES[resolve_dtype(dtype, what, device or "cpu")]
     if gguf is not None:
         cached = _dequantized_cache_dir(folder, gguf)
         if (cached / "config.json").is_file() and (cached / "tokenizer_config.json").is_file():
@@ -236,7 +292,7 @@ def load_causal_lm(path: str, dtype: str = "auto", gguf_file: Optional[str] = No
     if gguf is not None:
         _save_dequantized(model, tokenizer, _dequantized_cache_dir(folder, gguf))
         model = model.to(torch_dtype)
-    return model, tokenizer
+    return (model if device is None else model.to(device)), tokenizer
 
 
 def load_config(path: str, gguf_file: Optional[str] = None):
@@ -254,9 +310,9 @@ def load_config(path: str, gguf_file: Optional[str] = None):
         raise TargetLoadError(f"cannot read the config of {path}: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}") from None
 
 
-def load_draft(draft_cfg):
-    """(draft model, tokenizer) per a recipe's draft: section, LoRA-wrapped (peft) when enabled."""
-    model, tokenizer = load_causal_lm(draft_cfg.path, draft_cfg.dtype, draft_cfg.gguf_file, what="draft")
+def load_draft(draft_cfg, device: torch.device | str = "cpu"):
+    """(draft model, tokenizer) per a recipe's draft: section on `device`, LoRA-wrapped (peft) when enabled."""
+    model, tokenizer = load_causal_lm(draft_cfg.path, draft_cfg.dtype, draft_cfg.gguf_file, what="draft", device=device)
     return with_lora(model, draft_cfg.lora), tokenizer
 
 
@@ -441,14 +497,15 @@ class FrozenTarget:
         self._lm_head = model.get_output_embeddings()
 
     @classmethod
-    def load(cls, path: str, dtype: str = "auto", gguf_file: Optional[str] = None) -> "FrozenTarget":
-        model, tokenizer = load_causal_lm(path, dtype, gguf_file, what="target")
+    def load(cls, path: str, dtype: str = "auto", gguf_file: Optional[str] = None, device: torch.device | str = "cpu") -> "FrozenTarget":
+        """The target at `path` on `device`, in `dtype` ("auto" asks that device)."""
+        model, tokenizer = load_causal_lm(path, dtype, gguf_file, what="target", device=device)
         return cls(model, tokenizer, source=path)
 
     @classmethod
-    def from_config(cls, cfg) -> "FrozenTarget":
-        """From a recipe's TargetConfig."""
-        return cls.load(cfg.path, cfg.dtype, cfg.gguf_file)
+    def from_config(cls, cfg, device: torch.device | str = "cpu") -> "FrozenTarget":
+        """From a recipe's TargetConfig, on `device`."""
+        return cls.load(cfg.path, cfg.dtype, cfg.gguf_file, device)
 
     @property
     def device(self) -> torch.device:
@@ -471,9 +528,9 @@ class FrozenTarget:
         hidden = hidden.to(self._lm_head.weight.dtype)
         if vocab is None:
             return self._lm_head(hidden)
-        weight = self._lm_head.weight[vocab.to(self._lm_head.weight.device)]
+        vocab = vocab.to(self._lm_head.weight.device)
         bias = getattr(self._lm_head, "bias", None)
-        return torch.nn.functional.linear(hidden, weight, None if bias is None else bias[vocab])
+        return torch.nn.functional.linear(hidden, self._lm_head.weight[vocab], None if bias is None else bias[vocab])
 
     def lm_head_weight(self) -> Tensor:
         """A detached copy of the LM head weight [V,D], for heads that start from it."""

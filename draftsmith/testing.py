@@ -292,3 +292,149 @@ def assert_same_curve(run_dir: str | Path, reference: dict[int, float], steps=ra
     for step in steps:
         assert got[step] == pytest.approx(reference[step], rel=rel), (step, got, reference)
 
+
+
+class DeviceMismatch(RuntimeError):
+    """An operation met a host tensor and a device tensor: on a GPU it would fail ("Expected all
+    tensors to be on the same device")."""
+
+
+class SimulatedDevice(torch.overrides.TorchFunctionMode):
+    """The CPU split in two, so that a CPU run fails where a GPU run would put a tensor and a module
+    on different devices.
+
+    Inside the block every tensor has a place: the *host* (made by a factory without a ``device=``,
+    ``torch.from_numpy``, ``.cpu()``, ``.to("cpu")``: where batches are collated; and a module's
+    parameters until the module moves) or the *device* (whatever ``.to(device)`` moves there,
+    device being a ``torch.device`` object such as ``accelerator.device`` or ``model.device``), or
+    no place yet (tensors read from files, or made outside the block). A result takes the place of
+    its inputs, a factory with ``device=x.device`` the place of x, a parameter the place of its
+    data. An operation whose inputs of one element or more stand on both places raises
+    DeviceMismatch, as CUDA would; the exceptions are CUDA's own (0-dim host tensors, host index
+    tensors into device tensors, copies, assignment into a slice).
+
+    Enter it before models are built or loaded: a parameter made outside counts as on the host.
+    ``checked`` counts the operations it judged (a test can assert that it looked at all).
+    """
+
+    HOST, DEVICE = "host", "device"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.weak import WeakTensorKeyDictionary
+
+        self._place = WeakTensorKeyDictionary()
+        # torch.device objects returned by Tensor.device, by id, with the place of their tensor (kept
+        # alive here so ids stay unique; a test-sized run makes a few thousand).
+        self._device_places: dict[int, tuple[torch.device, str | None]] = {}
+        self.checked = 0
+
+    def place(self, value) -> str | None:
+        return self._place.get(value, self.HOST if isinstance(value, torch.nn.Parameter) else None)
+
+    def __enter__(self):
+        # nn.Parameter() is no torch function: its place (its data's) is recorded here instead.
+        self._new_parameter = torch.nn.Parameter.__new__
+        guard, original = self, self._new_parameter
+
+        def new_parameter(cls, data=None, requires_grad=True):
+            param = original(cls, data, requires_grad)
+            if data is not None and guard.place(data) is not None:
+                guard._place[param] = guard.place(data)
+            return param
+
+        torch.nn.Parameter.__new__ = new_parameter
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.nn.Parameter.__new__ = self._new_parameter
+        return super().__exit__(*exc)
+
+    def _device_place(self, device) -> str:
+        if isinstance(device, str):
+            return self.HOST if device == "cpu" else self.DEVICE
+        if isinstance(device, int):
+            return self.DEVICE
+        tracked = self._device_places.get(id(device))
+        if tracked is not None and tracked[0] is device:
+            return tracked[1]
+        return self.DEVICE  # a device the program names (accelerator.device): where models go
+
+    def _mismatch(self, func, host: torch.Tensor, device: torch.Tensor) -> DeviceMismatch:
+        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        return DeviceMismatch(
+            f"{name} mixes a tensor on the host {tuple(host.shape)} with one on the device {tuple(device.shape)}: "
+            "on a GPU this fails; move the host one (batch.to(device), tensor.to(device), or device= where it is made)"
+        )
+
+    def _check(self, func, tensors) -> str | None:
+        """The place of an operation's inputs (None when none has one); DeviceMismatch on both."""
+        host = device = None
+        for t in tensors:
+            where = self.place(t)
+            if where is None or t.dim() == 0:
+                continue
+            if where == self.HOST:
+                host = host if host is not None else t
+            else:
+                device = device if device is not None else t
+        self.checked += 1
+        if host is not None and device is not None:
+            raise self._mismatch(func, host, device)
+        return self.DEVICE if device is not None else self.HOST if host is not None else None
+
+    def _mark(self, out, where: str | None):
+        if where is None:
+            return out
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._place[t] = where
+        return out
+
+    def _moved(self, tensor: torch.Tensor, out: torch.Tensor, where: str | None):
+        if where is None:
+            where = self.place(tensor)
+        if isinstance(tensor, torch.nn.Parameter):
+            # Module.to() keeps the Parameter object and swaps its data: the parameter itself moves.
+            self._place[tensor] = where
+        elif out is tensor and where != self.place(tensor):
+            out = tensor.view_as(tensor)  # on one real device .to() returns its input; the move needs its own object
+        return self._mark(out, where)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        T = torch.Tensor
+        if func is T.to:
+            out = func(*args, **kwargs)
+            first = args[1] if len(args) > 1 else kwargs.get("device", kwargs.get("other"))
+            if isinstance(first, torch.Tensor):
+                return self._moved(args[0], out, self.place(first))
+            device = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})[0]
+            raw = first if isinstance(first, (str, torch.device, int)) else device
+            return self._moved(args[0], out, None if device is None else self._device_place(raw))
+        if func in (T.cpu, T.cuda, T.type_as):
+            out = func(*args, **kwargs)
+            where = self.HOST if func is T.cpu else self.DEVICE if func is T.cuda else self.place(args[1])
+            return self._moved(args[0], out, where)
+        if func is T.copy_:
+            return func(*args, **kwargs)
+        if func is T.numpy and self.place(args[0]) == self.DEVICE:
+            raise DeviceMismatch(f"numpy() of a device tensor {tuple(args[0].shape)}: on a GPU this fails; call .cpu() first")
+        if func in (T.__getitem__, T.__setitem__):
+            target, index = args[0], args[1]
+            where = self._check(func, [target])  # a value assigned into a slice is copied across devices
+            for t in torch.utils._pytree.tree_leaves(index):
+                if isinstance(t, torch.Tensor) and t.dim() > 0 and self.place(t) == self.DEVICE and where == self.HOST:
+                    raise self._mismatch(func, target, t)
+            return self._mark(func(*args, **kwargs), where)
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        where = self._check(func, tensors)
+        out = func(*args, **kwargs)
+        if getattr(func, "__self__", None) is T.device:  # the Tensor.device getter
+            self._device_places[id(out)] = (out, self.place(args[0]))
+            return out
+        if kwargs.get("device") is not None:
+            where = self._device_place(kwargs["device"])
+        elif not tensors:
+            where = self.HOST  # a factory without device=: the default device, the host
+        return self._mark(out, where)

@@ -6,7 +6,7 @@ The trainers use :func:`prepare_data` (a recipe's ``data:`` section to tokenized
 """
 
 from draftsmith.data.chat import render_chat, tokenize_conversation
-from draftsmith.data.collate import Collator, block_causal_mask
+from draftsmith.data.collate import Batch, Collator, block_causal_mask
 from draftsmith.data.errors import DataError
 from draftsmith.data.order import BatchStream, epoch_order
 from draftsmith.data.prepare import PreparedData, prepare_data
@@ -15,6 +15,7 @@ from draftsmith.data.sources import BUILTIN_DATASETS, load_conversations, resolv
 
 __all__ = [
     "BUILTIN_DATASETS",
+    "Batch",
     "BatchStream",
     "Collator",
     "DataError",

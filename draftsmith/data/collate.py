@@ -36,6 +36,21 @@ def block_causal_mask(segment_ids: Tensor, dtype: torch.dtype = torch.float32) -
     return mask.masked_fill(~allowed.unsqueeze(1), torch.finfo(dtype).min)
 
 
+class Batch(dict):
+    """A collated batch: field name -> tensor (Collator says which). Batches are made on the host
+    and reach a model through one call, ``batch.to(device)``, which moves every field at once; the
+    trainers call it where a batch meets the model, never field by field."""
+
+    def to(self, device: torch.device | str) -> "Batch":
+        device = torch.device(device)
+        # non_blocking: a copy to a GPU overlaps with the host's next work; the CPU ignores it.
+        return Batch({name: value.to(device, non_blocking=True) for name, value in self.items()})
+
+    @property
+    def device(self) -> torch.device:
+        return self["input_ids"].device
+
+
 class Collator:
     """Turns a list of examples (``{"input_ids": [int], "loss_mask": [int]}``) into a batch.
 
@@ -71,7 +86,7 @@ class Collator:
             used += n
         return rows
 
-    def __call__(self, examples: Sequence[dict]) -> dict[str, Tensor]:
+    def __call__(self, examples: Sequence[dict]) -> Batch:
         if not examples:
             raise DataError("cannot collate an empty list of examples")
         rows = self._rows(examples)
@@ -95,10 +110,10 @@ class Collator:
             attention_mask = block_causal_mask(segment_ids)
         else:
             attention_mask = (segment_ids > 0).long()
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "loss_mask": loss_mask,
-            "position_ids": position_ids,
-            "segment_ids": segment_ids,
-        }
+        return Batch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            loss_mask=loss_mask,
+            position_ids=position_ids,
+            segment_ids=segment_ids,
+        )

@@ -328,7 +328,8 @@ class FeatureCache:
         return out
 
     def batch(self, split: str, ids: Sequence[int], segment_ids: Tensor, lengths: Sequence[int], dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
-        """Cached features laid out like a collated batch: [B,T,D] tensors (zeros on padding).
+        """Cached features laid out like a collated batch: [B,T,D] tensors (zeros on padding), on
+        segment_ids' device (only the real tokens travel there).
 
         segment_ids [B,T] (0 = padding) is the collator's; lengths are the examples' token counts
         in the batch (after truncation). Real tokens in row-major order are the examples in order.
@@ -342,8 +343,9 @@ class FeatureCache:
         out = {}
         for name in rows[0]:
             flat = torch.cat([r[name][:n] for r, n in zip(rows, lengths)])
-            if flat.shape[0] != int(mask.sum()):
-                raise FeatureCacheError(f"feature cache {self.folder}: batch has {int(mask.sum())} tokens, its cached examples {flat.shape[0]}")
+            if flat.shape[0] != sum(lengths):
+                raise FeatureCacheError(f"feature cache {self.folder}: batch has {sum(lengths)} tokens, its cached examples {flat.shape[0]}")
+            flat = flat.to(segment_ids.device, non_blocking=True)
             full = flat.new_zeros((B, T, *flat.shape[1:]))
             full[mask] = flat
             out[name] = full
@@ -454,10 +456,11 @@ def open_cache(folder: Path, spec: FeatureSpec, create: bool) -> None:
 @torch.no_grad()
 def compute_rows(target, spec: FeatureSpec, batch: dict, lengths: Sequence[int], device) -> list[dict[str, Tensor]]:
     """Run the target on a collated batch; return each example's rows (final_hidden, layers, top-k)."""
+    batch = batch.to(device)
     feats = target.features(
-        batch["input_ids"].to(device),
-        attention_mask=batch["attention_mask"].to(device),
-        position_ids=batch["position_ids"].to(device) if "position_ids" in batch else None,
+        batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
         layers=spec.layers,
         need_logits=False,
     )
@@ -466,7 +469,7 @@ def compute_rows(target, spec: FeatureSpec, batch: dict, lengths: Sequence[int],
 
 def rows_from_features(target, spec: FeatureSpec, feats, segment_ids: Tensor, lengths: Sequence[int]) -> list[dict[str, Tensor]]:
     """Per-example rows of TargetFeatures computed on a collated batch."""
-    mask = (segment_ids > 0).to(feats.final_hidden.device)
+    mask = segment_ids > 0
     tensors = {"final_hidden": feats.final_hidden}
     tensors.update({f"layer_{i}": feats.hidden[i] for i in spec.layers})
     rows = rows_of_batch(spec, mask, lengths, tensors)

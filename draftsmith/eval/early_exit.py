@@ -19,7 +19,7 @@ from draftsmith.eval.run import evaluate
 from draftsmith.export.native import record_exit_layer
 from draftsmith.runtime.drafters import DrafterError
 from draftsmith.runtime.early_exit import check_exit_layer
-from draftsmith.runtime.load import LoadedDrafter, decoding_dtype, early_exit_chain, early_exit_loaded, early_exit_target
+from draftsmith.runtime.load import LoadedDrafter, decoding_placement, early_exit_chain, early_exit_loaded, early_exit_target
 
 __all__ = ["sweep_exit_layers"]
 
@@ -33,19 +33,22 @@ def sweep_exit_layers(
     target: Optional[str] = None,
     assisted: bool = True,
     progress: bool = True,
+    device: Optional[str] = None,
     **decoding,
 ) -> tuple[LoadedDrafter, object, dict, list[dict]]:
     """Decode `prompts` at each exit layer (`exits`, default 1..L-1), choose the one with the best
     measured speedup, and decode again there beside plain decoding (and transformers' assisted
-    generation with `assisted`). `decoding`: max_new_tokens, sampling, seed as in evaluate().
+    generation with `assisted`) on `device` (decoding_placement). `decoding`: max_new_tokens,
+    sampling, seed as in evaluate().
     Returns (loaded drafter at the chosen exit, its AcceptanceStats, extra figures with the choice,
     one row per exit). An export records the choice in config.json and its card.
     """
     if target:
         raise DrafterError("an early-exit drafter is its own target: drop --target")
     # Any exit layer opens a causal LM as a model drafting for itself; the sweep then tries its own.
-    artifact = open_drafter(folder, decoding_dtype(dtype), exit_layer=exits[0] if exits else 1)
-    model = early_exit_target(artifact)
+    where, chosen = decoding_placement(device, dtype)
+    artifact = open_drafter(folder, chosen, exit_layer=exits[0] if exits else 1)
+    model = early_exit_target(artifact, where)
     L = len(model.layers)
     exits = list(exits) if exits else list(range(1, L))
     for e in exits:

@@ -222,7 +222,7 @@ class EagleHead(DraftHead):
         for layer, cache in zip(self.layers, caches):
             if x is not None:
                 attn_in, residual = layer.prepare(x)
-            x = layer.forward_cached(attn_in, residual, cos, sin, cache, visible.to(attn_in.device))
+            x = layer.forward_cached(attn_in, residual, cos, sin, cache, visible)
         return self.carry(x)
 
     def start_drafting(self, embed, lm_head) -> HeadSession:
@@ -248,7 +248,7 @@ class EagleSession(HeadSession):
         M, start = hidden.shape[1], self.decided
         feature = self.head.feature(hidden, layers)
         positions = torch.arange(start, start + M, device=hidden.device)
-        visible = torch.ones(M, start + M, dtype=torch.bool).tril(diagonal=start)
+        visible = torch.ones(M, start + M, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
         out = self.head.draft_forward(feature, tokens, positions, self.caches, visible, self.embed)
         self.forwards += 1
         self.decided = start + M
@@ -269,7 +269,7 @@ class EagleSession(HeadSession):
             feature = torch.cat([self.outputs[frontier.parents[n]] for n in todo], dim=1)
             tokens = torch.tensor([[frontier.tokens[n] for n in todo]], device=device)
             positions = torch.tensor([self.decided - 1 + frontier.depths[n] for n in todo], device=device)
-            out = self.head.draft_forward(feature, tokens, positions, self.caches, tree_visibility(self.decided, cached, ancestors), self.embed)
+            out = self.head.draft_forward(feature, tokens, positions, self.caches, tree_visibility(self.decided, cached, ancestors, feature.device), self.embed)
             self.forwards += 1
             for row, node in enumerate(todo):
                 self.outputs[node] = out[:, row : row + 1]

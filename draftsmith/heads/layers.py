@@ -344,15 +344,16 @@ def truncate_cache(cache: dict, length: int) -> None:
         cache["k"], cache["v"] = cache["k"][:, :, :length], cache["v"][:, :, :length]
 
 
-def tree_visibility(decided: int, cached: int, ancestors: Sequence[Sequence[int]]) -> Tensor:
-    """visible [P, cached+P] for P new tree entries on a cache holding `cached` entries, the first
-    `decided` of them decided positions: each new entry sees those, the cache slots of its
-    ancestors (``ancestors[p]``) and itself."""
+def tree_visibility(decided: int, cached: int, ancestors: Sequence[Sequence[int]], device: Optional[torch.device] = None) -> Tensor:
+    """visible [P, cached+P] on `device` for P new tree entries on a cache holding `cached` entries,
+    the first `decided` of them decided positions: each new entry sees those, the cache slots of its
+    ancestors (``ancestors[p]``) and itself. Built in one scatter from one index upload."""
     P = len(ancestors)
-    visible = torch.zeros(P, cached + P, dtype=torch.bool)
+    rows = [row for row, slots in enumerate(ancestors) for _ in range(len(slots) + 1)]
+    cols = [col for row, slots in enumerate(ancestors) for col in (*slots, cached + row)]
+    index = torch.tensor([rows, cols], dtype=torch.long).to(device, non_blocking=True)
+    visible = torch.zeros(P, cached + P, dtype=torch.bool, device=device)
     visible[:, :decided] = True
-    for row, slots in enumerate(ancestors):
-        visible[row, list(slots)] = True
-        visible[row, cached + row] = True
+    visible[index[0], index[1]] = True
     return visible
 

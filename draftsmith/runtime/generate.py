@@ -24,7 +24,7 @@ from draftsmith.runtime.tree import DraftTree, tree_attention_mask, tree_positio
 from draftsmith.runtime.verify import GREEDY, SamplingParams, VerifyResult, logits_to_probs, verify
 from draftsmith.target import DecoderStack, decoder_stack
 
-__all__ = ["GenerationStats", "TargetSession", "autoregressive_generate", "default_verify_fn", "speculative_generate"]
+__all__ = ["GenerationStats", "TargetSession", "autoregressive_generate", "default_verify_fn", "speculative_generate", "verification_kernel"]
 
 
 @dataclass
@@ -181,6 +181,13 @@ def default_verify_fn(device) -> Callable[..., VerifyResult]:
 
     device = torch.device(device)
     return fused_verify if device.type == "cuda" and kernel_available(device) else verify
+
+
+def verification_kernel(device, sampling: SamplingParams = GREEDY) -> str:
+    """Which verification speculative_generate runs for a target on `device`, in words."""
+    if sampling.mode == "typical":
+        return "torch reference (typical acceptance)"
+    return "fused Triton kernel" if default_verify_fn(device) is not verify else "torch reference"
 
 
 def _eos_set(eos_token_id: Union[int, Iterable[int], None]) -> set[int]:

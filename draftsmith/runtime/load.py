@@ -1,11 +1,13 @@
 """A drafter artifact (draftsmith.artifacts) made ready to decode: the target it drafts for, loaded,
 and the runtime Drafter around it. ``draftsmith generate`` and ``eval`` start here.
 
-One rule picks the precision of decoding, as training does (``target.resolve_dtype``): the
-``--dtype`` given, else ``auto`` (bf16 only where the hardware computes it natively, fp32
-elsewhere), printed once. Greedy output is token-identical to the target's own only in fp32
-(bf16 rounds one-token and many-token forwards differently), so measurements of losslessness pass
-``--dtype float32``.
+One rule picks where and in what precision decoding runs, as training does: the ``--device``
+given, else ``auto`` (CUDA when a device is visible, else the CPU), then the ``--dtype`` given,
+else ``auto`` for that device (bf16 only where it computes bf16 natively, fp32 elsewhere); both
+are printed once with why. The target, the drafter and every tensor of the decoding loop live on
+that device, and on CUDA verification runs in the fused kernel. Greedy output is token-identical
+to the target's own only in fp32 (bf16 rounds one-token and many-token forwards differently), so
+measurements of losslessness pass ``--dtype float32``.
 
 One builder per artifact type; a new kind of drafter adds one here (a head kind needs none).
 """
@@ -22,7 +24,7 @@ from draftsmith.artifacts import Artifact, ArtifactError, DraftLMArtifact, Early
 from draftsmith.runtime.drafters import DrafterError, HeadDrafter, StandaloneDrafter
 from draftsmith.runtime.early_exit import DEFAULT_DRAFT_LENGTH, EarlyExitDrafter, is_chain
 from draftsmith.runtime.tree import SparseTree, TreeError, TreeSpec, default_tree, parse_tree
-from draftsmith.target import FrozenTarget, resolve_dtype
+from draftsmith.target import FrozenTarget, choose_device, resolve_dtype
 
 
 @dataclass
@@ -41,9 +43,11 @@ class LoadedDrafter:
     assist: dict = field(default_factory=dict)
 
 
-def decoding_dtype(requested: Optional[str] = None) -> str:
-    """The precision of decoding: `requested` (--dtype), else auto; printed once when auto chooses."""
-    return resolve_dtype(requested or "auto", "target")
+def decoding_placement(device: Optional[str] = None, dtype: Optional[str] = None) -> tuple[torch.device, str]:
+    """(device, dtype) of decoding: `device` (--device), else auto, then `dtype` (--dtype), else
+    what that device computes natively; each printed once when auto chooses."""
+    chosen = choose_device(device or "auto", "decoding")
+    return chosen, resolve_dtype(dtype or "auto", "target", chosen)
 
 
 def load_drafter(
@@ -52,38 +56,41 @@ def load_drafter(
     tree: Optional[str] = None,
     dtype: Optional[str] = None,
     exit_layer: Optional[int] = None,
+    device: Optional[str] = None,
 ) -> LoadedDrafter:
     """Open a drafter folder (draftsmith.artifacts) and load its target. `tree` is a spec for
     parse_tree; without one a head drafts the sparse tree its checkpoint or export stores (built
     from held-out accuracies at the end of training), else the default tree of its depth, a draft
     LM a chain of 4, an early-exit model its recorded chain (``meta["tree"]`` says which). With
-    `exit_layer`, or for a LayerSkip run or export, the model drafts for itself with its first layers."""
+    `exit_layer`, or for a LayerSkip run or export, the model drafts for itself with its first layers.
+    Everything lands on `device` (see decoding_placement)."""
     spec = parse_tree(tree) if tree else None
-    chosen = decoding_dtype(dtype)
+    where, chosen = decoding_placement(device, dtype)
     artifact = open_drafter(folder, chosen, exit_layer)
     if isinstance(artifact, EarlyExitArtifact):
-        return _early_exit(artifact, target, tree, spec)
+        return _early_exit(artifact, target, tree, spec, where)
     if isinstance(artifact, DraftLMArtifact):
-        return _draft_lm(artifact, target, chosen, spec)
-    return _head(artifact, target, chosen, tree, spec)
+        return _draft_lm(artifact, target, chosen, spec, where)
+    return _head(artifact, target, chosen, tree, spec, where)
 
 
-def _target_for(artifact: Artifact, override: Optional[str], dtype: str) -> tuple[FrozenTarget, str]:
+def _target_for(artifact: Artifact, override: Optional[str], dtype: str, device: torch.device) -> tuple[FrozenTarget, str]:
     path, gguf = artifact.target_source()
     path = override or path
     if not path:
         raise DrafterError(f"{artifact.folder} does not record its target (no recipe.yaml): pass --target")
-    return FrozenTarget.load(path, dtype, None if override else gguf), path
+    return FrozenTarget.load(path, dtype, None if override else gguf, device), path
 
 
-def _head(artifact: HeadArtifact, target: Optional[str], dtype: str, tree: Optional[str], spec) -> LoadedDrafter:
-    tgt, target_path = _target_for(artifact, target, dtype)
+def _head(artifact: HeadArtifact, target: Optional[str], dtype: str, tree: Optional[str], spec, device: torch.device) -> LoadedDrafter:
+    tgt, target_path = _target_for(artifact, target, dtype, device)
     head = artifact.head_for(tgt.dims, target_path).to(tgt.device)
     if artifact.foreign is not None and artifact.foreign.embedding is not None:
         own, theirs = tgt.model.get_input_embeddings().weight, artifact.foreign.embedding
-        # Compared at the folder's own precision: speculators 0.9.0 saves every tensor in bf16, the
-        # target's embedding among them, whatever precision it trained in.
-        if theirs.shape != own.shape or not torch.allclose(theirs.float(), own.to(theirs.dtype).float(), atol=1e-3, rtol=1e-3):
+        # Compared at the folder's own precision, on the host: speculators 0.9.0 saves every tensor
+        # in bf16, the target's embedding among them, whatever precision it trained in.
+        own = own.detach().to("cpu", theirs.dtype)
+        if theirs.shape != own.shape or not torch.allclose(theirs.float(), own.float(), atol=1e-3, rtol=1e-3):
             raise ArtifactError(f"{artifact.folder} carries an embedding that is not the target's ({target_path}); draftsmith drafts with the target's embedding")
     meta: dict = {"head": artifact.metrics} if artifact.foreign is None else {"layout": artifact.layout}
     if spec is not None:
@@ -104,8 +111,8 @@ def _head(artifact: HeadArtifact, target: Optional[str], dtype: str, tree: Optio
     return LoadedDrafter(head.cfg.kind, HeadDrafter(head, tgt, spec), tgt, artifact.folder, target_path, meta=meta)
 
 
-def _draft_lm(artifact: DraftLMArtifact, target: Optional[str], dtype: str, spec) -> LoadedDrafter:
-    tgt, target_path = _target_for(artifact, target, dtype)
+def _draft_lm(artifact: DraftLMArtifact, target: Optional[str], dtype: str, spec, device: torch.device) -> LoadedDrafter:
+    tgt, target_path = _target_for(artifact, target, dtype, device)
     model, tokenizer = artifact.model, artifact.tokenizer
     if tokenizer is not None and tgt.tokenizer is not None and tokenizer.get_vocab() != tgt.tokenizer.get_vocab():
         raise DrafterError(
@@ -143,17 +150,17 @@ def early_exit_loaded(target: FrozenTarget, folder, exit_layer: int, spec: TreeS
     return LoadedDrafter("early_exit", drafter, target, Path(str(folder)), str(folder), meta=meta, assist={"assistant_early_exit": exit_layer})
 
 
-def early_exit_target(artifact: EarlyExitArtifact) -> FrozenTarget:
-    """The early-exit model as the target it is (it drafts for itself, so no --target)."""
-    return FrozenTarget(artifact.model, artifact.tokenizer, source=str(artifact.folder))
+def early_exit_target(artifact: EarlyExitArtifact, device: torch.device) -> FrozenTarget:
+    """The early-exit model, on `device`, as the target it is (it drafts for itself, so no --target)."""
+    return FrozenTarget(artifact.model.to(device), artifact.tokenizer, source=str(artifact.folder))
 
 
-def _early_exit(artifact: EarlyExitArtifact, target: Optional[str], tree: Optional[str], spec) -> LoadedDrafter:
+def _early_exit(artifact: EarlyExitArtifact, target: Optional[str], tree: Optional[str], spec, device: torch.device) -> LoadedDrafter:
     if target:
         raise DrafterError("an early-exit drafter is its own target: drop --target")
     if artifact.exit_layer is None:
         raise DrafterError(f"{artifact.folder} records no exit layer: pass --exit-layer E (or sweep)")
-    return early_exit_loaded(early_exit_target(artifact), artifact.folder, artifact.exit_layer, early_exit_chain(tree, artifact.block), artifact.exit_chosen_by)
+    return early_exit_loaded(early_exit_target(artifact, device), artifact.folder, artifact.exit_layer, early_exit_chain(tree, artifact.block), artifact.exit_chosen_by)
 
 
-__all__ = ["LoadedDrafter", "decoding_dtype", "early_exit_chain", "early_exit_loaded", "early_exit_target", "load_drafter"]
+__all__ = ["LoadedDrafter", "decoding_placement", "early_exit_chain", "early_exit_loaded", "early_exit_target", "load_drafter"]

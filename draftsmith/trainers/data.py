@@ -31,7 +31,7 @@ def prepare_with_target(recipe: Recipe) -> dict:
 
     acc = engine.make_accelerator(recipe.train)
     try:
-        target = FrozenTarget.from_config(recipe.target).to(acc.device)
+        target = FrozenTarget.from_config(recipe.target, acc.device)
         data = prepare_shared_data(recipe, acc, target.tokenizer, target.model)
         return {**data.stats, "data_dir": str(recipe.data_dir().resolve())}
     finally:

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from draftsmith.data.collate import Batch
 from draftsmith.distill import DIVERGENCES, distillation_loss, masked_mean, sample_draft_tokens
 from draftsmith.recipe import Recipe
 from draftsmith.target import FrozenTarget, load_draft
@@ -106,9 +107,9 @@ class DistillTrainer:
         r = self.recipe
         lifecycle.start(self)
         acc = self.accelerator
-        self.target = FrozenTarget.from_config(r.target).to(acc.device)
+        self.target = FrozenTarget.from_config(r.target, acc.device)
         tokenizer = self.target.tokenizer
-        self.draft, draft_tokenizer = load_draft(r.draft)
+        self.draft, draft_tokenizer = load_draft(r.draft, self.accelerator.device)
         check_same_tokenizer(draft_tokenizer, tokenizer, r.draft.path, r.target.path)
         self.data = prepare_shared_data(r, acc, tokenizer, self.target.model)
 
@@ -163,17 +164,14 @@ class DistillTrainer:
         self.onpolicy_counts[1] += len(examples)
         return examples
 
-    def _logits(self, batch: dict, module) -> tuple[Tensor, Tensor, Tensor]:
-        """(draft logits [B,T-1,V], target logits [B,T-1,V], trained positions [B,T-1])."""
-        device = self.accelerator.device
-        ids = batch["input_ids"].to(device)
-        attention = batch["attention_mask"].to(device)
-        positions = batch["position_ids"].to(device) if "position_ids" in batch else None
+    def _logits(self, batch: Batch, module) -> tuple[Tensor, Tensor, Tensor]:
+        """(draft logits [B,T-1,V], target logits [B,T-1,V], trained positions [B,T-1]) of a host batch."""
+        batch = batch.to(self.accelerator.device)
+        ids, attention, positions = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
         target_logits = self.target.features(ids, attention_mask=attention, position_ids=positions, need_logits=True).logits
         draft_logits = module(ids, attention, positions)
         draft_logits, target_logits = common_vocab(draft_logits[:, :-1], target_logits[:, :-1])
-        mask = predicted_mask(batch["loss_mask"].to(device), batch.get("segment_ids", None))
-        return draft_logits, target_logits, mask.to(device)
+        return draft_logits, target_logits, predicted_mask(batch["loss_mask"], batch["segment_ids"])
 
     def advance(self) -> tuple[int, dict]:
         """One optimizer step over grad_accum_steps micro-batches. Returns (step, logged values)."""

@@ -18,7 +18,7 @@ from torch import nn
 
 from draftsmith.recipe import DeepSpeedConfig, Recipe, RecipeError, TrainConfig
 from draftsmith.runs import log
-from draftsmith.target import gathered_parameters, resolve_dtype
+from draftsmith.target import choose_device, gathered_parameters, resolve_dtype
 
 
 class TrainingError(RuntimeError):
@@ -142,7 +142,8 @@ def make_accelerator(train: TrainConfig, deepspeed: Optional[DeepSpeedConfig] = 
     RecipeError (before anything is written) when the world size does not divide the global batch
     or the launcher's DeepSpeed settings contradict the recipe.
     """
-    mixed = resolve_mixed_precision(train.mixed_precision)
+    device = choose_device(train.device, "training")
+    mixed = resolve_mixed_precision(train.mixed_precision, device)
     threads = configure_threads()
     if threads:
         log(f"OMP_NUM_THREADS was not set by the launcher: {threads} thread(s) per process")
@@ -152,7 +153,7 @@ def make_accelerator(train: TrainConfig, deepspeed: Optional[DeepSpeedConfig] = 
     from accelerate.utils import InitProcessGroupKwargs
 
     handlers = []
-    cpu = not torch.cuda.is_available()
+    cpu = device.type == "cpu"
     if deepspeed is not None and deepspeed.zero_stage is not None:
         if cpu:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -193,12 +194,12 @@ def make_accelerator(train: TrainConfig, deepspeed: Optional[DeepSpeedConfig] = 
     )
 
 
-def resolve_mixed_precision(name: str) -> str:
-    """train.mixed_precision as accelerate takes it: "auto" is bf16 autocast where the machine
-    computes bf16 natively, none elsewhere (target.auto_dtype says why)."""
+def resolve_mixed_precision(name: str, device: Optional[torch.device] = None) -> str:
+    """train.mixed_precision as accelerate takes it: "auto" is bf16 autocast where the training
+    `device` computes bf16 natively, none elsewhere (target.auto_dtype says why)."""
     if name != "auto":
         return name
-    return "bf16" if resolve_dtype("auto", "autocast") == "bfloat16" else "no"
+    return "bf16" if resolve_dtype("auto", "autocast", device) == "bfloat16" else "no"
 
 
 def uses_deepspeed(accelerator) -> bool:
@@ -221,7 +222,7 @@ def describe_engine(accelerator, recipe: Recipe) -> str:
     engine = engine_info(accelerator)["kind"]
     if engine == "deepspeed":
         engine += f" ZeRO-{recipe.deepspeed.zero_stage}"
-    return f"{accelerator.num_processes} process(es) x micro-batch {t.micro_batch_size} x {t.grad_accum_steps} accumulation; engine {engine}"
+    return f"{accelerator.num_processes} process(es) x micro-batch {t.micro_batch_size} x {t.grad_accum_steps} accumulation; engine {engine} on {accelerator.device}"
 
 
 def full_state_dict(

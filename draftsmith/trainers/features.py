@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from draftsmith.data import features as fc
+from draftsmith.data.collate import Batch
 from draftsmith.recipe import Recipe
 from draftsmith.runs import log
 from draftsmith.target import FrozenTarget, TargetFeatures
@@ -124,10 +125,9 @@ class FeatureSource:
         examples = self.data.train if split == "train" else self.data.eval
         return [min(len(examples[i]["input_ids"]), self.recipe.data.max_length) for i in ids]
 
-    def features(self, split: str, ids: list[int], batch: dict) -> TargetFeatures:
-        """From the cache when it holds every example of the batch, else from the target (and, in
-        hybrid mode, added to the cache)."""
-        device = self.accelerator.device
+    def features(self, split: str, ids: list[int], batch: Batch) -> TargetFeatures:
+        """The target's features of a batch already on the device: from the cache when it holds
+        every example of the batch, else from the target (and, in hybrid mode, added to the cache)."""
         cached = self.cache is not None and self.cache.has(split, ids)
         if self.cache is not None and self.shard_target:
             # The partitioned target runs as a collective: every rank takes the same branch.
@@ -135,18 +135,18 @@ class FeatureSource:
         if cached:
             rows = self.cache.batch(split, ids, batch["segment_ids"], self._lengths(split, ids), self.dtype)
             return TargetFeatures(
-                input_ids=batch["input_ids"].to(device),
-                attention_mask=batch["attention_mask"].to(device),
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
                 logits=None,
-                hidden={i: rows[f"layer_{i}"].to(device) for i in self.spec.layers},
-                final_hidden=rows["final_hidden"].to(device),
+                hidden={i: rows[f"layer_{i}"] for i in self.spec.layers},
+                final_hidden=rows["final_hidden"],
                 embed=self.target.embed,
                 lm_head=self.target.lm_head,
             )
         features = self.target.features(
-            batch["input_ids"].to(device),
-            attention_mask=batch["attention_mask"].to(device),
-            position_ids=batch["position_ids"].to(device) if "position_ids" in batch else None,
+            batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
             layers=self.spec.layers if self.spec is not None else self.layers,
             need_logits=False,
         )

@@ -26,12 +26,13 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from draftsmith.data.collate import Batch
 from draftsmith.heads import HEADS, DraftHead
 from draftsmith.heads.base import depth_labels
 from draftsmith.recipe import Recipe, RecipeError
 from draftsmith.runs import log
 from draftsmith.runtime.tree import sparse_tree
-from draftsmith.target import FrozenTarget, TargetFeatures, gathered_parameters, load_causal_lm
+from draftsmith.target import FrozenTarget, TargetFeatures, gathered_parameters, load_causal_lm, resolve_dtype
 from draftsmith.trainers import checkpoint, engine, lifecycle, loop
 from draftsmith.trainers.data import pad_token_id, prepare_shared_data
 from draftsmith.trainers.features import FeatureSource, build_feature_cache
@@ -104,7 +105,7 @@ class HeadTrainer:
         the ranks share the work. Returns summary counts."""
         acc = engine.make_accelerator(recipe.train)
         try:
-            target = FrozenTarget.from_config(recipe.target).to(acc.device)
+            target = FrozenTarget.from_config(recipe.target, acc.device)
             data = prepare_shared_data(recipe, acc, target.tokenizer, target.model)
             stats = {**data.stats, "data_dir": str(recipe.data_dir().resolve())}
             if recipe.data.features.mode == "cache":
@@ -196,9 +197,10 @@ class HeadTrainer:
         for _ in range(r.train.grad_accum_steps):
             ids = self.stream.next_indices()
             batch = self.collator([self.data.train[i] for i in ids])
-            micro.append((ids, batch, trained_positions(batch)))
+            # Counted on the host batch (no device sync); the model gets the batch moved once.
+            micro.append((ids, batch.to(acc.device), trained_positions(batch), int((batch["segment_ids"] > 0).sum())))
         self.source.after_epoch(self.stream.epoch)
-        tokens = sum(int((batch["segment_ids"] > 0).sum()) for _, batch, _ in micro)
+        tokens = sum(m[3] for m in micro)
         local = torch.tensor([float(sum(m[2] for m in micro)), float(tokens)], device=acc.device, dtype=torch.float64)
         counts = acc.reduce(local, reduction="sum") if acc.num_processes > 1 else local
         total, tokens = float(counts[0]), int(counts[1])
@@ -206,20 +208,16 @@ class HeadTrainer:
         unit = acc.num_processes * r.train.grad_accum_steps / max(total, 1.0)
         weighted = torch.zeros((), dtype=torch.float64, device=acc.device)
 
-        def micro_loss(ids: list[int], batch: dict, count: int) -> Callable[[], Tensor]:
+        def micro_loss(ids: list[int], batch: Batch, count: int) -> Callable[[], Tensor]:
             def compute() -> Tensor:
                 nonlocal weighted
-                loss, _stats = self.model(
-                    lambda: self.source.features("train", ids, batch),
-                    batch["loss_mask"].to(acc.device),
-                    batch["segment_ids"].to(acc.device),
-                )
+                loss, _stats = self.model(lambda: self.source.features("train", ids, batch), batch["loss_mask"], batch["segment_ids"])
                 weighted += loss.detach().double() * count
                 return loss * (count * unit)
 
             return compute
 
-        grad_norm = loop.optimizer_step(self, [micro_loss(*m) for m in micro], self.head.parameters())
+        grad_norm = loop.optimizer_step(self, [micro_loss(*m[:3]) for m in micro], self.head.parameters())
         if acc.num_processes > 1:
             weighted = acc.reduce(weighted.reshape(1), reduction="sum")[0]
         self.step += 1
@@ -248,11 +246,11 @@ class HeadTrainer:
             ids = mine[b * mbs : (b + 1) * mbs]
             stand_in = not ids
             ids = ids or [0]
-            batch = self.collator([self.data.eval[i] for i in ids])
+            batch = self.collator([self.data.eval[i] for i in ids]).to(acc.device)
             top = self.model(lambda ids=ids, batch=batch: self.source.features("eval", ids, batch))  # [B,T,K,R]
             if stand_in:
                 continue
-            labels, valid = depth_labels(batch["input_ids"].to(acc.device), batch["loss_mask"].to(acc.device), K, batch["segment_ids"].to(acc.device))
+            labels, valid = depth_labels(batch["input_ids"], batch["loss_mask"], K, batch["segment_ids"])
             hit = (top == labels.unsqueeze(-1)) & valid.unsqueeze(-1)  # [B,T,K,R]; a vocabulary under R ranks gives fewer
             hits[:, : hit.shape[-1]] += hit.sum(dim=(0, 1)).double()
             counts += valid.sum(dim=(0, 1)).double()
@@ -340,8 +338,9 @@ def load_target(recipe: Recipe, accelerator, shard: bool) -> FrozenTarget:
     partitions with zero.Init, so no rank ever holds all of it."""
     cfg = recipe.target
     if not shard:
-        return FrozenTarget.from_config(cfg).to(accelerator.device)
-    model, tokenizer = load_causal_lm(cfg.path, cfg.dtype, cfg.gguf_file, what="target")
+        return FrozenTarget.from_config(cfg, accelerator.device)
+    dtype = resolve_dtype(cfg.dtype, "target", accelerator.device)
+    model, tokenizer = load_causal_lm(cfg.path, dtype, cfg.gguf_file, what="target", device=None)
     # FrozenTarget reads the vocabulary size off the LM head's weight, which is partitioned.
     with gathered_parameters([model.get_output_embeddings().weight]):
         return FrozenTarget(model, tokenizer, source=cfg.path)

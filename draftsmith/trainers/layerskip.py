@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from draftsmith.data.collate import Batch
 from draftsmith.distill.early_exit import (
     best_exit, dropout_curriculum, early_exit_loss, exit_agreement, exit_cross_entropy, exit_curriculum, exit_loss_scales,
     layer_drop_mask, layer_dropout_rates,
@@ -98,16 +99,15 @@ class LayerSkipStep(nn.Module):
         return tuple(result)
 
 
-def batch_inputs(batch: dict, device) -> tuple[Tensor, Tensor, Optional[Tensor], Tensor, Tensor]:
-    """(input_ids, attention_mask, position_ids, select [B,T], labels [N]) of a collated batch:
-    position t is trained when token t+1 is an answer token of the same example."""
-    ids = batch["input_ids"].to(device)
-    keep = predicted_mask(batch["loss_mask"], batch.get("segment_ids", None)).to(device)
+def batch_inputs(batch: Batch, device) -> tuple[Tensor, Tensor, Optional[Tensor], Tensor, Tensor]:
+    """(input_ids, attention_mask, position_ids, select [B,T], labels [N]) of a collated batch,
+    moved to `device`: position t is trained when token t+1 is an answer token of the same example."""
+    batch = batch.to(device)
+    ids = batch["input_ids"]
+    keep = predicted_mask(batch["loss_mask"], batch["segment_ids"])
     select = torch.zeros_like(ids, dtype=torch.bool)
     select[:, :-1] = keep
-    labels = ids[:, 1:][keep]
-    positions = batch["position_ids"].to(device) if "position_ids" in batch else None
-    return ids, batch["attention_mask"].to(device), positions, select, labels
+    return ids, batch["attention_mask"], batch["position_ids"], select, ids[:, 1:][keep]
 
 
 class LayerSkipTrainer:
@@ -126,7 +126,7 @@ class LayerSkipTrainer:
         acc = self.accelerator
 
         # The weights that train are float32 whatever target.dtype says; mixed precision is train:'s.
-        model, tokenizer = load_causal_lm(r.target.path, "float32", r.target.gguf_file, what="target")
+        model, tokenizer = load_causal_lm(r.target.path, "float32", r.target.gguf_file, what="target", device=acc.device)
         try:
             self.num_layers = decoder_stack(model).num_layers
         except TargetLoadError as err:
@@ -141,8 +141,8 @@ class LayerSkipTrainer:
         # Answers the recipe asks the target to rewrite are written by the model before training, in
         # target.dtype as `draftsmith prepare` and the other trainers write them (they share caches).
         writer = model
-        if r.data.regenerate.enabled and resolve_dtype(r.target.dtype, "target") != "float32":
-            writer, _ = load_causal_lm(r.target.path, r.target.dtype, r.target.gguf_file, what="target")
+        if r.data.regenerate.enabled and resolve_dtype(r.target.dtype, "target", acc.device) != "float32":
+            writer, _ = load_causal_lm(r.target.path, r.target.dtype, r.target.gguf_file, what="target", device=acc.device)
         self.data = prepare_shared_data(r, acc, tokenizer, writer)
         del writer
 

@@ -77,9 +77,9 @@ class OnlineTrainer:
 
         r = self.recipe
         lifecycle.start(self)
-        self.target = FrozenTarget.from_config(r.target).to(self.accelerator.device)
+        self.target = FrozenTarget.from_config(r.target, self.accelerator.device)
         self.tokenizer = tokenizer = self.target.tokenizer
-        self.draft, draft_tokenizer = load_draft(r.draft)
+        self.draft, draft_tokenizer = load_draft(r.draft, self.accelerator.device)
         check_same_tokenizer(draft_tokenizer, tokenizer, r.draft.path, r.target.path)
         self.stream = stream_prompts(r)
         self.eos = stop_token_ids(tokenizer, self.target.model.generation_config)
@@ -164,14 +164,13 @@ class OnlineTrainer:
             return None
         self.draft.train()
         world, rank, accum = acc.num_processes, acc.process_index, r.train.grad_accum_steps
-        device = acc.device
 
         def micro_loss(records: list[dict], step_losses: list[Tensor]) -> Tensor:
-            batch = self.collator(records)
-            ids, attention = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            batch = self.collator(records).to(acc.device)
+            ids, attention = batch["input_ids"], batch["attention_mask"]
             target_logits = self.target.features(ids, attention_mask=attention, need_logits=True).logits
             draft_logits, target_logits = common_vocab(self.model(ids, attention)[:, :-1], target_logits[:, :-1])
-            loss = distill_objective(r, draft_logits, target_logits, predicted_mask(batch["loss_mask"].to(device)))
+            loss = distill_objective(r, draft_logits, target_logits, predicted_mask(batch["loss_mask"]))
             step_losses.append(loss.detach())
             return loss
 

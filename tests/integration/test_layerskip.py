@@ -234,7 +234,7 @@ def test_eval_cli_and_the_exit_layer_sweep(trained, prompts, tmp_path, model_dir
     assert f"Exit layer: {best} of {LAYERS} (eval --exit-layer sweep" in (out / "README.md").read_text()
     # An untrained model drafts for itself too (the baseline of LayerSkip training).
     proc = cli("generate", "--drafter", model_dir, "--exit-layer", 1, "--prompt", "say red cat", "--max-new-tokens", 8)
-    assert proc.returncode == 0 and "[early_exit drafter, exit layer 1, chain of 4; verification: exact" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 0 and "[early_exit drafter, exit layer 1, chain of 4; on " in proc.stderr and "verification: exact" in proc.stderr, proc.stderr[-2000:]
     # An exit layer the model does not have: one line, exit 2, no report.
     proc = cli("eval", "--drafter", out, "--exit-layer", LAYERS, "--prompts", prompts, "--out", tmp_path / "bad")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == f"error: exit layer {LAYERS} is outside 1..{LAYERS - 1}: the model has {LAYERS} decoder layers"

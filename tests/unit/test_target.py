@@ -117,7 +117,7 @@ def test_dtype_auto_follows_the_machine_and_says_why(monkeypatch, capsys):
     monkeypatch.delenv("DRAFTSMITH_AUTO_DTYPE")
     monkeypatch.setattr(t.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(t, "_cpu_flags", lambda: {"avx2", "fma"})
-    assert t.auto_dtype() == ("float32", f"this CPU has no native bf16 ({torch.backends.cpu.get_cpu_capability()}; no avx512_bf16 or amx_bf16 in /proc/cpuinfo)")
+    assert t.auto_dtype("cpu") == ("float32", f"this CPU has no native bf16 ({torch.backends.cpu.get_cpu_capability()}; no avx512_bf16 or amx_bf16 in /proc/cpuinfo)")
     monkeypatch.setattr(t, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
     assert t.auto_dtype() == ("bfloat16", "this CPU computes bf16 natively (avx512_bf16)")
     monkeypatch.setattr(t, "_ANNOUNCED", set())
@@ -199,3 +199,63 @@ def test_other_attention_implementations_are_refused_in_one_line(attention):
         message = str(err.value)
         assert "\n" not in message and repr(attention) in message and f"the {who}'s attention" in message
         assert "attn_implementation='sdpa' or 'eager'" in message
+
+
+def fake_cuda(monkeypatch, t, bf16: bool = True):
+    """A machine that reports one CUDA device (nothing is ever placed on it)."""
+    monkeypatch.setattr(t.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(t.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(t.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(t.torch.cuda, "get_device_name", lambda device=None: "Fake H200")
+    monkeypatch.setattr(t.torch.cuda, "is_bf16_supported", lambda: bf16)
+
+
+def test_device_auto_is_cuda_when_visible_and_the_dtype_asks_the_device_the_model_runs_on(monkeypatch):
+    import draftsmith.target as t
+
+    monkeypatch.delenv("DRAFTSMITH_AUTO_DTYPE")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(t.torch.cuda, "is_available", lambda: False)
+    assert t.resolve_device("auto")[0] == torch.device("cpu")
+    fake_cuda(monkeypatch, t)
+    device, why = t.resolve_device("auto")
+    assert device == torch.device("cuda", 0) and "Fake H200" in why
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert t.resolve_device("cuda")[0] == torch.device("cuda", 0)
+    assert t.auto_dtype("cuda:0") == ("bfloat16", "CUDA device Fake H200 computes bf16 natively")
+    # A model kept on the CPU of a GPU machine runs in what that CPU computes natively, not in bf16
+    # because CUDA exists (the old rule picked bf16 there: about 50x slower on an AVX2 CPU).
+    monkeypatch.setattr(t, "_cpu_flags", lambda: {"avx2"})
+    assert t.auto_dtype("cpu")[0] == "float32" and t.resolve_dtype("auto", "target", "cpu") == "float32"
+    assert t.auto_dtype()[0] == "bfloat16"  # no device given: the one `auto` picks, CUDA here
+    fake_cuda(monkeypatch, t, bf16=False)
+    assert t.auto_dtype("cuda") == ("float32", "CUDA device Fake H200 has no native bf16")
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [("cuda", "no CUDA device is visible"), ("cuda:0", "no CUDA device is visible"), ("tpu", "expected auto, cpu, cuda or cuda:N"), ("mps", "draftsmith runs on auto, cpu, cuda or cuda:N"), ("gpu!", "expected auto, cpu, cuda or cuda:N")],
+)
+def test_a_device_that_is_not_here_is_one_clear_error(monkeypatch, name, message):
+    import draftsmith.target as t
+
+    monkeypatch.setattr(t.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(t.DeviceError, match=message.replace("(", r"\(")):
+        t.resolve_device(name)
+
+
+def test_a_cuda_index_past_the_visible_devices_is_refused(monkeypatch):
+    import draftsmith.target as t
+
+    fake_cuda(monkeypatch, t)
+    with pytest.raises(t.DeviceError, match="only 1 CUDA device"):
+        t.resolve_device("cuda:3")
+
+
+def test_load_causal_lm_puts_the_model_on_the_device_in_its_dtype(tiny_llama_dir, monkeypatch):
+    import draftsmith.target as t
+
+    model, _ = t.load_causal_lm(str(tiny_llama_dir), "bfloat16", device=torch.device("cpu"))
+    assert {p.device.type for p in model.parameters()} == {"cpu"} and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    target = t.FrozenTarget.load(str(tiny_llama_dir), "float32", device="cpu")
+    assert target.device == torch.device("cpu") and target.dtype == torch.float32

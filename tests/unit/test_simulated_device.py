@@ -1,0 +1,75 @@
+"""SimulatedDevice: the CPU split into a host and a pretend device, so a CPU test fails where a GPU
+run would meet tensors on two devices. What CUDA refuses it refuses; what CUDA allows it allows."""
+
+import pytest
+import torch
+
+from draftsmith.data.collate import Batch, Collator
+from draftsmith.testing import DeviceMismatch, SimulatedDevice
+from draftsmith.trainers.distill import predicted_mask
+
+DEVICE = torch.device("cpu")  # what accelerator.device is on a CPU machine
+
+
+def batch() -> Batch:
+    return Collator(pad_token_id=0, max_length=16)([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [5, 6], "loss_mask": [0, 1]}])
+
+
+def test_the_distill_trainers_cuda_crash_fails_here_too():
+    """trainers/distill.py at 3ef29d1 built the loss mask from a moved loss_mask and the batch's
+    segment_ids left on the host: "Expected all tensors to be on the same device" on an H200."""
+    with SimulatedDevice():
+        host = batch()
+        with pytest.raises(DeviceMismatch, match=r"host \(2, 2\) with one on the device \(2, 2\)"):
+            predicted_mask(host["loss_mask"].to(DEVICE), host["segment_ids"])
+        moved = host.to(DEVICE)
+        assert predicted_mask(moved["loss_mask"], moved["segment_ids"]).tolist() == [[True, True], [True, False]]
+
+
+def test_a_model_and_its_inputs_must_stand_on_one_place():
+    with SimulatedDevice() as guard:
+        model = torch.nn.Linear(4, 3)
+        x = torch.ones(2, 4)
+        model(x)  # both on the host: fine, as on a GPU machine's CPU
+        with pytest.raises(DeviceMismatch, match="linear"):
+            model(x.to(DEVICE))  # the model was never moved
+        model.to(DEVICE)
+        with pytest.raises(DeviceMismatch, match="linear"):
+            model(x)  # the input was never moved
+        assert model(x.to(DEVICE)).shape == (2, 3) and guard.place(model.weight) == guard.DEVICE
+    assert guard.checked > 0
+
+
+def test_what_cuda_allows_is_allowed():
+    with SimulatedDevice() as guard:
+        on_device = torch.arange(6.0).to(DEVICE)
+        host_index = torch.tensor([0, 2])
+        assert on_device[host_index].tolist() == [0.0, 2.0]  # host index tensors into a device tensor
+        assert (on_device * torch.tensor(2.0)).sum().item() == 30.0  # 0-dim host tensors
+        host = torch.zeros(6)
+        host.copy_(on_device)  # copies cross devices
+        host[1:3] = on_device[:2]  # so does assignment into a slice
+        like = torch.ones(3, device=on_device.device)  # device=x.device follows x
+        assert guard.place(like) == guard.DEVICE and guard.place(torch.ones(3, device=host.device)) == guard.HOST
+        assert guard.place(torch.nn.Parameter(on_device.clone())) == guard.DEVICE  # a parameter follows its data
+
+
+def test_what_cuda_refuses_is_refused():
+    with SimulatedDevice():
+        on_device = torch.arange(6.0).to(DEVICE)
+        with pytest.raises(DeviceMismatch):
+            torch.cat([on_device, torch.zeros(2)])
+        with pytest.raises(DeviceMismatch):
+            torch.zeros(6)[torch.tensor([1, 2]).to(DEVICE)]  # a device index into a host tensor
+        with pytest.raises(DeviceMismatch, match="numpy"):
+            on_device.numpy()
+        assert on_device.cpu().numpy().shape == (6,)
+        with pytest.raises(DeviceMismatch):
+            torch.arange(6) + on_device  # a factory without device= makes host tensors
+
+
+def test_parameters_are_restored_after_the_block():
+    new = torch.nn.Parameter.__new__
+    with SimulatedDevice():
+        assert torch.nn.Parameter.__new__ is not new
+    assert torch.nn.Parameter.__new__ is new
