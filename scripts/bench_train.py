@@ -70,6 +70,7 @@ train:
   max_steps: {args.steps}
   lr: 1.0e-3
   lr_schedule: constant
+  device: {args.device}
   mixed_precision: "{args.mixed_precision}"
   log_every: 1
   eval_every: 1000000
@@ -129,6 +130,7 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", default=["online", "cache"], choices=["online", "cache"])
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for one-process runs (torchrun sets 1 per rank; default: torch's own choice)")
     parser.add_argument("--gpu", action="store_true", help="DeepSpeed ZeRO-2 vs ZeRO-3 (replicated and sharded target) on GPUs")
+    parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"], help="the runs' train.device (default: cuda with --gpu, else cpu)")
     parser.add_argument("--out", default="runs/bench-train")
     args = parser.parse_args()
 
@@ -138,6 +140,7 @@ def main() -> int:
     if args.tiny:
         args.dtype = "float32"
     args.mixed_precision = args.mixed_precision or ("bf16" if args.gpu else "no")
+    args.device = args.device or ("cuda" if args.gpu else "cpu")
     nprocs = args.nproc or ([8] if args.gpu else [1, 2])
     env = {} if args.gpu else {"DS_ACCELERATOR": "cpu"}
     results = []

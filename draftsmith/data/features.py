@@ -168,7 +168,7 @@ def make_spec(target, layers: Iterable[int], cfg, train: Sequence[dict], evaluat
             "dtype": str(target.dtype).replace("torch.", ""),
         },
         layers=sorted({int(i) % dims.num_layers for i in layers}),
-        dtype=resolve_dtype(cfg.dtype, "feature cache"),
+        dtype=resolve_dtype(cfg.dtype, "feature cache", target.device),  # what the device that computes them runs natively
         compress=cfg.compress,
         top_k=int(cfg.top_k_logits),
         data={"train": examples_digest(train, max_length), "eval": examples_digest(evaluation, max_length), "max_length": max_length},

@@ -50,7 +50,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.cli import BadInput
+from draftsmith.cli import BadInput, add_device_option
 
 REPO = Path(__file__).resolve().parents[2]
 WRAPPER = REPO / "scripts" / "peers" / "speculators_train.py"
@@ -79,7 +79,7 @@ def speculators_venv(path: str | None) -> Path:
     return python
 
 
-def write_offline_data(recipe, run: Path, out: Path, hidden_dtype: str) -> dict:
+def write_offline_data(recipe, run: Path, out: Path, hidden_dtype: str, device: str | None = None) -> dict:
     """The recipe's training examples in speculators' offline layout, and the draftsmith run's draft
     vocabulary as d2t.npy / t2d.npy. Returns what was written."""
     import numpy as np
@@ -89,14 +89,14 @@ def write_offline_data(recipe, run: Path, out: Path, hidden_dtype: str) -> dict:
 
     from draftsmith.artifacts import open_drafter
     from draftsmith.data import prepare_data
-    from draftsmith.target import FrozenTarget
+    from draftsmith.target import FrozenTarget, choose_device
 
     head = open_drafter(run).head
     if head.cfg.kind != "eagle3":
         raise BadInput(f"--draftsmith-run {run} holds a {head.cfg.kind} head, not eagle3")
     # The recipe's target precision: the prepared examples are keyed by it, and draftsmith's feature
     # cache holds what the target computes in it (written out here in --hidden-states precision).
-    target = FrozenTarget.load(recipe.target.path, recipe.target.dtype, recipe.target.gguf_file)
+    target = FrozenTarget.load(recipe.target.path, recipe.target.dtype, recipe.target.gguf_file, choose_device(device, "target"))
     data = prepare_data(recipe.data, target.tokenizer, recipe.data_dir(), target_model=target.model, progress=True)
     layers = [i - 1 for i in head.cfg.aux_layer_ids] + [target.dims.num_layers - 1]
     states = out / "hidden_states"
@@ -111,8 +111,8 @@ def write_offline_data(recipe, run: Path, out: Path, hidden_dtype: str) -> dict:
         ids = list(example["input_ids"][: recipe.data.max_length])
         mask = list(example["loss_mask"][: len(ids)])
         with torch.no_grad():
-            feats = target.features(torch.tensor([ids]), layers=layers, need_logits=False)
-        stacked = torch.stack([feats.hidden[layer][0] for layer in layers], dim=1)  # [T, 4, H]
+            feats = target.features(torch.tensor([ids], device=target.device), layers=layers, need_logits=False)
+        stacked = torch.stack([feats.hidden[layer][0] for layer in layers], dim=1).cpu()  # [T, 4, H]
         save_file({"hidden_states": stacked.to(dtype).contiguous(), "token_ids": torch.tensor(ids)}, str(states / f"hs_{i}.safetensors"))
         rows["input_ids"].append(ids)
         rows["loss_mask"].append(mask[1:] + [0])  # speculators gates token t with mask[t-1]
@@ -168,6 +168,7 @@ def main(argv=None) -> int:
     p.add_argument("--setting", required=True, choices=["same-schedule", "defaults"])
     p.add_argument("--out", required=True)
     p.add_argument("--venv", default=None, help="speculators venv (default ~/.cache/draftsmith/venvs/speculators-0.9.0)")
+    add_device_option(p, note="where the target computes the hidden states speculators trains on")
     args = p.parse_args(argv)
 
     from draftsmith.atomic import check_destination
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
     same = args.setting == "same-schedule"
     data = out / "data"
     hidden_dtype = "float32" if same else "bfloat16"
-    written = write_offline_data(recipe, run, data, hidden_dtype)
+    written = write_offline_data(recipe, run, data, hidden_dtype, args.device)
     subprocess.run([str(python), "-c", SAVE_DATASET, str(data)], check=True)
     verifier = servable_folder(recipe.target.path, recipe.target.gguf_file)
     schedule = run_metrics(run)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -72,3 +73,22 @@ def test_bench_script_refuses_a_missing_drafter(bench, tmp_path, capsys, monkeyp
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(missing) in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_gpu_check_runs_a_step_under_its_limit_and_reports_counts_and_failures(tmp_path):
+    """scripts/gpu_check.py reads pytest's closing line and failing tests, kills a step past its
+    limit, and writes report.md/.json after every step."""
+    gpu_check = load_script("scripts/gpu_check.py")
+    test = tmp_path / "test_two.py"
+    test.write_text("def test_ok():\n    assert True\n\ndef test_bad():\n    assert 1 == 2\n")
+    env = {**__import__("os").environ}
+    row = gpu_check.run_step("two", [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", str(test)], 120, tmp_path, env)
+    assert row["exit_code"] == 1 and row["counts"] == {"passed": 1, "failed": 1}
+    assert len(row["failing"]) == 1 and row["failing"][0].endswith("test_two.py::test_bad")
+    slow = gpu_check.run_step("slow", [sys.executable, "-c", "import time; time.sleep(30)"], 1, tmp_path, env)
+    assert slow["exit_code"] == "timeout" and slow["seconds"] < 10
+    gpu_check.write_report(tmp_path, {"gpu": "none", "python": "3"}, [row, slow])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [s["step"] for s in report["steps"]] == ["two", "slow"]
+    md = (tmp_path / "report.md").read_text()
+    assert "| two | 1 |" in md and "test_two.py::test_bad" in md and "## slow: exit timeout" in md

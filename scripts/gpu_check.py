@@ -1,0 +1,147 @@
+"""The GPU check: everything draftsmith claims about CUDA, run in one go on a bare GPU machine.
+
+    make gpu-wheels                       # once, where the package registries are: wheels into .whl/
+    make gpu-check                        # on the GPU machine (bash scripts/gpu_check.sh): installs
+                                          # .whl/ offline, then runs this script
+    python scripts/gpu_check.py --out DIR [--budget 480] [--workers 12] [--only tests/gpu ...]
+
+Steps, each under its own time limit (its share of --budget seconds, default 480), logged as it
+goes (DIR/<step>.log) so that a machine taken away mid-run still leaves what it saw:
+
+1. the machine: GPU, driver, torch / CUDA / triton / transformers versions;
+2. tests/gpu: the fused kernels at real sizes, every trainer and drafter kind on CUDA, one-rank
+   DDP and DeepSpeed ZeRO-2/3 over nccl, the bf16 identity rate;
+3. tests/unit and tests/integration (not slow, not interop) with CUDA visible, in parallel
+   (pytest-xdist, --workers);
+4. scripts/bench_verify.py --reps 10: fused kernel against the torch reference, full grid.
+
+Writes DIR/report.md and DIR/report.json (every step's command, exit code, seconds, pytest
+counts, failing tests and the tail of its output). Exit code 0 only when every step passed.
+Standard library only: it runs before anything is known to import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SUMMARY = re.compile(r"^=*\s*((?:\d+ \w+(?:, )?)+|no tests ran)\s+in [\d.]+s", re.M)
+COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)")
+
+
+def machine(env: dict) -> dict:
+    probe = (
+        "import json, platform, torch\n"
+        "out = {'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,\n"
+        "       'cuda_available': torch.cuda.is_available()}\n"
+        "if torch.cuda.is_available():\n"
+        "    out.update(gpu=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(), bf16=torch.cuda.is_bf16_supported())\n"
+        "for name in ('triton', 'transformers', 'accelerate', 'deepspeed', 'omegaconf', 'datasets', 'huggingface_hub', 'peft'):\n"
+        "    try:\n"
+        "        out[name] = __import__(name).__version__\n"
+        "    except Exception as err:\n"
+        "        out[name] = f'missing ({type(err).__name__})'\n"
+        "print(json.dumps(out))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    info = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {"error": done.stderr[-2000:]}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        info["nvidia_smi"] = smi.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        info["nvidia_smi"] = "not available"
+    return info
+
+
+def run_step(name: str, cmd: list[str], limit: float, out: Path, env: dict) -> dict:
+    """Run one step under `limit` seconds, its output streamed into out/<name>.log."""
+    log = out / f"{name}.log"
+    started = time.time()
+    print(f"[gpu-check] {name}: {' '.join(cmd)} (limit {limit:.0f} s)", flush=True)
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            code = "timeout"
+    text = log.read_text(errors="replace")
+    summary = SUMMARY.findall(text)
+    counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in COUNTS.findall(summary[-1])} if summary else {}
+    failing = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", text, flags=re.M)))
+    row = {
+        "step": name, "command": " ".join(cmd), "exit_code": code, "seconds": round(time.time() - started, 1),
+        "counts": counts, "failing": failing, "tail": text[-3000:], "log": log.name,
+    }  # fmt: skip
+    print(f"[gpu-check] {name}: exit {code} in {row['seconds']} s {counts or ''}", flush=True)
+    return row
+
+
+def write_report(out: Path, info: dict, rows: list[dict]) -> None:
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": info, "steps": rows}
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [
+        f"# draftsmith GPU check, {report['date']}", "",
+        f"- GPU: {info.get('gpu', '-')} x{info.get('gpus', 0)} ({info.get('nvidia_smi', '')}), bf16 {info.get('bf16')}",
+        f"- Python {info.get('python')}, torch {info.get('torch')} (CUDA {info.get('cuda')}), triton {info.get('triton')}, "
+        f"transformers {info.get('transformers')}, accelerate {info.get('accelerate')}, deepspeed {info.get('deepspeed')}", "",
+        "| step | exit | seconds | passed | failed | errors | skipped |", "| --- | --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for r in rows:
+        c = r["counts"]
+        lines.append(f"| {r['step']} | {r['exit_code']} | {r['seconds']} | {c.get('passed', '-')} | {c.get('failed', '-')} | {c.get('error', '-')} | {c.get('skipped', '-')} |")
+    for r in rows:
+        if r["failing"] or r["exit_code"] not in (0,):
+            lines += ["", f"## {r['step']}: exit {r['exit_code']}", ""]
+            lines += [f"- `{t}`" for t in r["failing"][:60]]
+            lines += ["", "```", r["tail"][-1500:], "```"]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu-check", help="report folder (default $OUT, else runs/gpu-check)")
+    p.add_argument("--budget", type=float, default=480.0, help="seconds for all steps together")
+    p.add_argument("--workers", type=int, default=12, help="pytest-xdist workers for the unit and integration suites")
+    p.add_argument("--only", nargs="*", default=None, help="steps to run (gpu-tests, suite, bench-verify)")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    info = machine(env)
+    print(f"[gpu-check] machine: {json.dumps(info)}", flush=True)
+    py = sys.executable
+    # Shares of the budget: the GPU tests first (they are the point), the suite next, the benchmark last.
+    steps = [
+        ("gpu-tests", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/gpu"], 0.35),
+        ("suite", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-n", str(args.workers),
+                   "-m", "not slow and not interop", "tests/unit", "tests/integration"], 0.45),
+        ("bench-verify", [py, "scripts/bench_verify.py", "--reps", "10", "--out", str(out / "bench-verify.md")], 0.20),
+    ]  # fmt: skip
+    deadline = time.time() + args.budget
+    rows = []
+    for name, cmd, share in steps:
+        if args.only is not None and name not in args.only:
+            continue
+        limit = min(args.budget * share, deadline - time.time())
+        if limit < 10:
+            rows.append({"step": name, "command": " ".join(cmd), "exit_code": "not run (budget spent)", "seconds": 0, "counts": {}, "failing": [], "tail": "", "log": ""})
+            continue
+        rows.append(run_step(name, cmd, limit, out, env))
+        write_report(out, info, rows)  # after every step: a machine taken away keeps what was seen
+    write_report(out, info, rows)
+    print(f"[gpu-check] report: {(out / 'report.md').resolve()} (and report.json)", flush=True)
+    return 0 if rows and all(r["exit_code"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
