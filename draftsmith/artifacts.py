@@ -276,10 +276,12 @@ def _read_config_folder(folder: Path, dtype: str, exit_layer: Optional[int]) -> 
         if exit_layer is not None:
             raise ArtifactError(f"{folder} holds a draft head ({layout} layout); --exit-layer applies to a model that drafts for itself")
         foreign = read_foreign(folder, config)
-        target = dict((config.get("draftsmith_source") or {}).get("target") or {})
+        source = config.get("draftsmith_source") or {}
+        target = dict(source.get("target") or {})
         if foreign.target_path:
             target["path"] = foreign.target_path
-        return HeadArtifact(foreign.kind, folder, foreign.layout, target, _text(folder / "recipe.yaml"), foreign=foreign)
+        # A draftsmith export in an engine's layout carries the tree its head was evaluated with.
+        return HeadArtifact(foreign.kind, folder, foreign.layout, target, _text(folder / "recipe.yaml"), foreign=foreign, tree=source.get("tree"))
     if config.get("model_type") == "medusa":
         raise ArtifactError(f"{folder} holds Medusa heads in vLLM's layout; draftsmith reads Medusa heads in its own (draftsmith export --format draftsmith)")
     if "model_type" not in config:

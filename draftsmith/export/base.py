@@ -61,14 +61,19 @@ def write_provenance(folder: Path, recipe_yaml: str, metrics: Optional[dict], ca
 
 
 def source_record(artifact) -> dict:
-    """The ``draftsmith_source`` block engine layouts keep in config.json: what was exported."""
+    """The ``draftsmith_source`` block engine layouts keep in config.json: what was exported, and
+    the sparse tree the head was evaluated with (``draftsmith eval`` on the folder drafts it, so a
+    run and its export measure the same; the engines ignore the block)."""
     from draftsmith.export.card import head_config_values
 
-    return {
+    record = {
         "kind": artifact.kind,
         "head": head_config_values(artifact.head),
         "target": {k: v for k, v in artifact.target.items() if k != "hf_config"},
     }
+    if getattr(artifact, "tree", None) is not None:
+        record["tree"] = artifact.tree
+    return record
 
 
 __all__ = ["DEFAULT_SPECULATIVE_TOKENS", "ExportError", "ExportOptions", "block_refusal", "source_record", "write_provenance"]

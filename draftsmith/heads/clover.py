@@ -139,7 +139,7 @@ class CloverHead(DraftHead):
     config_class = CloverConfig
 
     def __init__(self, cfg: CloverConfig, dims: TargetDims) -> None:
-        cfg.resolve(dims)
+        cfg = cfg.resolved(dims)
         super().__init__(cfg, dims)
         D, K = dims.hidden_size, cfg.depth
         if D % cfg.num_attention_heads:

@@ -191,7 +191,7 @@ class DFlashHead(DraftHead):
     config_class = DFlashConfig
 
     def __init__(self, cfg: DFlashConfig, dims: TargetDims) -> None:
-        cfg.resolve(dims)
+        cfg = cfg.resolved(dims)  # the head's own copy: resolve_draft below fills it too
         super().__init__(cfg, dims)  # checks the recipe's own values before they meet the target
         cfg.resolve_draft(dims)
         D, V = dims.hidden_size, dims.vocab_size

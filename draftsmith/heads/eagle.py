@@ -87,7 +87,7 @@ class EagleHead(DraftHead):
     config_class = EagleConfig
 
     def __init__(self, cfg: EagleConfig, dims: TargetDims) -> None:
-        cfg.resolve(dims)
+        cfg = cfg.resolved(dims)
         super().__init__(cfg, dims)
         D = dims.hidden_size
         self.rotary = Rotary(cfg)

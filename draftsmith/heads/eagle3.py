@@ -30,6 +30,7 @@ most frequent scored tokens of the training data (heads/vocab.py).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -135,6 +136,7 @@ class Eagle3Head(EagleHead):
     config_class = Eagle3Config
 
     def __init__(self, cfg: Eagle3Config, dims: TargetDims) -> None:
+        cfg = copy.deepcopy(cfg)  # resolved for this target on the head's own copy: the recipe's stays as written
         cfg.resolve_draft(dims)
         super().__init__(cfg, dims)
 

@@ -105,7 +105,7 @@ class HydraHead(MedusaHead):
     config_class = HydraConfig
 
     def __init__(self, cfg: HydraConfig, dims: TargetDims) -> None:
-        cfg.resolve(dims)
+        cfg = cfg.resolved(dims)
         super().__init__(cfg, dims)
         D = dims.hidden_size
         # Head k reads the context and k token embeddings.

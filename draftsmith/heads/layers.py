@@ -11,6 +11,7 @@ head size.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -87,8 +88,9 @@ class LayerShape:
     # Room for positions when the rope type needs it (llama3, yarn, ...).
     max_position_embeddings: int = 0
 
-    def resolve(self, dims: TargetDims) -> None:
-        """Fill the zeros from the target's HF config, in place."""
+    def resolved(self, dims: TargetDims):
+        """A copy with the zeros filled from the target's HF config (the recipe's own stays as written)."""
+        self = copy.deepcopy(self)
         hf = dims.hf_config or {}
         rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
         D = dims.hidden_size
@@ -104,6 +106,7 @@ class LayerShape:
             kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
             if kind not in (None, "default"):
                 self.rope_scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        return self
 
     def check_shape(self, key: str) -> None:
         """ValueError naming head.<key> when heads and key/value heads do not fit together."""

@@ -2,7 +2,7 @@
 and everywhere on the CPU split into a host and a pretend device (draftsmith.testing.SimulatedDevice),
 where a tensor left on the host beside a model fails as it fails on a GPU.
 
-Each trainer runs 3 steps on tiny random models (the heads trainer for every head kind, through the
+Each trainer runs 3 steps on tiny random models (bf16 autocast on CUDA) (the heads trainer for every head kind, through the
 feature cache, then resumes to a 4th step), and every kind of drafter it produces decodes with
 `eval` and `generate` on the device, token-identical in fp32 to the target's own greedy `generate`
 there. On CUDA the runtime must have chosen the fused verification kernel, and the bf16 identity rate
@@ -29,12 +29,12 @@ needs_cuda = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA
 
 @pytest.fixture(params=[pytest.param("simulated", id="simulated-cpu"), pytest.param("cuda", marks=needs_cuda)])
 def device(request):
-    """(train.device / --device value, the SimulatedDevice watching the CPU run or None on CUDA)."""
+    """(train.device / --device value, recipe overrides: bf16 autocast on CUDA)."""
     if request.param == "cuda":
-        yield "cuda", None
+        yield "cuda", ["train.device=cuda", "train.mixed_precision=bf16"]
         return
     with SimulatedDevice() as guard:
-        yield "cpu", guard
+        yield "cpu", ["train.device=cpu"]
     assert guard.checked > 500, "the simulated device judged almost nothing: the run did not go through it"
 
 
@@ -101,14 +101,14 @@ def cli_eval(run: Path, out: Path, name: str, *extra: str) -> dict:
 
 @pytest.mark.parametrize("kind", HEADS)
 def test_heads_trainer_feature_cache_resume_and_decoding(tmp_path, models, device, kind):
-    name, _ = device
-    recipe = heads_recipe(tmp_path, models["target"], kind, *STEPS, f"train.device={name}", "data.features.mode=hybrid", head=HEADS[kind])
+    name, overrides = device
+    recipe = heads_recipe(tmp_path, models["target"], kind, *STEPS, *overrides, "data.features.mode=hybrid", head=HEADS[kind])
     trainer, summary, before = run_trainer(recipe)
     assert summary["step"] == 3 and on_device(trainer.head, name)
     after = trainer.watched.state_dict()
     assert all(torch.equal(before[k].cpu(), after[k].cpu()) for k in before), "the frozen target changed"
     # Resume on the device from the step-3 checkpoint; the feature cache (written in epoch 1) serves it.
-    again, summary, _ = run_trainer(heads_recipe(tmp_path, models["target"], kind, *STEPS, "train.max_steps=4", f"train.device={name}", "data.features.mode=hybrid", head=HEADS[kind]))
+    again, summary, _ = run_trainer(heads_recipe(tmp_path, models["target"], kind, *STEPS, "train.max_steps=4", *overrides, "data.features.mode=hybrid", head=HEADS[kind]))
     assert summary["step"] == 4 and sorted(logged(tmp_path / kind)) == [1, 2, 3, 4]
     run = tmp_path / kind
     assert greedy_identical(run, name, PROMPTS, dtype="float32") == (3, 3)
@@ -132,8 +132,8 @@ train: {{micro_batch_size: 4, lr: 0.01}}
 
 @pytest.mark.parametrize("objective", [["distill.divergence=fkl"], ["distill.divergence=jsd", "distill.lambda_onpolicy=0.5"], ["distill.divergence=tvdpp"]], ids=["fkl", "jsd-onpolicy", "tvdpp"])
 def test_distill_trainer_and_the_standalone_drafter(tmp_path, models, device, objective):
-    name, _ = device
-    trainer, summary, _ = run_trainer(distill_recipe(tmp_path, models, "distill", f"train.device={name}", *objective))
+    name, overrides = device
+    trainer, summary, _ = run_trainer(distill_recipe(tmp_path, models, "distill", *overrides, *objective))
     assert summary["step"] == 3 and on_device(trainer.draft, name)
     evals = [r for r in map(json.loads, (tmp_path / "distill" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 3]  # the step-0 evaluation is where CUDA crashed before
@@ -143,7 +143,7 @@ def test_distill_trainer_and_the_standalone_drafter(tmp_path, models, device, ob
 
 
 def test_online_trainer(tmp_path, models, device):
-    name, _ = device
+    name, overrides = device
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in ["red", "cat", "sun", "moon", "tree", "dog"]))
     text = f"""
@@ -154,14 +154,14 @@ draft: {{path: {models['draft']}}}
 data: {{path: {prompts}, max_length: 96}}
 distill: {{divergence: fkl}}
 online: {{requests_per_source: 6, update_every: 3, steps_per_update: 2, buffer_size: 6, max_new_tokens: 8, draft_length: 3, window: 3}}
-train: {{micro_batch_size: 2, lr: 0.01, lr_schedule: constant, save_every: 100, device: {name}}}
+train: {{micro_batch_size: 2, lr: 0.01, lr_schedule: constant, save_every: 100}}
 """
-    trainer, summary, _ = run_trainer(write_recipe(tmp_path / "online.yaml", text))
+    trainer, summary, _ = run_trainer(write_recipe(tmp_path / "online.yaml", text, *overrides))
     assert trainer.served == 6 and trainer.step >= 2 and on_device(trainer.draft, name)
 
 
 def test_layerskip_trainer_and_early_exit_drafting(tmp_path, models, device):
-    name, _ = device
+    name, overrides = device
     data = write_chats(tmp_path / "chats.jsonl", words=3)
     text = f"""
 trainer: layerskip
@@ -171,7 +171,7 @@ data: {{path: {data}, eval_size: 8, max_length: 64, seed: 1}}
 layerskip: {{layer_dropout: {{max_rate: 0.2}}, early_exit: {{scale: 1.0, curriculum: rotational, rotation: 2}}, exit_layer: 1}}
 train: {{micro_batch_size: 4, lr: 0.003}}
 """
-    trainer, summary, _ = run_trainer(write_recipe(tmp_path / "ls.yaml", text, *STEPS, f"train.device={name}"))
+    trainer, summary, _ = run_trainer(write_recipe(tmp_path / "ls.yaml", text, *STEPS, *overrides))
     assert summary["step"] == 3 and on_device(trainer.lm, name)
     assert greedy_identical(tmp_path / "layerskip", name, PROMPTS, dtype="float32") == (3, 3)
     report = cli_eval(tmp_path / "layerskip", tmp_path / "eval-ls", name)

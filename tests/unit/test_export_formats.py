@@ -109,6 +109,25 @@ def test_eagle3_in_each_engine_layout(target, tmp_path, fmt):
     assert loaded.kind == "eagle3" and loaded.meta["layout"] == ("speculators" if fmt == "speculators" else "eagle3")
 
 
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_an_engine_layout_export_drafts_the_tree_its_run_was_evaluated_with(target, tmp_path, fmt):
+    """eval on the run and eval on its export measure the same weights the same way: the export
+    carries the sparse tree (before, an engine-layout folder drafted the default tree)."""
+    from draftsmith.runtime.load import load_drafter
+    from draftsmith.runtime.tree import sparse_tree
+
+    folder, tgt = target
+    _, head = head_folder(target, tmp_path, "eagle3", draft_vocab_size=24, aux_layer_ids=[2, 4, 5])
+    tree = sparse_tree([[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.1]], 6)
+    info = {"path": str(folder), "hidden_size": tgt.dims.hidden_size, "vocab_size": tgt.dims.vocab_size, "num_layers": tgt.dims.num_layers,
+            "model_type": "llama", "hf_config": tgt.dims.hf_config}  # fmt: skip
+    src = write_head_folder(head, info, tmp_path / "src-with-tree", tree=tree.to_dict())
+    out = export(src, tmp_path / f"tree-{fmt}", fmt, ExportOptions(num_speculative_tokens=3, verifier=str(folder)))
+    from_run, from_export = load_drafter(src, dtype="float32"), load_drafter(out, dtype="float32")
+    assert from_export.drafter.tree.choices == from_run.drafter.tree.choices == tree.spec.choices
+    assert from_export.meta["tree"] == from_run.meta["tree"] and from_export.meta["tree"].startswith("stored sparse tree, 6 nodes")
+
+
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])
 def test_eagle31_switches_travel_and_come_back(target, tmp_path, fmt):
     """A head with speculators' default EAGLE-3.1 switches (norm_before_fc, norm_before_residual,

@@ -122,6 +122,18 @@ def test_parameters_are_the_heads_own(target, kind, extra):
 
 
 @pytest.mark.parametrize("kind,extra", CASES, ids=IDS)
+def test_a_head_leaves_the_config_it_is_handed_as_it_was(target, kind, extra):
+    """A recipe's head: section stays as written (an EAGLE-3 or DFlash head resolves its layers and
+    vocabulary for the target on its own copy)."""
+    import copy
+
+    cfg = HEADS[kind].config_class(**extra)
+    before = copy.deepcopy(cfg)
+    head = HEADS[kind](cfg, target.dims)
+    assert cfg == before and head.cfg is not None
+
+
+@pytest.mark.parametrize("kind,extra", CASES, ids=IDS)
 def test_training_forward_equals_runtime_drafting(target, kind, extra):
     """Run the training forward on prefix + the drafted chain: its depth-k logits at the prefix's
     last cached position are exactly what the drafter computed for depth k."""
