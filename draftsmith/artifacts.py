@@ -337,7 +337,7 @@ def recorded_target(folder: Path) -> dict:
 # ----------------------------------------------------------------------------- heads
 
 
-def build_head(kind: str, values: dict, target: dict, where: Path) -> DraftHead:
+def head_from_record(kind: str, values: dict, target: dict, where: Path) -> DraftHead:
     """Our head of `kind` from recorded config values and target dimensions; ArtifactError (one
     line) for a kind this draftsmith does not know or values its config refuses."""
     if kind not in HEADS:
@@ -367,7 +367,7 @@ def _load_head_weights(head: DraftHead, weights: dict[str, Tensor], where: Path)
 
 def _head_from_export(folder: Path, config: dict) -> HeadArtifact:
     head_cfg, target = config.get("head") or {}, config.get("target") or {}
-    head = build_head(head_cfg.get("kind"), head_cfg, target, folder / CONFIG_NAME)
+    head = head_from_record(head_cfg.get("kind"), head_cfg, target, folder / CONFIG_NAME)
     _load_head_weights(head, read_weights(folder / WEIGHTS_NAME), folder / WEIGHTS_NAME)
     recorded = recorded_target(folder)
     target = {**{k: recorded[k] for k in ("gguf_file", "dtype") if k in recorded}, **target}
@@ -378,7 +378,7 @@ def _head_from_export(folder: Path, config: dict) -> HeadArtifact:
 
 
 def _head_from_checkpoint(ckpt: Path, state: dict, dtype: str, exit_layer: Optional[int]) -> HeadArtifact:
-    head = build_head(state["head"].get("kind"), state["head"], state.get("target") or {}, ckpt / STATE_FILE)
+    head = head_from_record(state["head"].get("kind"), state["head"], state.get("target") or {}, ckpt / STATE_FILE)
     weights = read_weights(ckpt / WEIGHTS_NAME)
     _load_head_weights(head, {k[len(HEAD_PREFIX) :]: v for k, v in weights.items() if k.startswith(HEAD_PREFIX)}, ckpt / WEIGHTS_NAME)
     recorded = recorded_target(ckpt)
@@ -800,7 +800,7 @@ __all__ = [
     "HeadArtifact",
     "MASK_EMBEDDING_FILE",
     "ModelArtifact",
-    "build_head",
+    "head_from_record",
     "detect_layout",
     "head_from_foreign",
     "hub_id",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -339,6 +340,29 @@ def _save_dequantized(model, tokenizer, out: Path) -> None:
             tokenizer.save_pretrained(tmp)
     except OSError:
         pass  # a read-only cache: loading still worked
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A hash of a model's architecture, dtype and a sample of its weights (first, middle and last
+    tensor), which names the model data caches were made with. The same for a full copy and a
+    ZeRO-3 partitioned one (every rank must call it then)."""
+    params = list(model.parameters())
+    sampled = [params[0], params[len(params) // 2], params[-1]]
+    digest = hashlib.sha256()
+    with gathered_parameters(sampled):
+        for param in sampled:
+            digest.update(param.detach().flatten()[:4096].to("cpu", torch.float64).numpy().tobytes())
+    config = model.config
+    ident = {
+        "model_type": getattr(config, "model_type", ""),
+        "vocab_size": getattr(config, "vocab_size", None),
+        "hidden_size": getattr(config, "hidden_size", None),
+        "layers": getattr(config, "num_hidden_layers", None),
+        "parameters": sum(int(getattr(p, "ds_numel", p.numel())) for p in params),
+        "dtype": str(params[0].dtype),
+        "weights": digest.hexdigest(),
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
 
 
 @contextlib.contextmanager

@@ -38,6 +38,18 @@ def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: boo
     return tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def first_user_turn(conversation: list[dict]) -> Optional[list[dict]]:
+    """The messages of a conversation up to its first user turn (any system message before it
+    included): the prompt a served request or an evaluation starts from. None when it has no user
+    turn, or an empty one."""
+    head = []
+    for message in conversation:
+        head.append({"role": message["role"], "content": message["content"]})
+        if message["role"] == "user":
+            break
+    return head if head and head[-1]["role"] == "user" and head[-1]["content"].strip() else None
+
+
 def encode_prompt(tokenizer: Any, messages: list[dict], max_length: Optional[int] = None) -> list[int]:
     """A prompt's token ids, ready for the model to answer: the conversation rendered with the
     tokenizer's chat template and the generation prompt (a tokenizer without a template gets the

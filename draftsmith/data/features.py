@@ -37,7 +37,7 @@ from torch import Tensor
 
 from draftsmith.atomic import atomic_path, write_atomic
 from draftsmith.data.errors import DataError
-from draftsmith.target import gathered_parameters, resolve_dtype
+from draftsmith.target import model_fingerprint, resolve_dtype
 
 FORMAT_VERSION = 1
 INDEX_NAME = "index.json"
@@ -119,31 +119,6 @@ class FeatureSpec:
             )
 
 
-def _param_sample(param: Tensor) -> bytes:
-    return param.detach().flatten()[:4096].to("cpu", torch.float64).numpy().tobytes()
-
-
-def target_fingerprint(model: torch.nn.Module) -> str:
-    """A hash of a model's architecture, dtype and a sample of its weights (first, middle and last
-    tensor). The same for a full copy and a ZeRO-3 partitioned one (every rank must call it then)."""
-    params = list(model.parameters())
-    sampled = [params[0], params[len(params) // 2], params[-1]]
-    digest = hashlib.sha256()
-    with gathered_parameters(sampled):
-        for param in sampled:
-            digest.update(_param_sample(param))
-    config = model.config
-    ident = {
-        "model_type": getattr(config, "model_type", ""),
-        "vocab_size": getattr(config, "vocab_size", None),
-        "hidden_size": getattr(config, "hidden_size", None),
-        "layers": getattr(config, "num_hidden_layers", None),
-        "parameters": sum(int(getattr(p, "ds_numel", p.numel())) for p in params),
-        "dtype": str(params[0].dtype),
-        "weights": digest.hexdigest(),
-    }
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
-
 
 def examples_digest(examples: Sequence[dict], max_length: int) -> str:
     """A hash of the token ids of `examples` in order, as the trainer sees them (truncated)."""
@@ -161,7 +136,7 @@ def make_spec(target, layers: Iterable[int], cfg, train: Sequence[dict], evaluat
     return FeatureSpec(
         target={
             "source": str(target.source),
-            "fingerprint": target_fingerprint(target.model),
+            "fingerprint": model_fingerprint(target.model),
             "hidden_size": dims.hidden_size,
             "vocab_size": dims.vocab_size,
             "num_layers": dims.num_layers,
@@ -564,5 +539,4 @@ __all__ = [
     "read_spec",
     "rows_from_features",
     "rows_of_batch",
-    "target_fingerprint",
 ]

@@ -29,6 +29,7 @@ from draftsmith.data.errors import DataError
 from draftsmith.data.regenerate import regenerate_conversations
 from draftsmith.data.sources import load_conversations, resolve_data_path
 from draftsmith.recipe import DataConfig
+from draftsmith.target import model_fingerprint
 
 # Bump when the meaning of cached examples changes (masking rules, cleaning rules, file layout).
 CACHE_VERSION = 1
@@ -70,26 +71,6 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
             "eos": tokenizer.eos_token,
             "template": getattr(tokenizer, "chat_template", None),
             "probe": tokenizer(probe, add_special_tokens=False)["input_ids"],
-        }
-    )
-
-
-def model_fingerprint(model: Any) -> str:
-    """A hash of a model's architecture, dtype and a sample of its weights (first, middle, last tensor)."""
-    config = model.config
-    params = list(model.parameters())
-    sample = hashlib.sha256()
-    for param in (params[0], params[len(params) // 2], params[-1]):
-        sample.update(param.detach().flatten()[:4096].to("cpu", torch.float64).numpy().tobytes())
-    return _digest(
-        {
-            "model_type": getattr(config, "model_type", ""),
-            "vocab_size": getattr(config, "vocab_size", None),
-            "hidden_size": getattr(config, "hidden_size", None),
-            "layers": getattr(config, "num_hidden_layers", None),
-            "parameters": sum(p.numel() for p in params),
-            "dtype": str(params[0].dtype),
-            "weights": sample.hexdigest(),
         }
     )
 

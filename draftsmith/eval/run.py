@@ -25,16 +25,13 @@ def load_prompts(spec: str, limit: Optional[int] = None) -> list[list[dict]]:
     "sharegpt"), in the order the source holds them. Only the first user turn (with any system
     message before it) of each conversation is kept."""
     from draftsmith.data import DataError, load_conversations
+    from draftsmith.data.chat import first_user_turn
 
     conversations = load_conversations(spec, format="auto", limit=None, shuffle=False)
     prompts = []
     for conv in conversations:
-        head = []
-        for message in conv:
-            head.append({"role": message["role"], "content": message["content"]})
-            if message["role"] == "user":
-                break
-        if head and head[-1]["role"] == "user" and head[-1]["content"].strip():
+        head = first_user_turn(conv)
+        if head is not None:
             prompts.append(head)
         if limit is not None and len(prompts) >= limit:
             break

@@ -61,11 +61,6 @@ def llama_layer_config(cfg, hidden_size: int, vocab_size: int, num_layers: int) 
     }
 
 
-def default_aux_ids(num_layers: int) -> list[int]:
-    """vLLM's and SGLang's default auxiliary layers of an N-layer target: (2, N//2, N-3)."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
 # ----------------------------------------------------------------------------- EAGLE-3
 
 
@@ -187,7 +182,6 @@ def eagle_config(head, architecture: str) -> dict:
 __all__ = [
     "EAGLE3_TARGETS",
     "VLLM_CPU_HEAD_SIZES",
-    "default_aux_ids",
     "dflash_config",
     "dflash_tensors",
     "eagle3_config",

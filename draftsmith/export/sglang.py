@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from draftsmith.export.base import ExportOptions, block_refusal, source_record, write_provenance
 from draftsmith.export.card import head_config_values, model_card
 from draftsmith.export.vllm import EARLY_EXIT_REFUSAL
-from draftsmith.export.layouts import EAGLE3_TARGETS, default_aux_ids, dflash_config, dflash_tensors, eagle3_config, eagle3_tensors, eagle_config, eagle_tensors
+from draftsmith.export.layouts import EAGLE3_TARGETS, dflash_config, dflash_tensors, eagle3_config, eagle3_tensors, eagle_config, eagle_tensors
+from draftsmith.heads.eagle3 import default_aux_layer_ids
 from draftsmith.runs import WEIGHTS_NAME
 
 NAME = "sglang"
@@ -49,7 +50,7 @@ def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
                 f"auxiliary layer id {drafter.head.dims.num_layers} (the last layer's output) is one SGLang would mis-read: "
                 f"train with ids below {drafter.head.dims.num_layers} to serve in SGLang"
             )
-        if ids != default_aux_ids(drafter.head.dims.num_layers) and ids[0] == 1:
+        if ids != default_aux_layer_ids(drafter.head.dims.num_layers) and ids[0] == 1:
             return (
                 f"auxiliary layer ids {ids} start at 1, which SGLang reads as {[i + 1 for i in ids]} since 2026-05 and as "
                 f"{ids} before: train with ids >= 2 or the default (2, N//2, N-3) to serve in SGLang"
@@ -79,7 +80,7 @@ def write(drafter, folder: Path, options: ExportOptions) -> None:
         tensors, config = dflash_tensors(head), dflash_config(head)
     elif drafter.kind == "eagle3":
         tensors, config = eagle3_tensors(head, "midlayer."), eagle3_config(head)
-        if list(head.cfg.aux_layer_ids) != default_aux_ids(head.dims.num_layers):
+        if list(head.cfg.aux_layer_ids) != default_aux_layer_ids(head.dims.num_layers):
             config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(head.cfg.aux_layer_ids)}
     else:
         tensors, config = eagle_tensors(head, with_fc_bias=True), eagle_config(head, "LlamaForCausalLMEagle")

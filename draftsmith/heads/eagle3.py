@@ -100,6 +100,11 @@ class Eagle3Config(LayerShape):
         self.draft_vocab_size = self.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, V)
 
 
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's and SGLang's default auxiliary layers of an N-layer target: (2, N//2, N-3)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
 def resolve_aux_layer_ids(ids: Sequence[int], num_layers: int, count: Optional[int] = None) -> list[int]:
     """The target layers a head reads, in vLLM's convention (id L = the input of decoder layer L,
     the output of layer L - 1; ids 1..N), ascending as the engines concatenate them: `ids`, or
@@ -107,7 +112,7 @@ def resolve_aux_layer_ids(ids: Sequence[int], num_layers: int, count: Optional[i
     are not `count` (default: at least one) distinct layers of this N-layer target."""
     N = num_layers
     if not ids:
-        ids = [2, N // 2, N - 3]
+        ids = default_aux_layer_ids(N)
         if len(set(ids)) < 3 or min(ids) < 1:
             raise ValueError(
                 f"the default auxiliary layers (2, N//2, N-3) = {tuple(ids)} of a {N}-layer target are not three distinct "

@@ -39,18 +39,15 @@ class EmptyReplayWarning(UserWarning):
 def stream_prompts(recipe: Recipe) -> list[dict]:
     """The served stream: [{"source", "messages"}], requests_per_source per source, in order."""
     from draftsmith.data import DataError, load_conversations
+    from draftsmith.data.chat import first_user_turn
 
     d, o = recipe.data, recipe.online
     stream = []
     for source in [d.path, *o.shift_to]:
         prompts = []
         for conv in load_conversations(source, d.format, None, d.seed):
-            head = []
-            for message in conv:
-                head.append({"role": message["role"], "content": message["content"]})
-                if message["role"] == "user":
-                    break
-            if head[-1]["role"] == "user" and head[-1]["content"].strip():
+            head = first_user_turn(conv)
+            if head is not None:
                 prompts.append({"source": source, "messages": head})
             if len(prompts) == o.requests_per_source:
                 break

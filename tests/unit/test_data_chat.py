@@ -201,3 +201,13 @@ def test_template_that_rewrites_content_is_an_error(tiny_tokenizer):
     tok.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | upper }}<|im_end|>\n{% endfor %}"
     with pytest.raises(DataError, match="does not render assistant message 1 verbatim"):
         tokenize_conversation(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], max_length=100)
+
+
+def test_first_user_turn_keeps_the_system_message_and_stops_at_the_first_user_turn():
+    from draftsmith.data.chat import first_user_turn
+
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    assert first_user_turn(conv) == conv[:2]
+    assert first_user_turn([{"role": "assistant", "content": "hello"}]) is None
+    assert first_user_turn([{"role": "user", "content": "  "}]) is None
+    assert first_user_turn([]) is None
