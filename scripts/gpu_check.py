@@ -13,7 +13,9 @@ goes (DIR/<step>.log) so that a machine taken away mid-run still leaves what it 
    DDP and DeepSpeed ZeRO-2/3 over nccl, the bf16 identity rate;
 3. tests/unit and tests/integration (not slow, not interop) with CUDA visible, in parallel
    (pytest-xdist, --workers);
-4. scripts/bench_verify.py --reps 10: fused kernel against the torch reference, full grid.
+4. scripts/bench_verify.py --reps 10: fused kernel against the torch reference, full grid;
+5. scripts/bench_gpu.py: a speculative step's cost against a plain one per drafter kind, at the
+   SmolLM2-135M and Llama-3.1-8B shapes.
 
 Writes DIR/report.md and DIR/report.json (every step's command, exit code, seconds, pytest
 counts, failing tests and the tail of its output). Exit code 0 only when every step passed.
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu-check", help="report folder (default $OUT, else runs/gpu-check)")
     p.add_argument("--budget", type=float, default=480.0, help="seconds for all steps together")
     p.add_argument("--workers", type=int, default=12, help="pytest-xdist workers for the unit and integration suites")
-    p.add_argument("--only", nargs="*", default=None, help="steps to run (gpu-tests, suite, bench-verify)")
+    p.add_argument("--only", nargs="*", default=None, help="steps to run (gpu-tests, suite, bench-verify, bench-gpu)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -122,10 +124,11 @@ def main(argv=None) -> int:
     py = sys.executable
     # Shares of the budget: the GPU tests first (they are the point), the suite next, the benchmark last.
     steps = [
-        ("gpu-tests", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/gpu"], 0.35),
+        ("gpu-tests", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/gpu"], 0.30),
         ("suite", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-n", str(args.workers),
-                   "-m", "not slow and not interop", "tests/unit", "tests/integration"], 0.45),
-        ("bench-verify", [py, "scripts/bench_verify.py", "--reps", "10", "--out", str(out / "bench-verify.md")], 0.20),
+                   "-m", "not slow and not interop", "tests/unit", "tests/integration"], 0.35),
+        ("bench-verify", [py, "scripts/bench_verify.py", "--reps", "10", "--out", str(out / "bench-verify.md")], 0.15),
+        ("bench-gpu", [py, "scripts/bench_gpu.py", "--out", str(out / "bench-gpu.md")], 0.20),
     ]  # fmt: skip
     deadline = time.time() + args.budget
     rows = []

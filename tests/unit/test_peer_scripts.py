@@ -92,3 +92,19 @@ def test_gpu_check_runs_a_step_under_its_limit_and_reports_counts_and_failures(t
     assert [s["step"] for s in report["steps"]] == ["two", "slow"]
     md = (tmp_path / "report.md").read_text()
     assert "| two | 1 |" in md and "test_two.py::test_bad" in md and "## slow: exit timeout" in md
+
+
+def test_bench_gpu_times_every_drafter_kind_on_the_cpu(tmp_path):
+    """scripts/bench_gpu.py at a tiny shape on the CPU: every row is there, the target drafting for
+    itself accepts whole chains, and the table and JSON are written."""
+    bench = load_script("scripts/bench_gpu.py")
+    out = tmp_path / "bench.md"
+    assert bench.main(["--device", "cpu", "--shapes", "tiny", "--prompts", "1", "--prompt-len", "8", "--new-tokens", "11", "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    names = [r["drafter"] for r in rows]
+    assert names[:2] == ["plain: transformers generate()", "plain: draftsmith loop"]
+    assert {"eagle3, nothing accepted", "dflash, nothing accepted", "medusa, nothing accepted"} <= set(names)
+    itself = rows[-1]
+    assert itself["drafter"].startswith("target drafting for itself") and itself["tokens_per_step"] > 3.0  # chains of 4 plus the bonus
+    assert all(r["verification"] == "torch reference" and r["ms_per_step"] > 0 for r in rows)
+    assert "| tiny | eagle3, nothing accepted |" in out.read_text()

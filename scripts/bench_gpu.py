@@ -1,0 +1,214 @@
+"""What a speculative step costs against a plain one, per drafter kind, on random weights of real shapes.
+
+    python scripts/bench_gpu.py --out docs/bench/gpu-decode.md              # CUDA: SmolLM2-135M and Llama-3.1-8B shapes, bf16
+    python scripts/bench_gpu.py --device cpu --shapes tiny --new-tokens 16  # CPU smoke run (what the unit test runs)
+
+Speed does not depend on the weights' values, and the GPU machines hold no model files: the target
+is a random Llama of the named shape built on the device (bf16 on CUDA, fp32 on the CPU). For each
+shape it times, over --prompts prompts of --prompt-len tokens and --new-tokens new tokens:
+
+- plain decoding: transformers' greedy generate() and draftsmith's own autoregressive loop (the faster
+  is the baseline);
+- a speculative step with nothing accepted: untrained (random) EAGLE-3 (EAGLE-2 dynamic tree, depth
+  5, top-4, 26 nodes), DFlash (one block of 4), Medusa (sparse tree 4,2,2,1) heads and a one-layer
+  standalone draft model (chain of 4), so each step is all overhead;
+- a speculative step with everything accepted: the target drafting for itself (a chain of 4).
+
+It reports ms per step, tokens per step and the step cost over the plain step, and projects the
+speedup a drafter would give at the accepted lengths measured on the CPU for trained drafters
+(docs/peers.md, docs/heads.md): tau tokens per step at the nothing-accepted step's cost. Writes a
+Markdown table to --out and the rows as JSON beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+}
+# Accepted lengths (tokens per target forward) measured for trained drafters on the CPU with real
+# SmolLM2-135M weights: the EAGLE-3 and DFlash large-recipe heads on 20 MT-bench turns in draftsmith's
+# runtime (docs/bench/dflash-smollm2-135m-large.md), the quickstart Medusa heads on 80 MT-bench turns
+# (README), suffix decoding in vLLM on MT-bench (docs/peers.md).
+MEASURED_TAU = {"eagle3": 1.491, "dflash": 1.485, "medusa": 1.375}
+DRAFTERS = {
+    "eagle3": ("{kind: eagle3, depth: 5, train_depth: 5, draft_vocab_size: 0}", "dynamic:5,4,26"),
+    "dflash": ("{kind: dflash, block_size: 5, num_layers: 1}", "1,1,1,1"),
+    "medusa": ("{kind: medusa, num_heads: 4, num_layers: 1}", "4,2,2,1"),
+}
+
+
+def build_target(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftsmith.target import FrozenTarget
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False, attn_implementation="sdpa",
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    return FrozenTarget(model)
+
+
+def build_head_drafter(kind: str, target):
+    from omegaconf import OmegaConf
+
+    from draftsmith.heads import HEADS
+    from draftsmith.runtime.drafters import HeadDrafter
+    from draftsmith.runtime.tree import parse_tree
+
+    text, tree = DRAFTERS[kind]
+    values = OmegaConf.to_container(OmegaConf.create(text))
+    values.pop("kind")
+    if kind == "eagle3" and not values.get("draft_vocab_size"):
+        values["draft_vocab_size"] = min(32000, target.dims.vocab_size)
+    if target.dims.num_layers < 6 and kind in ("eagle3", "dflash"):
+        values["aux_layer_ids"] = [1, 2, 3]
+    cls = HEADS[kind]
+    torch.manual_seed(1)
+    head = cls(cls.config_class(**values), target.dims)
+    head.init_from_target(target)
+    return HeadDrafter(head.to(device=target.device, dtype=torch.float32 if target.dtype == torch.float32 else target.dtype).eval(), target, parse_tree(tree))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_generation(fn, prompts, device) -> tuple[float, int, int]:
+    """(seconds, new tokens, target steps) of fn(prompt) over every prompt, after one warm-up."""
+    fn(prompts[0])
+    sync(device)
+    started, tokens, steps = time.perf_counter(), 0, 0
+    for ids in prompts:
+        new, n_steps = fn(ids)
+        tokens += new
+        steps += n_steps
+    sync(device)
+    return time.perf_counter() - started, tokens, steps
+
+
+def bench_shape(shape: str, device: torch.device, args) -> list[dict]:
+    from draftsmith.runtime.drafters import StandaloneDrafter
+    from draftsmith.runtime.generate import autoregressive_generate, speculative_generate, verification_kernel
+    from draftsmith.runtime.tree import TreeSpec
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = build_target(shape, device, dtype)
+    gen = torch.Generator().manual_seed(0)
+    V = target.dims.vocab_size
+    prompts = [torch.randint(3, V, (1, args.prompt_len), generator=gen).to(device) for _ in range(args.prompts)]
+    N = args.new_tokens
+    rows = []
+
+    def record(name: str, seconds: float, tokens: int, steps: int, **extra) -> None:
+        rows.append({
+            "shape": shape, "drafter": name, "ms_per_step": round(1000 * seconds / max(steps, 1), 3),
+            "tokens_per_step": round(tokens / max(steps, 1), 3), "ms_per_token": round(1000 * seconds / max(tokens, 1), 3), **extra,
+        })  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+
+    def hf_greedy(ids):
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
+        return out.shape[1] - ids.shape[1], out.shape[1] - ids.shape[1]
+
+    def own_plain(ids):
+        out, stats = autoregressive_generate(target, ids, N)
+        return stats.new_tokens, stats.steps
+
+    with torch.no_grad():
+        record("plain: transformers generate()", *time_generation(hf_greedy, prompts, device))
+        record("plain: draftsmith loop", *time_generation(own_plain, prompts, device))
+        plain = min(r["ms_per_step"] for r in rows)
+
+        def speculative(drafter):
+            def run(ids):
+                out, stats = speculative_generate(target, drafter, ids, N)
+                return stats.new_tokens, stats.steps
+
+            return run
+
+        drafters = {kind: build_head_drafter(kind, target) for kind in DRAFTERS}
+        from draftsmith.testing import tiny_causal_lm
+
+        small = tiny_causal_lm("llama", vocab_size=V, hidden_size=min(256, target.dims.hidden_size), num_layers=1, seed=2).to(device=device, dtype=dtype)
+        small.config._attn_implementation = "sdpa"
+        drafters["standalone (1-layer draft, chain of 4)"] = StandaloneDrafter(small, TreeSpec.chain(4))
+        for name, drafter in drafters.items():
+            record(f"{name}, nothing accepted", *time_generation(speculative(drafter), prompts, device))
+            rows[-1]["cost_over_plain"] = round(rows[-1]["ms_per_step"] / plain, 3)
+            if name in MEASURED_TAU:
+                rows[-1]["projected_speedup_at_measured_tau"] = round(MEASURED_TAU[name] * plain / rows[-1]["ms_per_step"], 3)
+                rows[-1]["measured_tau"] = MEASURED_TAU[name]
+        record("target drafting for itself (chain of 4), everything accepted", *time_generation(speculative(StandaloneDrafter(target.model, TreeSpec.chain(4))), prompts, device))
+        rows[-1]["cost_over_plain"] = round(rows[-1]["ms_per_step"] / plain, 3)
+    for row in rows:
+        row.update(device=str(device), dtype=str(dtype).replace("torch.", ""), verification=verification_kernel(device), plain_ms_per_step=plain)
+    del target, drafters
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def write(out: Path, rows: list[dict], meta: dict) -> None:
+    lines = [
+        f"# Speculative step cost, {meta['date']}", "",
+        f"{meta['device_name']}; torch {meta['torch']}; {meta['prompts']} prompts x {meta['new_tokens']} new tokens after {meta['prompt_len']} "
+        "prompt tokens; random weights of the named shapes (speed does not depend on their values).", "",
+        "| shape | drafter | ms / step | tokens / step | ms / token | step cost / plain step | projected speedup at measured tau |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for r in rows:
+        projected = f"{r['projected_speedup_at_measured_tau']}x (tau {r['measured_tau']})" if "projected_speedup_at_measured_tau" in r else "-"
+        lines.append(f"| {r['shape']} | {r['drafter']} | {r['ms_per_step']} | {r['tokens_per_step']} | {r['ms_per_token']} | {r.get('cost_over_plain', '-')} | {projected} |")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+
+
+def main(argv=None) -> int:
+    from draftsmith.cli import add_device_option
+    from draftsmith.target import choose_device
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_option(p)
+    p.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES), help="default: smollm2-135m llama-3.1-8b on CUDA, tiny on the CPU")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--out", type=Path, default=None, help="Markdown table (and .json beside it); default: print only")
+    args = p.parse_args(argv)
+    device = choose_device(args.device or "auto", "benchmark")
+    shapes = args.shapes or (["smollm2-135m", "llama-3.1-8b"] if device.type == "cuda" else ["tiny"])
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {platform.processor() or ''} ({torch.backends.cpu.get_cpu_capability()})",
+        "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+    }  # fmt: skip
+    rows = [row for shape in shapes for row in bench_shape(shape, device, args)]
+    if args.out:
+        write(args.out, rows, meta)
+        print(f"results: {args.out.resolve()} (and {args.out.with_suffix('.json').name})")
+    return 0
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import script_main
+
+    sys.exit(script_main(main))
