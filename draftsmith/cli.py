@@ -80,13 +80,22 @@ def cmd_prepare(args) -> int:
     from draftsmith.recipe import save_resolved
     from draftsmith.trainers import TRAINERS
 
+    from draftsmith.runs import hold_folder
+
     recipe = _load(args.recipe)
     check_data_dir(recipe.data_dir())
-    stats = TRAINERS[recipe.trainer].prepare(recipe)
-    if int(os.environ.get("RANK", "0")) == 0:
-        save_resolved(recipe, recipe.data_dir(), args.argv)
-        print(json.dumps(stats, indent=2))
-        print(f"data cached in {recipe.data_dir().resolve()} (recipe.yaml and command.txt beside it)")
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    # The main process holds the cache for all ranks of this run: a second `prepare` is refused.
+    lock = hold_folder(recipe.data_dir(), "data.cache_dir") if main_process else None
+    try:
+        stats = TRAINERS[recipe.trainer].prepare(recipe)
+        if main_process:
+            save_resolved(recipe, recipe.data_dir(), args.argv)
+            print(json.dumps(stats, indent=2))
+            print(f"data cached in {recipe.data_dir().resolve()} (recipe.yaml and command.txt beside it)")
+    finally:
+        if lock is not None:
+            lock.release()
     return 0
 
 
@@ -96,14 +105,14 @@ SERVER_LOG = "vllm-server.log"  # serve-target's log, by default in the data cac
 def check_data_dir(folder: Path) -> None:
     """The data cache gets recipe.yaml and command.txt beside its files: refuse a folder that holds
     files of the user's (absent, empty, an earlier data cache, or one serve-target logs into are fine)."""
-    from draftsmith.runs import RunFolderError
+    from draftsmith.runs import LOCK_NAME, RunFolderError
 
     if not folder.exists():
         return
     if not folder.is_dir():
         raise RunFolderError(f"data.cache_dir {folder} exists and is not a folder")
     # serve-target's log proves nothing either way: the other entries decide.
-    entries = sorted(p.name for p in folder.iterdir() if p.name != SERVER_LOG)
+    entries = sorted(p.name for p in folder.iterdir() if p.name not in (SERVER_LOG, LOCK_NAME))
     command = folder / "command.txt"
     ours = (command.is_file() and command.read_text(errors="replace").startswith("draftsmith")) or any(
         name.startswith(("examples-", "regenerated-", "features")) for name in entries
@@ -301,12 +310,12 @@ def cmd_generate(args) -> int:
 
 def cmd_eval(args) -> int:
     from draftsmith.atomic import check_destination
-    from draftsmith.eval.report import write_report
+    from draftsmith.eval.report import report_folder, write_report
     from draftsmith.eval.run import evaluate, load_prompts
     from draftsmith.runtime.load import load_drafter
 
     sampling = _sampling(args)
-    check_destination(args.out, overwrite=args.overwrite)
+    check_destination(args.out, overwrite=args.overwrite, owned=report_folder)
     prompts = load_prompts(args.prompts, args.limit)
     if isinstance(args.exit_layer, list) or args.exit_layer == "sweep":
         from draftsmith.eval.early_exit import sweep_exit_layers
@@ -504,14 +513,16 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         return fail(str(err), EXIT_BAD_INPUT)
-    except OSError as err:
-        # Not a path the user gave (those are bad input above): the disk, the permissions, the network.
-        if debug:
-            raise
-        return fail(f"{err.strerror or err} ({type(err).__name__}{': ' + str(err.filename) if err.filename else ''})", EXIT_RUN_FAILED, hint=True)
     except Exception as err:
         if debug:
             raise
+        from draftsmith.atomic import DiskFullError, is_disk_full
+
+        if is_disk_full(err):  # wherever it happens: one line naming the place, not a torch assertion
+            return fail(str(err if isinstance(err, DiskFullError) else DiskFullError(getattr(err, "filename", None) or "its output")), EXIT_RUN_FAILED)
+        if isinstance(err, OSError):
+            # Not a path the user gave (those are bad input above): the disk, the permissions, the network.
+            return fail(f"{err.strerror or err} ({type(err).__name__}{': ' + str(err.filename) if err.filename else ''})", EXIT_RUN_FAILED, hint=True)
         return fail(f"unexpected {type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no message'}", EXIT_RUN_FAILED, hint=True)
 
 
