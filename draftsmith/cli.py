@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -229,10 +230,13 @@ def cmd_push(args) -> int:
 
 
 def _bounded(kind, low, high=None, low_open=False):
-    """An argparse type: `kind` within [low, high] ((low, high] when low_open), checked before any model loads."""
+    """An argparse type: a finite `kind` within [low, high] ((low, high] when low_open), checked
+    before any model loads (nan passes every comparison, so it is refused by name)."""
 
     def parse(text: str):
         value = kind(text)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < low or (low_open and value == low) or (high is not None and value > high):
             span = f"in {'(' if low_open else '['}{low}, {high}]" if high is not None else f">= {low}"
             raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
@@ -287,12 +291,18 @@ def _sampling(args):
 
 
 def cmd_generate(args) -> int:
-    from draftsmith.eval.run import generate_one
+    from draftsmith.eval.run import generate_one, too_long
     from draftsmith.runtime.load import load_drafter
 
     sampling = _sampling(args)
+    if not args.prompt.strip():
+        raise BadInput("--prompt is empty: give the text to answer")
     loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer)
-    text, new, stats = generate_one(loaded, [{"role": "user", "content": args.prompt}], args.max_new_tokens, sampling, args.seed)
+    messages = [{"role": "user", "content": args.prompt}]
+    long = too_long(loaded, messages, args.max_new_tokens)
+    if long:  # refused, not cut: a cut prompt asks something else
+        raise BadInput(f"--prompt is too long: {long}; shorten it or lower --max-new-tokens")
+    text, new, stats = generate_one(loaded, messages, args.max_new_tokens, sampling, args.seed)
     print(text)
     tau = (sum(stats.accept_lens) + stats.steps) / max(stats.steps, 1)
     if loaded.kind == "early_exit":
@@ -311,7 +321,7 @@ def cmd_generate(args) -> int:
 def cmd_eval(args) -> int:
     from draftsmith.atomic import check_destination
     from draftsmith.eval.report import report_folder, write_report
-    from draftsmith.eval.run import evaluate, load_prompts
+    from draftsmith.eval.run import evaluate, fitting_prompts, load_prompts
     from draftsmith.runtime.load import load_drafter
 
     sampling = _sampling(args)
@@ -327,6 +337,7 @@ def cmd_eval(args) -> int:
         extra["exit_sweep"] = rows
     else:
         loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer)
+        prompts = fitting_prompts(loaded, prompts, args.max_new_tokens)
         stats, extra = evaluate(
             loaded, prompts, args.max_new_tokens, sampling, args.seed,
             baseline=True, assisted=loaded.kind in ("standalone", "early_exit") and not args.no_assisted,

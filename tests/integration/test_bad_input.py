@@ -99,6 +99,19 @@ ROWS = [
     ("push an invalid repo id", lambda w: ["push", str(w["export"]), "--repo-id", "no good/repo id"], 2, ["--repo-id"]),
     ("push a damaged export", lambda w: ["push", str(damaged_copy(w["export"], w["root"] / "export-push", lambda d: flip(d / "model.safetensors"))), "--repo-id", "me/x"], 2, ["sha256"]),
     ("serve-target without vLLM", lambda w: ["serve-target", str(w["recipe"])], 2, ["no vLLM venv", "make vllm"]),
+    # Numbers that are not numbers: nan passes every `x < low` check, so each is refused by name.
+    ("a temperature of nan", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "hi", "--temperature", "nan"], 2, ["--temperature", "finite"]),
+    ("a top-p of nan", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--top-p", "nan", "--out", str(w["root"] / "e6")], 2, ["--top-p", "finite"]),
+    ("an infinite temperature", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--temperature", "inf", "--out", str(w["root"] / "e7")], 2, ["--temperature", "finite"]),
+    ("push with a timeout of nan", lambda w: ["push", str(w["export"]), "--repo-id", "me/x", "--timeout", "nan"], 2, ["--timeout", "finite"]),
+    ("a learning rate of nan", lambda w: ["train", str(w["recipe"]), "train.lr=nan"], 2, ["train.lr", "finite"]),
+    # Destinations and prompts checked before a model loads (here the drafter does not even exist).
+    ("eval --out where nothing can be written", lambda w: ["eval", "--drafter", str(w["root"] / "nope"), "--prompts", str(w["prompts"]), "--out", "/sys/draftsmith-probe"], 1, ["PermissionError", "/sys/draftsmith-probe"]),
+    ("an empty --prompt", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "  "], 2, ["--prompt", "empty"]),
+    ("a prompt longer than the target's context", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "say " * 300, "--max-new-tokens", "4"], 2, ["--prompt", "1024", "context"]),
+    # More tokens per step than the drafter has heads (DFlash's block rule has its own tests).
+    ("3 tokens a step from 2 Medusa heads", lambda w: ["export", str(w["run"]), "--out", str(w["root"] / "x4"), "--format", "vllm", "--num-speculative-tokens", "3"], 2, ["2 heads", "--num-speculative-tokens 2"]),
+    ("the same in draftsmith's layout", lambda w: ["export", str(w["run"]), "--out", str(w["root"] / "x5"), "--num-speculative-tokens", "3"], 2, ["2 heads"]),
 ]
 
 
@@ -340,6 +353,19 @@ def test_a_full_disk_under_eval_export_and_prepare_leaves_nothing_partial(world,
         line = assert_one_line(argv, 1, ["disk is full", str(small_disk)])
         assert "unexpected" not in line, line
         assert snapshot(small_disk) == before and sorted(p.name for p in small_disk.iterdir()) == ["filler"], (argv, sorted(small_disk.rglob("*")))
+
+
+def test_eval_counts_the_prompts_it_skips_and_says_why(world, tmp_path, capsys):
+    """An empty record and a prompt longer than the target's context (1024 positions) are skipped
+    with a warning that counts them, not silently and not cut; the report counts what ran."""
+    prompts = tmp_path / "prompts.jsonl"
+    records = [{"prompt": "say red cat"}, {"prompt": ""}, {"prompt": "say " * 300}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    capsys.readouterr()
+    assert main(["eval", "--drafter", str(world["export"]), "--prompts", str(prompts), "--max-new-tokens", "4", "--out", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 1 record(s)" in err and "skipping 1 of 2 prompts longer than the target's context" in err and "not cut" in err, err[-2000:]
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["num_prompts"] == 1
 
 
 def test_eval_replaces_a_report_an_earlier_eval_left_half_written(world, tmp_path):
