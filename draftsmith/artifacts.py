@@ -277,7 +277,10 @@ def _read_config_folder(folder: Path, dtype: str, exit_layer: Optional[int]) -> 
             raise ArtifactError(f"{folder} holds a draft head ({layout} layout); --exit-layer applies to a model that drafts for itself")
         foreign = read_foreign(folder, config)
         target = dict((config.get("draftsmith_source") or {}).get("target") or {})
-        if foreign.target_path:
+        # A folder that names its target (speculators' verifier) by the Hub id of the target
+        # draftsmith recorded (a built-in, read offline) keeps the recorded one, as the layouts
+        # that do not name it do; another name wins.
+        if foreign.target_path and foreign.target_path not in (target.get("path"), hub_id(str(target.get("path") or ""))):
             target["path"] = foreign.target_path
         return HeadArtifact(foreign.kind, folder, foreign.layout, target, _text(folder / "recipe.yaml"), foreign=foreign)
     if config.get("model_type") == "medusa":

@@ -64,8 +64,8 @@ def checkpoint_problem(path: Path, verify_contents: bool = False) -> Optional[st
     """Why `path` is not a complete checkpoint, or None when it is: trainer_state.json must be
     readable and every file of its manifest present with the recorded size and, with
     `verify_contents`, the recorded sha256 (a file damaged in place keeps its size)."""
+    # What the folder holds decides, not its name: a copy called `best`, or a link to a step, is one.
     try:
-        checkpoint_step(path)
         state = json.loads((path / STATE_FILE).read_text())
     except (ValueError, OSError):
         return f"no readable {STATE_FILE}"
@@ -90,6 +90,11 @@ def list_checkpoints(output_dir: str | Path, warn: Callable[[str], None] = log) 
     found = []
     for path in root.iterdir():
         if not (path.is_dir() and path.name.startswith(CHECKPOINT_PREFIX)):
+            continue
+        try:
+            checkpoint_step(path)  # the run's own checkpoints are ordered by the step in their names
+        except ValueError:
+            warn(f"warning: skipping {path} (not named {CHECKPOINT_PREFIX}<step>)")
             continue
         problem = checkpoint_problem(path)
         if problem:

@@ -355,6 +355,17 @@ def test_a_full_disk_under_eval_export_and_prepare_leaves_nothing_partial(world,
         assert snapshot(small_disk) == before and sorted(p.name for p in small_disk.iterdir()) == ["filler"], (argv, sorted(small_disk.rglob("*")))
 
 
+def test_a_checkpoint_is_known_by_its_contents_not_its_name(world, tmp_path):
+    """An intact step-N copied to `best`, or a link to it under another name, is the same
+    checkpoint: it exports (the old reading took the name for the step and called it damaged)."""
+    step = list_checkpoints(world["run"])[-1]
+    shutil.copytree(step, tmp_path / "best")
+    (tmp_path / "latest").symlink_to(step, target_is_directory=True)
+    for name in ("best", "latest"):
+        assert main(["export", str(tmp_path / name), "--out", str(tmp_path / f"export-{name}")]) == 0, name
+        assert (tmp_path / f"export-{name}" / "model.safetensors").read_bytes() == (world["export"] / "model.safetensors").read_bytes()
+
+
 def test_eval_counts_the_prompts_it_skips_and_says_why(world, tmp_path, capsys):
     """An empty record and a prompt longer than the target's context (1024 positions) are skipped
     with a warning that counts them, not silently and not cut; the report counts what ran."""

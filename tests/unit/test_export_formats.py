@@ -521,3 +521,24 @@ def test_bench_vllm_refuses_an_out_that_vllm_would_misread_before_exporting_anyt
     err = capsys.readouterr().err
     assert err.startswith(f"error: --drafter df={dflash}") and "contains 'eagle3' as method eagle3" in err and err.count("\n") == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("recorded, named, opened", [
+    ("smollm2-135m", None, "smollm2-135m"),  # the verifier is the built-in's Hub id: decode offline with the built-in
+    ("smollm2-135m", "someone/other-model", "someone/other-model"),  # a verifier the user named wins
+])  # fmt: skip
+def test_a_speculators_folder_that_records_a_built_in_target_opens_with_it(target, tmp_path, recorded, named, opened):
+    """speculators' config names the verifier by its Hub id; a built-in target recorded beside it
+    is the same model, read offline, where the Hub id would be fetched (and fail offline)."""
+    from draftsmith.artifacts import open_drafter
+    from draftsmith.target import BUILTIN_MODELS
+
+    src, _ = head_folder(target, tmp_path, "eagle3", draft_vocab_size=24, aux_layer_ids=[2, 4, 5])
+    config = json.loads((src / "config.json").read_text())
+    config["draftsmith"]["target"]["path"] = recorded
+    (src / "config.json").write_text(json.dumps(config))
+    (src / MANIFEST_NAME).unlink()  # edited on purpose
+    out = export(src, tmp_path / "spec", "speculators", ExportOptions(verifier=named))
+    verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+    assert verifier == (named or BUILTIN_MODELS[recorded]["hub_id"])
+    assert open_drafter(out).target["path"] == opened
