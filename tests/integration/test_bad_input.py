@@ -98,7 +98,7 @@ ROWS = [
     ("prompts that are not UTF-8", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["latin1"]), "--out", str(w["root"] / "e5")], 2, ["latin1.jsonl", "not UTF-8"]),
     ("push an invalid repo id", lambda w: ["push", str(w["export"]), "--repo-id", "no good/repo id"], 2, ["--repo-id"]),
     ("push a damaged export", lambda w: ["push", str(damaged_copy(w["export"], w["root"] / "export-push", lambda d: flip(d / "model.safetensors"))), "--repo-id", "me/x"], 2, ["sha256"]),
-    ("serve-target without vLLM", lambda w: ["serve-target", str(w["recipe"])], 2, ["no vLLM venv", "make vllm"]),
+    ("serve-target without vLLM", lambda w: ["serve-target", str(w["recipe"]), "--port", str(free_port())], 2, ["no vLLM venv", "make vllm"]),
     # Numbers that are not numbers: nan passes every `x < low` check, so each is refused by name.
     ("a temperature of nan", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "hi", "--temperature", "nan"], 2, ["--temperature", "finite"]),
     ("a top-p of nan", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--top-p", "nan", "--out", str(w["root"] / "e6")], 2, ["--top-p", "finite"]),
@@ -113,6 +113,12 @@ ROWS = [
     ("3 tokens a step from 2 Medusa heads", lambda w: ["export", str(w["run"]), "--out", str(w["root"] / "x4"), "--format", "vllm", "--num-speculative-tokens", "3"], 2, ["2 heads", "--num-speculative-tokens 2"]),
     ("the same in draftsmith's layout", lambda w: ["export", str(w["run"]), "--out", str(w["root"] / "x5"), "--num-speculative-tokens", "3"], 2, ["2 heads"]),
 ]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _unknown_kind(folder: Path) -> None:
@@ -353,6 +359,25 @@ def test_a_full_disk_under_eval_export_and_prepare_leaves_nothing_partial(world,
         line = assert_one_line(argv, 1, ["disk is full", str(small_disk)])
         assert "unexpected" not in line, line
         assert snapshot(small_disk) == before and sorted(p.name for p in small_disk.iterdir()) == ["filler"], (argv, sorted(small_disk.rglob("*")))
+
+
+def test_serve_target_refuses_a_port_in_use_and_a_dead_server_names_its_cause(world, tmp_path):
+    """A port already taken is refused before vLLM starts (it took 14 s to find out, and said only
+    "exited with code 1"); a server that dies while starting is one line with the log's cause."""
+    from draftsmith.data.server import ServerError
+    from draftsmith.serving import vllm_openai_server
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert_one_line(["serve-target", str(world["recipe"]), "--port", str(port)], 2, ["--port", str(port), "in use"])
+    # This interpreter has no vLLM: the server exits at once, and the log says why.
+    with pytest.raises(ServerError) as err:
+        with vllm_openai_server(sys.executable, world["model"], "tiny", tmp_path / "server.log"):
+            pass
+    message = str(err.value)
+    assert "\n" not in message and "No module named 'vllm" in message and str(tmp_path / "server.log") in message, message
 
 
 def test_a_checkpoint_is_known_by_its_contents_not_its_name(world, tmp_path):
