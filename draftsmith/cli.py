@@ -79,9 +79,8 @@ def cmd_prepare(args) -> int:
     answers, tokenization; for a head recipe with data.features.mode=cache the feature cache too).
     Under a launcher the ranks share it."""
     from draftsmith.recipe import save_resolved
-    from draftsmith.trainers import TRAINERS
-
     from draftsmith.runs import hold_folder
+    from draftsmith.trainers import TRAINERS
 
     recipe = _load(args.recipe)
     check_data_dir(recipe.data_dir())

@@ -17,6 +17,7 @@ this module, so nothing downstream imports a trainer or guesses what a folder ho
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -190,7 +191,12 @@ def hold_folder(folder: str | Path, what: str = "output_dir", warn: Callable[[st
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                # A file system without locks (some network mounts): the run goes on unguarded.
+                os.close(fd)
+                warn(f"warning: cannot lock {path} ({err.strerror}): nothing stops a second process from writing into {folder}")
+                return FolderLock(folder, what, False, -1)
             other = _holder(fd)
             os.close(fd)
             who = f"pid {other.get('pid', '?')} on {other.get('host', '?')}"
