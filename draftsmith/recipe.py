@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 import difflib
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -714,9 +715,15 @@ def _check_values(recipe: Recipe) -> None:
 
 
 def _check_tree(node: Any, key: str) -> None:
-    """Run check(key) of a config section and of every section nested in it."""
+    """Run check(key) of a config section and of every section nested in it, after refusing any
+    number in it that is not finite (nan and inf pass every range check written as `x < low`)."""
     if not dataclasses.is_dataclass(node):
         return
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, float) and not math.isfinite(item):
+                raise RecipeError(f"recipe key '{key}.{f.name}' is {item}: must be a finite number")
     check = getattr(node, "check", None)
     if check is not None and key != "head":  # the head checked itself in _check_head
         check(key)

@@ -17,9 +17,12 @@ this module, so nothing downstream imports a trainer or guesses what a folder ho
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -62,8 +65,8 @@ def checkpoint_problem(path: Path, verify_contents: bool = False) -> Optional[st
     """Why `path` is not a complete checkpoint, or None when it is: trainer_state.json must be
     readable and every file of its manifest present with the recorded size and, with
     `verify_contents`, the recorded sha256 (a file damaged in place keeps its size)."""
+    # What the folder holds decides, not its name: a copy called `best`, or a link to a step, is one.
     try:
-        checkpoint_step(path)
         state = json.loads((path / STATE_FILE).read_text())
     except (ValueError, OSError):
         return f"no readable {STATE_FILE}"
@@ -89,6 +92,11 @@ def list_checkpoints(output_dir: str | Path, warn: Callable[[str], None] = log) 
     for path in root.iterdir():
         if not (path.is_dir() and path.name.startswith(CHECKPOINT_PREFIX)):
             continue
+        try:
+            checkpoint_step(path)  # the run's own checkpoints are ordered by the step in their names
+        except ValueError:
+            warn(f"warning: skipping {path} (not named {CHECKPOINT_PREFIX}<step>)")
+            continue
         problem = checkpoint_problem(path)
         if problem:
             warn(f"warning: skipping incomplete or corrupt checkpoint {path} ({problem})")
@@ -112,6 +120,111 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found[-1]
 
 
+# Beside a run's files (and a data cache's) while a process writes there: who holds the folder.
+LOCK_NAME = ".draftsmith.lock"
+
+
+class FolderInUseError(RunFolderError):
+    """Another process writes into the folder a command would write into."""
+
+
+# Folders this process holds, by resolved path: a second set-up in the same process (a test, a
+# notebook) shares the hold instead of refusing itself.
+_HELD: dict[Path, "FolderLock"] = {}
+
+
+class FolderLock:
+    """This process's hold on a folder it writes into (a run's output_dir, a data cache): the file
+    LOCK_NAME, locked with flock for as long as the process lives (the kernel lets go when it dies,
+    however it dies) and holding the pid, host and command line that a refusal names. A lock file
+    left by a process that is gone is taken over with a warning. Use `hold_folder`."""
+
+    def __init__(self, folder: Path, what: str, created: bool, fd: int) -> None:
+        self.folder, self.what, self.created, self.fd, self.holders = folder, what, created, fd, 1
+
+    def release(self) -> None:
+        """Let go (once every set-up of this process that took it has let go): the lock file goes,
+        and so does the folder when taking the lock created it and nothing else was written there."""
+        self.holders -= 1
+        if self.holders > 0 or self.fd < 0:
+            return
+        _HELD.pop(self.folder.resolve(), None)
+        try:
+            (self.folder / LOCK_NAME).unlink(missing_ok=True)
+            if self.created:
+                self.folder.rmdir()
+        except OSError:  # the folder holds files now, or is already gone
+            pass
+        finally:
+            os.close(self.fd)  # unlinked first: nobody takes a lock on a file about to vanish
+            self.fd = -1
+
+    def __enter__(self) -> "FolderLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _holder(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def hold_folder(folder: str | Path, what: str = "output_dir", warn: Callable[[str], None] = log) -> FolderLock:
+    """Take `folder` (created if absent) for this process's writes, or refuse in one line
+    (FolderInUseError) naming the process that holds it. `what` names the folder in messages
+    (the recipe key it comes from)."""
+    import fcntl
+
+    folder = Path(folder)
+    key = folder.resolve()
+    if key in _HELD:
+        _HELD[key].holders += 1
+        return _HELD[key]
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_NAME
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                # A file system without locks (some network mounts): the run goes on unguarded.
+                os.close(fd)
+                warn(f"warning: cannot lock {path} ({err.strerror}): nothing stops a second process from writing into {folder}")
+                return FolderLock(folder, what, False, -1)
+            other = _holder(fd)
+            os.close(fd)
+            who = f"pid {other.get('pid', '?')} on {other.get('host', '?')}"
+            since = f", since {other['started']}" if "started" in other else ""
+            raise FolderInUseError(
+                f"{what} {folder} is in use by another draftsmith process ({who}{since}: {other.get('command', 'unknown command')}): "
+                "wait for it to finish, or choose another folder"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # its holder let go and removed the file between our open and lock: again
+    stale = _holder(fd)
+    if stale:
+        warn(
+            f"warning: {what} {folder} was held by pid {stale.get('pid', '?')} on {stale.get('host', '?')}, which is gone "
+            "(it stopped without letting go): taking it over"
+        )
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    lock = _HELD[key] = FolderLock(folder, what, created, fd)
+    return lock
+
+
 def drafter_kind(state: dict) -> str:
     """What a checkpoint trained: a head kind ("medusa", "eagle3", ...), "standalone" (a draft LM)
     or "early_exit" (a model that drafts with its own first layers)."""
@@ -120,6 +233,9 @@ def drafter_kind(state: dict) -> str:
 
 __all__ = [
     "CHECKPOINT_PREFIX",
+    "FolderInUseError",
+    "FolderLock",
+    "LOCK_NAME",
     "RunFolderError",
     "STATE_FILE",
     "WEIGHTS_NAME",
@@ -127,6 +243,7 @@ __all__ = [
     "checkpoint_root",
     "checkpoint_step",
     "drafter_kind",
+    "hold_folder",
     "is_checkpoint",
     "list_checkpoints",
     "log",

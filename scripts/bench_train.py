@@ -19,7 +19,6 @@ Results go to <out>/results.json and a Markdown table on stdout.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -28,6 +27,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from draftsmith.cli import OneLineParser, bounded, script_main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -113,26 +114,28 @@ def throughput(run_dir: Path, warmup: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m", help="a built-in name, HF folder or hub id")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model and synthetic chats instead")
     parser.add_argument("--data", default="sharegpt")
-    parser.add_argument("--limit", type=int, default=200, help="conversations (train + eval)")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
-    parser.add_argument("--micro-batch", type=int, default=4, help="per process; the global batch is this x the largest --nproc")
-    parser.add_argument("--global-batch", type=int, default=None, help="examples per optimizer step (default: --micro-batch x the largest --nproc)")
-    parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=3)
+    parser.add_argument("--limit", type=bounded(int, 2), default=200, help="conversations (train + eval)")
+    parser.add_argument("--steps", type=bounded(int, 1), default=12)
+    parser.add_argument("--warmup", type=bounded(int, 0), default=2, help="steps left out of the timing")
+    parser.add_argument("--micro-batch", type=bounded(int, 1), default=4, help="per process; the global batch is this x the largest --nproc")
+    parser.add_argument("--global-batch", type=bounded(int, 1), default=None, help="examples per optimizer step (default: --micro-batch x the largest --nproc)")
+    parser.add_argument("--max-length", type=bounded(int, 16), default=256)
+    parser.add_argument("--heads", type=bounded(int, 1), default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"], help="target precision")
     parser.add_argument("--mixed-precision", default=None, choices=["no", "bf16", "fp16"], help="default: no on CPU, bf16 with --gpu")
-    parser.add_argument("--nproc", type=int, nargs="+", default=None, help="process counts (default: 1 2 on CPU, 8 with --gpu)")
+    parser.add_argument("--nproc", type=bounded(int, 1), nargs="+", default=None, help="process counts (default: 1 2 on CPU, 8 with --gpu)")
     parser.add_argument("--modes", nargs="+", default=["online", "cache"], choices=["online", "cache"])
-    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for one-process runs (torchrun sets 1 per rank; default: torch's own choice)")
+    parser.add_argument("--threads", type=bounded(int, 1), default=None, help="OMP_NUM_THREADS for one-process runs (torchrun sets 1 per rank; default: torch's own choice)")
     parser.add_argument("--gpu", action="store_true", help="DeepSpeed ZeRO-2 vs ZeRO-3 (replicated and sharded target) on GPUs")
     parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"], help="the runs' train.device (default: cuda with --gpu, else cpu)")
     parser.add_argument("--out", default="runs/bench-train")
     args = parser.parse_args()
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -201,4 +204,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))

@@ -22,7 +22,6 @@ no --out it only prints.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -37,23 +36,25 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from draftsmith.cli import OneLineParser, bounded, script_main  # noqa: E402 (after the path)
+
 FULL_GRID = dict(batch=(1, 4, 16, 64), nodes=(8, 26, 64), vocab=(32000, 128256, 152064))
 SMALL_GRID = dict(batch=(1, 2), nodes=(4, 8), vocab=(64,))
 FIELDS = ("accept_len", "best_node", "path", "accepted_tokens", "bonus")
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    ap = OneLineParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (default) or cpu")
     ap.add_argument("--small", action="store_true", help="tiny grid for a CPU smoke run")
     ap.add_argument("--interpret", action="store_true", help="CPU: run the kernels in the Triton interpreter too")
     ap.add_argument("--modes", nargs="+", default=["greedy", "sample"], choices=["greedy", "sample"])
-    ap.add_argument("--batch", type=int, nargs="+", help="override the batch sizes")
-    ap.add_argument("--nodes", type=int, nargs="+", help="override the tree sizes (nodes, root included)")
-    ap.add_argument("--vocab", type=int, nargs="+", help="override the vocabularies")
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=bounded(int, 1), nargs="+", help="override the batch sizes")
+    ap.add_argument("--nodes", type=bounded(int, 1), nargs="+", help="override the tree sizes (nodes, root included)")
+    ap.add_argument("--vocab", type=bounded(int, 2), nargs="+", help="override the vocabularies")
+    ap.add_argument("--warmup", type=bounded(int, 0), default=5)
+    ap.add_argument("--reps", type=bounded(int, 1), default=30)
+    ap.add_argument("--seed", type=bounded(int, 0, 2**63 - 1), default=0)
     ap.add_argument("--out", type=Path, help="Markdown path (default docs/benchmarks-verify.md; none with --small)")
     args = ap.parse_args(argv)
     if args.out is None and not args.small:
@@ -237,4 +238,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))

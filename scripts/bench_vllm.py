@@ -35,7 +35,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from draftsmith.cli import BadInput
+from draftsmith.cli import MAX_NEW_TOKENS, BadInput, OneLineParser, bounded
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = REPO / "tests" / "interop" / "vllm_runner.py"
@@ -53,26 +53,33 @@ def per_prompt_rows(per_prompt: list[dict]) -> list[tuple[int, int]]:
 
 
 def parse_ngram(text: str) -> tuple[int, dict]:
+    """--ngram K or K:MIN-MAX (K >= 1 tokens drafted from n-grams of 1 <= MIN <= MAX tokens)."""
     k, _, window = text.partition(":")
     config = {}
-    if window:
-        low, _, high = window.partition("-")
-        config = {"prompt_lookup_min": int(low), "prompt_lookup_max": int(high or low)}
-    return int(k), config
+    try:
+        if window:
+            low, _, high = window.partition("-")
+            config = {"prompt_lookup_min": int(low), "prompt_lookup_max": int(high or low)}
+        k = int(k)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"K or K:MIN-MAX with whole numbers (3, 3:1-2), got {text!r}") from None
+    if k < 1 or (config and not 1 <= config["prompt_lookup_min"] <= config["prompt_lookup_max"]):
+        raise argparse.ArgumentTypeError(f"K >= 1 and 1 <= MIN <= MAX, got {text!r}")
+    return k, config
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="bench_vllm.py", description=__doc__.splitlines()[0])
     p.add_argument("--target", default=None, help="target path or built-in name (default: the first trained drafter's)")
     p.add_argument("--drafter", action="append", default=[], help="[NAME=]PATH: a draftsmith run/export or an engine-layout folder")
-    p.add_argument("--ngram", action="append", default=[], help="K or K:MIN-MAX (vLLM's prompt lookup)")
-    p.add_argument("--suffix", action="append", type=int, default=[], help="K (suffix decoding, arctic-inference)")
+    p.add_argument("--ngram", action="append", type=parse_ngram, default=[], help="K or K:MIN-MAX (vLLM's prompt lookup)")
+    p.add_argument("--suffix", action="append", type=bounded(int, 1, 64), default=[], help="K (suffix decoding, arctic-inference)")
     p.add_argument("--prompts", default="mtbench")
-    p.add_argument("--limit", type=int, default=20)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--k", type=int, default=3, help="tokens a trained drafter drafts per step (vLLM and draftsmith's chain); a DFlash head drafts its block_size - 1")
+    p.add_argument("--limit", type=bounded(int, 1), default=20)
+    p.add_argument("--max-new-tokens", type=bounded(int, 1, MAX_NEW_TOKENS), default=128)
+    p.add_argument("--k", type=bounded(int, 1, 64), default=3, help="tokens a trained drafter drafts per step (vLLM and draftsmith's chain); a DFlash head drafts its block_size - 1")
     p.add_argument("--no-draftsmith", action="store_true", help="skip decoding the trained drafters in draftsmith's runtime")
-    p.add_argument("--draftsmith-limit", type=int, default=None, help="decode only the first N prompts in draftsmith's runtime (compared with vLLM on the same N)")
+    p.add_argument("--draftsmith-limit", type=bounded(int, 1), default=None, help="decode only the first N prompts in draftsmith's runtime (compared with vLLM on the same N)")
     p.add_argument("--out", required=True)
     p.add_argument("--resume", action="store_true", help="continue an interrupted benchmark in --out: the same job, its finished vLLM runs kept")
     args = p.parse_args(argv)
@@ -92,7 +99,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     resuming = args.resume and (out / "job.json").is_file()
     if not resuming:
-        check_destination(out, owned=lambda folder: (folder / "results.json").is_file())
+        if (out / "job.json").is_file() and not (out / "results.json").is_file():
+            raise BadInput(f"--out {out} holds an unfinished benchmark (job.json, no results.json): pass --resume to continue it, or choose another --out")
+        # This script has no option to replace a folder of the user's: it names none.
+        check_destination(out, owned=lambda folder: (folder / "results.json").is_file(), flag=None)
     drafters = []
     for item in args.drafter:  # every drafter opened (and refused) before anything is written
         name, sep, path = item.partition("=")
@@ -111,6 +121,8 @@ def main(argv=None) -> int:
         if reason:
             raise BadInput(f"--drafter {item}: vLLM cannot serve it from {served}: {reason}")
         drafters.append({"name": name, "path": path, "artifact": artifact, "served": served, "method": METHODS.get(artifact.kind, artifact.kind), "k": k, "export": options})
+    # The vLLM venv is checked before anything is written (a dequantized target included).
+    python = vllm_python()
     target_path, gguf = (args.target, None) if args.target else drafters[0]["artifact"].target_source() if drafters else (None, None)
     if not target_path:
         raise BadInput("name the target with --target (no trained drafter records one)")
@@ -121,7 +133,7 @@ def main(argv=None) -> int:
 
     runs = [{"name": "plain"}]
     runs += [{"name": d["name"], "method": d["method"], "model": str(d["served"]), "k": d["k"]} for d in drafters]
-    runs += [{"name": f"ngram-k{k}" + (f"-{c['prompt_lookup_min']}-{c['prompt_lookup_max']}" if c else ""), "method": "ngram", "k": k, "config": c} for k, c in map(parse_ngram, args.ngram)]
+    runs += [{"name": f"ngram-k{k}" + (f"-{c['prompt_lookup_min']}-{c['prompt_lookup_max']}" if c else ""), "method": "ngram", "k": k, "config": c} for k, c in args.ngram]
     arctic = os.environ.get("ARCTIC_INFERENCE_PATH")
     skipped = {}
     for k in args.suffix:
@@ -146,7 +158,7 @@ def main(argv=None) -> int:
     if arctic:
         env["PYTHONPATH"] = arctic
     print(f"vLLM: {len(runs)} runs on {len(ids)} prompts, log {out / 'vllm.log'}", flush=True)
-    done = subprocess.run([str(vllm_python()), str(RUNNER), str(out / "job.json"), str(out / "vllm.json")], env=env, capture_output=True, text=True)
+    done = subprocess.run([str(python), str(RUNNER), str(out / "job.json"), str(out / "vllm.json")], env=env, capture_output=True, text=True)
     (out / "vllm.log").write_text(done.stdout + done.stderr)
     if done.returncode:
         sys.exit(f"error: vLLM failed, see {out / 'vllm.log'}")

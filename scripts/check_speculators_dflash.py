@@ -14,11 +14,12 @@ largest relative difference; exits 1 above 1e-4. Needs speculators' venv (docs/p
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from draftsmith.cli import OneLineParser, script_main
 
 SPECULATORS_PYTHON = Path.home() / ".cache/draftsmith/venvs/speculators-0.9.0/bin/python"
 
@@ -51,7 +52,7 @@ json.dump({"logits": logits[0].tolist(), "positions": blocks.tolist(), "valid": 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     p.add_argument("out")
     p.add_argument("--speculators-python", default=str(SPECULATORS_PYTHON))
     args = p.parse_args(argv)
@@ -101,4 +102,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))

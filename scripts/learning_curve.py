@@ -11,11 +11,12 @@ the run folder (or --out).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import Counter
 from pathlib import Path
+
+from draftsmith.cli import OneLineParser, script_main
 
 
 def curve(metrics_file: Path) -> tuple[list[dict], int]:
@@ -35,7 +36,7 @@ def curve(metrics_file: Path) -> tuple[list[dict], int]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     p.add_argument("run", help="a run folder (holds metrics.jsonl)")
     p.add_argument("--out", default=None, help="where to write (default: the run folder)")
     args = p.parse_args(argv)
@@ -79,4 +80,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))

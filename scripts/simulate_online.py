@@ -16,20 +16,22 @@ import sys
 import tempfile
 from pathlib import Path
 
+from draftsmith.cli import MAX_NEW_TOKENS, OneLineParser, bounded, script_main
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default=str(ROOT / "recipes/online/qwen2.5-coder-1.5b.yaml"))
     p.add_argument("--target", help="target model (folder, .gguf, hub id or built-in name)")
     p.add_argument("--draft", help="draft model sharing the target's tokenizer")
     p.add_argument("--first", help="prompts served first (data.path): a file or mtbench / humaneval / sharegpt")
     p.add_argument("--then", nargs="*", help="prompt sources served after it, in order (online.shift_to)")
-    p.add_argument("--requests-per-source", type=int)
-    p.add_argument("--update-every", type=int)
-    p.add_argument("--steps-per-update", type=int)
-    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--requests-per-source", type=bounded(int, 1))
+    p.add_argument("--update-every", type=bounded(int, 1))
+    p.add_argument("--steps-per-update", type=bounded(int, 1))
+    p.add_argument("--max-new-tokens", type=bounded(int, 1, MAX_NEW_TOKENS))
     p.add_argument("--out", required=True, help="run folder (output_dir)")
     return p.parse_args(argv)
 
@@ -74,4 +76,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))

@@ -16,20 +16,21 @@ least --min-answer tokens, are taken; the training ones are shuffled with --seed
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
 from pathlib import Path
 
+from draftsmith.cli import OneLineParser, bounded, script_main
+
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     p.add_argument("recipe", help="the recipe whose data cache (data.cache_dir) holds regenerated-*.jsonl")
-    p.add_argument("--n", type=int, default=20)
-    p.add_argument("--max-chars", type=int, default=600)
-    p.add_argument("--min-answer", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=bounded(int, 1), default=20)
+    p.add_argument("--max-chars", type=bounded(int, 1), default=600)
+    p.add_argument("--min-answer", type=bounded(int, 0), default=64)
+    p.add_argument("--seed", type=bounded(int, 0), default=0)
     p.add_argument("--out", default="runs/prompts")
     args = p.parse_args(argv)
 
@@ -73,4 +74,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from draftsmith.artifacts import open_drafter
-from draftsmith.eval.run import evaluate
+from draftsmith.eval.run import evaluate, fitting_prompts
 from draftsmith.export.native import record_exit_layer
 from draftsmith.runtime.drafters import DrafterError
 from draftsmith.runtime.early_exit import check_exit_layer
@@ -54,6 +54,7 @@ def sweep_exit_layers(
     for e in exits:
         check_exit_layer(e, L)
     spec = early_exit_chain(tree, artifact.block)
+    prompts = fitting_prompts(early_exit_loaded(model, folder, exits[0], spec, "sweep"), prompts, decoding["max_new_tokens"])
     rows, baseline = [], None
     for e in exits:
         stats, _ = evaluate(early_exit_loaded(model, folder, e, spec, "sweep"), prompts, baseline=baseline is None, assisted=False, progress=progress, **decoding)
@@ -69,6 +70,7 @@ def sweep_exit_layers(
     how = f"eval --exit-layer sweep: best measured speedup over plain decoding among exits {exits[0]}..{exits[-1]} ({len(prompts)} prompts)"
     loaded = early_exit_loaded(model, folder, best, spec, how)
     stats, extra = evaluate(loaded, prompts, baseline=True, assisted=assisted, progress=progress, **decoding)
+    extra["num_prompts"] = len(prompts)
     if artifact.block:
         record_exit_layer(folder, best, spec.max_depth, how)
         extra["recorded_in"] = str(Path(folder) / "config.json")

@@ -8,13 +8,24 @@ import os
 from pathlib import Path
 from typing import Any
 
-from draftsmith.atomic import write_manifest
-
+from draftsmith.atomic import atomic_path, manifest_files, previous_output, write_manifest
 from draftsmith.eval.acceptance import AcceptanceStats
 
-__all__ = ["write_report"]
+__all__ = ["report_folder", "write_report"]
 
 REPORT_FILES = ("report.json", "report.md", "report.png")
+ACCEPTANCE_CSV = "acceptance.csv"
+
+
+def report_folder(folder: str | os.PathLike) -> bool:
+    """Whether `folder` holds only what eval writes: a complete report (its manifest lists every
+    file), or what an eval of an earlier version left half-written (report files, no manifest),
+    which a rerun may replace."""
+    folder = Path(folder)
+    if previous_output(folder):
+        return True
+    present = {p.name for p in folder.iterdir()}
+    return manifest_files(folder) is None and bool(present) and present <= {*REPORT_FILES, ACCEPTANCE_CSV}
 
 
 def write_report(stats: AcceptanceStats, out_dir: str | os.PathLike, meta: dict[str, Any]) -> dict[str, Any]:
@@ -32,15 +43,16 @@ def write_report(stats: AcceptanceStats, out_dir: str | os.PathLike, meta: dict[
     if clash:
         raise ValueError(f"meta keys collide with report metrics: {clash}")
     report = {**meta, **summary}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # allow_nan=False: a NaN that slipped into meta would otherwise write invalid JSON.
-    (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    (out / "report.md").write_text(_markdown(report, meta, stats))
-    _plot(stats, meta, out / "report.png")
-    write_acceptance_csv(out / "acceptance.csv", [stats.speculator_row()])
-    # The folder is now a previous output of eval: a later eval may replace it as a whole.
-    write_manifest(out)
+    # Like a checkpoint, the report appears whole or not at all (a full disk, Ctrl-C): written
+    # into a temporary folder beside `out_dir`, renamed into place once its manifest is written.
+    with atomic_path(out_dir, folder=True) as out:
+        # allow_nan=False: a NaN that slipped into meta would otherwise write invalid JSON.
+        (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+        (out / "report.md").write_text(_markdown(report, meta, stats))
+        _plot(stats, meta, out / "report.png")
+        write_acceptance_csv(out / ACCEPTANCE_CSV, [stats.speculator_row()])
+        # The folder is now a previous output of eval: a later eval may replace it as a whole.
+        write_manifest(out)
     return report
 
 

@@ -7,6 +7,7 @@ SamplingParams says how tokens are chosen, end to end.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Optional
 
@@ -15,6 +16,7 @@ import torch
 from draftsmith.data.chat import encode_prompt, stop_token_ids
 from draftsmith.eval.acceptance import AcceptanceStats
 from draftsmith.runtime.generate import autoregressive_generate, speculative_generate
+from draftsmith.runs import log
 from draftsmith.runtime.load import LoadedDrafter
 from draftsmith.runtime.verify import GREEDY, SamplingParams
 
@@ -27,17 +29,53 @@ def load_prompts(spec: str, limit: Optional[int] = None) -> list[list[dict]]:
     from draftsmith.data import DataError, load_conversations
     from draftsmith.data.chat import first_user_turn
 
-    conversations = load_conversations(spec, format="auto", limit=None, shuffle=False)
-    prompts = []
+    counts: dict = {}
+    conversations = load_conversations(spec, format="auto", limit=None, shuffle=False, stats=counts)
+    prompts, skipped = [], counts.get("dropped_malformed", 0)
     for conv in conversations:
         head = first_user_turn(conv)
         if head is not None:
             prompts.append(head)
+        else:
+            skipped += 1
         if limit is not None and len(prompts) >= limit:
             break
     if not prompts:
         raise DataError(f"no usable prompts in {spec}: each record needs a `prompt` field or chat `messages` with a user turn")
+    if skipped:
+        log(f"warning: skipped {skipped} record(s) of {spec} with no usable prompt (empty, malformed, or no user turn)", stream=sys.stderr)
     return prompts
+
+
+def context_length(loaded: LoadedDrafter) -> Optional[int]:
+    """Positions the target has (its config's max_position_embeddings), or None where it does not say."""
+    value = getattr(loaded.target.model.config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def too_long(loaded: LoadedDrafter, messages: list[dict], max_new_tokens: int) -> Optional[str]:
+    """Why a prompt does not fit the target's context with `max_new_tokens` after it (it is not
+    cut: a cut prompt asks something else), or None when it fits."""
+    limit = context_length(loaded)
+    n = len(encode_prompt(loaded.target.tokenizer, messages))
+    if limit is None or n + max_new_tokens <= limit:
+        return None
+    return f"{n} prompt tokens + --max-new-tokens {max_new_tokens} exceed the target's context of {limit} positions"
+
+
+def fitting_prompts(loaded: LoadedDrafter, prompts: list[list[dict]], max_new_tokens: int) -> list[list[dict]]:
+    """The prompts that fit the target's context with `max_new_tokens` after them; the others are
+    skipped (not cut) with one warning that counts them. DataError when none fits."""
+    from draftsmith.data import DataError
+
+    reasons = [too_long(loaded, messages, max_new_tokens) for messages in prompts]
+    kept = [messages for messages, reason in zip(prompts, reasons) if reason is None]
+    dropped = [reason for reason in reasons if reason is not None]
+    if not kept:
+        raise DataError(f"no prompt fits the target's context: {dropped[0]} (lower --max-new-tokens, or use shorter prompts)")
+    if dropped:
+        log(f"warning: skipping {len(dropped)} of {len(prompts)} prompts longer than the target's context (not cut; the first: {dropped[0]})", stream=sys.stderr)
+    return kept
 
 
 def _prompt_ids(loaded: LoadedDrafter, messages: list[dict]) -> torch.Tensor:

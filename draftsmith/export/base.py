@@ -26,11 +26,14 @@ class ExportOptions:
 
     def speculative_tokens(self, drafter) -> int:
         """Tokens per step for `drafter`: as given, else its block (DFlash drafts block_size - 1
-        per forward, and the engines' block is num_speculative_tokens + 1), else 3."""
+        per forward, and the engines' block is num_speculative_tokens + 1), else 3 (at most one
+        per head of a Medusa or Hydra drafter)."""
         if self.num_speculative_tokens is not None:
             return self.num_speculative_tokens
         if drafter.kind == "dflash":
             return drafter.head.cfg.block_size - 1
+        if drafter.kind in ONE_HEAD_PER_TOKEN:
+            return min(DEFAULT_SPECULATIVE_TOKENS, drafter.head.depth)
         return DEFAULT_SPECULATIVE_TOKENS
 
 
@@ -38,10 +41,19 @@ class ExportOptions:
 DEFAULT_SPECULATIVE_TOKENS = 3
 
 
-def block_refusal(drafter, options: ExportOptions) -> Optional[str]:
-    """A DFlash head served with another number of tokens per step than it was trained for: the
-    engines run a block of num_speculative_tokens + 1 slots, all attending to each other, so a
-    shorter or longer block computes something the head never learned."""
+# Kinds with one module per drafted position: they cannot draft past their last head.
+ONE_HEAD_PER_TOKEN = ("medusa", "hydra")
+
+
+def depth_refusal(drafter, options: ExportOptions) -> Optional[str]:
+    """Tokens per step that `drafter` cannot draft: past the last head of a Medusa or Hydra drafter
+    (the engines draft one token per head), or another block than a DFlash head was trained for
+    (the engines run a block of num_speculative_tokens + 1 slots, all attending to each other, so a
+    shorter or longer block computes something the head never learned)."""
+    k = options.speculative_tokens(drafter)
+    if drafter.kind in ONE_HEAD_PER_TOKEN and k > drafter.head.depth:
+        heads = drafter.head.depth
+        return f"the drafter has {heads} heads, one per drafted token, so it cannot draft {k} tokens per step: use --num-speculative-tokens {heads} or fewer"
     if drafter.kind != "dflash" or options.num_speculative_tokens is None:
         return None
     B = drafter.head.cfg.block_size
@@ -76,4 +88,4 @@ def source_record(artifact) -> dict:
     return record
 
 
-__all__ = ["DEFAULT_SPECULATIVE_TOKENS", "ExportError", "ExportOptions", "block_refusal", "source_record", "write_provenance"]
+__all__ = ["DEFAULT_SPECULATIVE_TOKENS", "ExportError", "ExportOptions", "ONE_HEAD_PER_TOKEN", "depth_refusal", "source_record", "write_provenance"]

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from draftsmith import __version__
 from draftsmith.artifacts import CONFIG_NAME, EARLY_EXIT_KEY, ArtifactError, DraftLMArtifact, EarlyExitArtifact, HeadArtifact
 from draftsmith.atomic import manifest_problem, write_atomic, write_manifest
-from draftsmith.export.base import ExportOptions, write_provenance
+from draftsmith.export.base import ExportOptions, depth_refusal, write_provenance
 from draftsmith.export.card import early_exit_card, exit_layer_line, head_config_values, lm_model_card, model_card
 from draftsmith.runs import WEIGHTS_NAME
 from draftsmith.runtime.early_exit import DEFAULT_DRAFT_LENGTH
@@ -38,7 +38,9 @@ _CARD_EXIT_LINE = re.compile(r"^Exit layer: .*$", re.MULTILINE)
 def refusal(artifact, out: Path, options: ExportOptions) -> Optional[str]:
     if isinstance(artifact, HeadArtifact) and artifact.head is None:
         return "a third-party head folder is already in an engine's layout; draftsmith exports what it trained"
-    return None
+    # The layout does not record tokens per step, but a number the drafter cannot draft is refused
+    # here as in every format rather than ignored.
+    return depth_refusal(artifact, options) if isinstance(artifact, HeadArtifact) else None
 
 
 def write(artifact, folder: Path, options: ExportOptions) -> None:

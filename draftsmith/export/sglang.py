@@ -17,7 +17,7 @@ from typing import Optional
 
 from safetensors.torch import save_file
 
-from draftsmith.export.base import ExportOptions, block_refusal, source_record, write_provenance
+from draftsmith.export.base import ExportOptions, depth_refusal, source_record, write_provenance
 from draftsmith.export.card import head_config_values, model_card
 from draftsmith.export.vllm import EARLY_EXIT_REFUSAL
 from draftsmith.export.layouts import EAGLE3_TARGETS, dflash_config, dflash_tensors, eagle3_config, eagle3_tensors, eagle_config, eagle_tensors
@@ -71,7 +71,7 @@ def dflash_refusal(drafter, model_type: str, options: ExportOptions) -> Optional
         return "SGLang's DFlash draft has no learned mask vector (head.mask_embedding): --format vllm carries it"
     if cfg.causal:
         return "SGLang's DFlash attends bidirectionally inside the block unless a layer has a sliding window: train with head.causal=false"
-    return block_refusal(drafter, options)
+    return depth_refusal(drafter, options)
 
 
 def write(drafter, folder: Path, options: ExportOptions) -> None:

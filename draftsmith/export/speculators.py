@@ -22,7 +22,7 @@ from typing import Optional
 
 from safetensors.torch import save_file
 
-from draftsmith.export.base import ExportOptions, block_refusal, source_record, write_provenance
+from draftsmith.export.base import ExportOptions, depth_refusal, source_record, write_provenance
 from draftsmith.export.card import head_config_values, model_card
 from draftsmith.export.layouts import EAGLE3_TARGETS, dflash_tensors, eagle3_switches, eagle3_tensors, llama_layer_config, qwen3_layer_config
 from draftsmith.export.vllm import EARLY_EXIT_REFUSAL, METHODS as VLLM_METHODS
@@ -44,7 +44,7 @@ def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
         return f"{'EAGLE-3' if drafter.kind == 'eagle3' else 'DFlash'} reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
     if drafter.kind == "dflash" and drafter.head.cfg.mask_embedding:
         return "speculators' DFlash has no learned mask vector (head.mask_embedding): --format vllm carries it (mask_embedding.pt)"
-    return block_refusal(drafter, options)
+    return depth_refusal(drafter, options)
 
 
 def verifier(drafter, options: ExportOptions) -> dict:

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.export.base import ExportOptions, block_refusal, source_record, write_provenance
+from draftsmith.export.base import ExportOptions, depth_refusal, source_record, write_provenance
 from draftsmith.export.card import head_config_values, model_card
 from draftsmith.export.layouts import (
     EAGLE3_TARGETS, VLLM_CPU_HEAD_SIZES, dflash_config, dflash_tensors, eagle3_config, eagle3_tensors, eagle_config, eagle_tensors,
@@ -52,7 +52,7 @@ def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
     if kind in ("eagle3", "dflash") and model_type and model_type not in EAGLE3_TARGETS:
         name = "EAGLE-3" if kind == "eagle3" else "DFlash"
         return f"vLLM's {name} reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
-    block = block_refusal(drafter, options)
+    block = depth_refusal(drafter, options)
     if block:
         return block
     if kind == "eagle" and drafter.head.cfg.fc_bias:

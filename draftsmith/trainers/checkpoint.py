@@ -18,10 +18,11 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from draftsmith.atomic import TMP_PREFIX, atomic_path, commit, sha256_file, write_atomic
+from draftsmith.atomic import TMP_PREFIX, atomic_path, commit, full_disk_names, sha256_file, write_atomic
 from draftsmith.recipe import Recipe, save_resolved
 from draftsmith.runs import (
-    CHECKPOINT_PREFIX, STATE_FILE, WEIGHTS_NAME, RunFolderError, checkpoint_problem, checkpoint_root, list_checkpoints, log, read_state,
+    CHECKPOINT_PREFIX, LOCK_NAME, STATE_FILE, WEIGHTS_NAME, FolderLock, RunFolderError, checkpoint_problem, checkpoint_root, hold_folder,
+    list_checkpoints, log, read_state,
 )
 from draftsmith.trainers.engine import TrainingError, engine_info, full_state_dict, uses_deepspeed
 
@@ -93,7 +94,7 @@ def check_output_dir(output_dir: Path) -> None:
         return
     if not output_dir.is_dir():
         raise RunFolderError(f"output_dir {output_dir} exists and is not a folder")
-    entries = sorted(p.name for p in output_dir.iterdir())
+    entries = sorted(p.name for p in output_dir.iterdir() if p.name != LOCK_NAME)
     command = output_dir / "command.txt"
     is_run = (output_dir / "checkpoints").is_dir() or (command.is_file() and command.read_text(errors="replace").startswith("draftsmith"))
     if entries and not is_run:
@@ -103,15 +104,24 @@ def check_output_dir(output_dir: Path) -> None:
         )
 
 
-def open_run(accelerator, output_dir: Path, resume: str) -> Optional[Path]:
-    """Start or continue a run in `output_dir`: drop half-written checkpoints, return the one to
-    resume from (per train.resume). Writes nothing else: what an earlier run left there stays as it
-    was until `record_run`, so a run that fails while setting up loses nothing."""
+def open_run(accelerator, output_dir: Path, resume: str) -> tuple[Optional[Path], Optional[FolderLock]]:
+    """Start or continue a run in `output_dir`: the main process takes the folder for this run (the
+    ranks of one run write through it; another run there is refused, runs.hold_folder), drops
+    half-written checkpoints; returns the checkpoint to resume from (per train.resume) and the lock
+    (None on the other ranks) that lifecycle.close releases. Writes nothing else: what an earlier
+    run left there stays as it was until `record_run`, so a run that fails while setting up loses
+    nothing."""
     check_output_dir(output_dir)
-    if accelerator.is_main_process:
-        clear_partial_checkpoints(output_dir)
-    accelerator.wait_for_everyone()
-    return find_resume_checkpoint(output_dir, resume)
+    lock = hold_folder(output_dir) if accelerator.is_main_process else None
+    try:
+        if accelerator.is_main_process:
+            clear_partial_checkpoints(output_dir)
+        accelerator.wait_for_everyone()
+        return find_resume_checkpoint(output_dir, resume), lock
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
 
 
 def record_run(accelerator, recipe: Recipe, output_dir: Path, argv: list[str]) -> None:
@@ -152,32 +162,41 @@ def save_checkpoint(
     # One name every rank agrees on: DeepSpeed ranks write their shards into it.
     tmp = root / f"{TMP_PREFIX}{final.name}"
     deepspeed = uses_deepspeed(accelerator)
+    try:
+        # A full disk is one line naming the checkpoint; what was written of it goes (a full disk
+        # has no room for a leftover), and the checkpoints written before it stay as they were.
+        with full_disk_names(final):
+            if accelerator.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            accelerator.wait_for_everyone()
+            if deepspeed:
+                accelerator.save_state(str(tmp), exclude_frozen_parameters=True)
+            else:
+                accelerator.save_state(str(tmp), safe_serialization=True)
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                if deepspeed and weights is not None:
+                    save_file(weights, str(tmp / WEIGHTS_NAME))
+                save_resolved(recipe, tmp, argv)
+                files = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
+                record = {
+                    "step": step,
+                    "trainer": recipe.trainer,
+                    "drafter": {"kind": drafter_kind},
+                    "engine": engine_info(accelerator),
+                    **state,
+                    "files": {str(p.relative_to(tmp)): p.stat().st_size for p in files},
+                    "sha256": {str(p.relative_to(tmp)): sha256_file(p) for p in files},
+                }
+                # trainer_state.json goes last: its presence marks the folder complete.
+                write_atomic(tmp / STATE_FILE, json.dumps(record, indent=2))
+                commit(tmp, final)
+    except BaseException:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    if deepspeed:
-        accelerator.save_state(str(tmp), exclude_frozen_parameters=True)
-    else:
-        accelerator.save_state(str(tmp), safe_serialization=True)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        if deepspeed and weights is not None:
-            save_file(weights, str(tmp / WEIGHTS_NAME))
-        save_resolved(recipe, tmp, argv)
-        files = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
-        record = {
-            "step": step,
-            "trainer": recipe.trainer,
-            "drafter": {"kind": drafter_kind},
-            "engine": engine_info(accelerator),
-            **state,
-            "files": {str(p.relative_to(tmp)): p.stat().st_size for p in files},
-            "sha256": {str(p.relative_to(tmp)): sha256_file(p) for p in files},
-        }
-        # trainer_state.json goes last: its presence marks the folder complete.
-        write_atomic(tmp / STATE_FILE, json.dumps(record, indent=2))
-        commit(tmp, final)
         for old in list_checkpoints(output_dir)[: -recipe.train.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()

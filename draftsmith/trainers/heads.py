@@ -26,6 +26,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from draftsmith.atomic import write_atomic
 from draftsmith.data.collate import Batch
 from draftsmith.heads import HEADS, DraftHead
 from draftsmith.heads.base import depth_labels
@@ -315,7 +316,7 @@ class HeadTrainer:
         if tree is not None:
             summary["tree"] = {k: tree[k] for k in ("choices", "expected_accept_length")}
         if acc.is_main_process:
-            (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
+            write_atomic(self.output_dir / "final_metrics.json", json.dumps(summary, indent=2))
         return summary
 
     def close(self) -> None:

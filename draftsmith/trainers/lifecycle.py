@@ -26,13 +26,14 @@ from draftsmith.trainers.loop import MetricsLog
 
 
 def start(trainer) -> None:
-    """The accelerator (one process, DDP or DeepSpeed per the recipe), the seed, and the
+    """The accelerator (one process, DDP or DeepSpeed per the recipe), the seed, the output folder
+    held for this run (``trainer.run_lock``: another run writing there is refused), and the
     checkpoint to resume from (``trainer.resume_from``; half-written ones are dropped). Nothing
     an earlier run left is changed yet."""
     r = trainer.recipe
     trainer.accelerator = engine.make_accelerator(r.train, r.deepspeed)
     torch.manual_seed(r.train.seed)
-    trainer.resume_from = checkpoint.open_run(trainer.accelerator, trainer.output_dir, r.train.resume)
+    trainer.resume_from, trainer.run_lock = checkpoint.open_run(trainer.accelerator, trainer.output_dir, r.train.resume)
     if trainer.resume_from is not None:
         checkpoint.check_resumable(r, trainer.resume_from)
     trainer.last_checkpoint = trainer.resume_from
@@ -82,13 +83,19 @@ def trainable_parameters(module: nn.Module) -> int:
 def close(trainer) -> None:
     """Release the engine and the process group so every rank exits cleanly (also after a failed
     set-up): the wrapped module, optimizer and step module go first (a rank otherwise sometimes
-    aborts at exit, docs/ENVIRONMENT.md), then the metrics log and the accelerator."""
+    aborts at exit, docs/ENVIRONMENT.md), then the metrics log and the accelerator; the output
+    folder is let go last."""
     acc = getattr(trainer, "accelerator", None)
+    lock, trainer.run_lock = getattr(trainer, "run_lock", None), None
     trainer.model = trainer.optimizer = trainer.step_module = None
-    if getattr(trainer, "metrics", None) is not None:
-        trainer.metrics.close()
-    if acc is not None:
-        engine.teardown(acc)
+    try:
+        if getattr(trainer, "metrics", None) is not None:
+            trainer.metrics.close()
+        if acc is not None:
+            engine.teardown(acc)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 __all__ = ["close", "prepare", "record", "resume", "start", "trainable_parameters"]

@@ -220,7 +220,7 @@ def train_from_first_eval(trainer: Trainer, desc: str) -> dict:
     result, elapsed = run_loop(trainer, Schedule.steps(trainer.recipe.train), trainer.step, desc)
     summary = {"step": trainer.step, "seconds": round(elapsed, 1), **(result or first), "checkpoint": str(trainer.last_checkpoint)}
     if acc.is_main_process:
-        (trainer.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
+        write_atomic(trainer.output_dir / "final_metrics.json", json.dumps(summary, indent=2))
     return summary
 
 

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from draftsmith.atomic import write_atomic
 from draftsmith.recipe import Recipe
 from draftsmith.runs import log
 from draftsmith.target import FrozenTarget, load_draft
@@ -234,7 +235,7 @@ class OnlineTrainer:
         summary = {"served": self.served, "optimizer_steps": self.step, "seconds": round(elapsed, 1), "checkpoint": str(self.last_checkpoint)}
         if acc.is_main_process:
             summary.update(acceptance_by_source(self.output_dir))
-            (self.output_dir / "final_metrics.json").write_text(json.dumps(summary, indent=2))
+            write_atomic(self.output_dir / "final_metrics.json", json.dumps(summary, indent=2))
         return summary
 
     def close(self) -> None:

@@ -39,7 +39,6 @@ trained tokens per second, peak RSS of the trainer, the drafter folder).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -50,7 +49,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.cli import BadInput, add_device_option
+from draftsmith.cli import BadInput, OneLineParser, add_device_option
 
 REPO = Path(__file__).resolve().parents[2]
 WRAPPER = REPO / "scripts" / "peers" / "speculators_train.py"
@@ -162,7 +161,7 @@ def run_metrics(run: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     p.add_argument("recipe", help="the draftsmith EAGLE-3 recipe whose data both train on")
     p.add_argument("--draftsmith-run", required=True, help="the draftsmith run of that recipe (its draft vocabulary and schedule)")
     p.add_argument("--setting", required=True, choices=["same-schedule", "defaults"])

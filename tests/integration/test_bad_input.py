@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.atomic import MANIFEST_NAME
+from draftsmith.atomic import MANIFEST_NAME, TMP_PREFIX, current_umask
 from draftsmith.cli import main
+from draftsmith.runs import LOCK_NAME, checkpoint_problem, hold_folder, list_checkpoints
 from draftsmith.testing import REPO, heads_recipe, launch_env, run_trainer, write_chats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,8 +98,27 @@ ROWS = [
     ("prompts that are not UTF-8", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["latin1"]), "--out", str(w["root"] / "e5")], 2, ["latin1.jsonl", "not UTF-8"]),
     ("push an invalid repo id", lambda w: ["push", str(w["export"]), "--repo-id", "no good/repo id"], 2, ["--repo-id"]),
     ("push a damaged export", lambda w: ["push", str(damaged_copy(w["export"], w["root"] / "export-push", lambda d: flip(d / "model.safetensors"))), "--repo-id", "me/x"], 2, ["sha256"]),
-    ("serve-target without vLLM", lambda w: ["serve-target", str(w["recipe"])], 2, ["no vLLM venv", "make vllm"]),
+    ("serve-target without vLLM", lambda w: ["serve-target", str(w["recipe"]), "--port", str(free_port())], 2, ["no vLLM venv", "make vllm"]),
+    # Numbers that are not numbers: nan passes every `x < low` check, so each is refused by name.
+    ("a temperature of nan", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "hi", "--temperature", "nan"], 2, ["--temperature", "finite"]),
+    ("a top-p of nan", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--top-p", "nan", "--out", str(w["root"] / "e6")], 2, ["--top-p", "finite"]),
+    ("an infinite temperature", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--temperature", "inf", "--out", str(w["root"] / "e7")], 2, ["--temperature", "finite"]),
+    ("push with a timeout of nan", lambda w: ["push", str(w["export"]), "--repo-id", "me/x", "--timeout", "nan"], 2, ["--timeout", "finite"]),
+    ("a learning rate of nan", lambda w: ["train", str(w["recipe"]), "train.lr=nan"], 2, ["train.lr", "finite"]),
+    # Destinations and prompts checked before a model loads (here the drafter does not even exist).
+    ("eval --out where nothing can be written", lambda w: ["eval", "--drafter", str(w["root"] / "nope"), "--prompts", str(w["prompts"]), "--out", "/sys/draftsmith-probe"], 1, ["PermissionError", "/sys/draftsmith-probe"]),
+    ("an empty --prompt", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "  "], 2, ["--prompt", "empty"]),
+    ("a prompt longer than the target's context", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "say " * 300, "--max-new-tokens", "4"], 2, ["--prompt", "1024", "context"]),
+    # More tokens per step than the drafter has heads (DFlash's block rule has its own tests).
+    ("3 tokens a step from 2 Medusa heads", lambda w: ["export", str(w["run"]), "--out", str(w["root"] / "x4"), "--format", "vllm", "--num-speculative-tokens", "3"], 2, ["2 heads", "--num-speculative-tokens 2"]),
+    ("the same in draftsmith's layout", lambda w: ["export", str(w["run"]), "--out", str(w["root"] / "x5"), "--num-speculative-tokens", "3"], 2, ["2 heads"]),
 ]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _unknown_kind(folder: Path) -> None:
@@ -202,6 +222,13 @@ train: {{micro_batch_size: 2, max_steps: 100000, lr: 0.01, log_every: 1, eval_ev
             assert proc.poll() is None, proc.communicate()
             assert time.time() < deadline, "training did not start"
             time.sleep(0.2)
+        # One run folder, one writer: the same command started again while this one runs is
+        # refused in one line naming the process that holds the folder, and changes nothing.
+        before = snapshot(tmp_path / "run" / "checkpoints") if (tmp_path / "run" / "checkpoints").is_dir() else {}
+        # (a short schedule: where nothing refused it, the second run would end on its own)
+        assert_one_line(["train", str(recipe), "train.max_steps=1"], 2, ["in use", f"pid {proc.pid}", str(tmp_path / "run")])
+        if before:
+            assert snapshot(tmp_path / "run" / "checkpoints") == before
         os.kill(proc.pid, sig)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -211,3 +238,178 @@ train: {{micro_batch_size: 2, max_steps: 100000, lr: 0.01, log_every: 1, eval_ev
     assert proc.returncode == code, out[-2000:] + err[-3000:]
     assert "stopped at step" in out and "run the same command to resume" in err, out[-2000:] + err[-2000:]
     assert list((tmp_path / "run" / "checkpoints").glob("step-*")), "no checkpoint was saved"
+    assert not (tmp_path / "run" / LOCK_NAME).exists(), "the stopped run kept its folder locked"
+
+
+def assert_one_line(argv: list[str], code: int, words: list[str]) -> str:
+    """Run the command line in this process: exit `code`, exactly one error line holding `words`."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        got = main(argv)
+    text = err.getvalue()
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert got == code and len(errors) == 1 and "Traceback" not in text, (argv, got, text[-3000:])
+    for word in words:
+        assert word in errors[0], (word, errors[0])
+    return errors[0]
+
+
+def test_a_data_cache_has_one_writer_and_a_stale_lock_is_taken_over(world, tmp_path):
+    """`prepare` on a data cache another process holds is refused naming it; once that process is
+    gone (killed: it could not let go), the lock file it left is taken over with a warning."""
+    cache = tmp_path / "cache"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from draftsmith.runs import hold_folder; import time; hold_folder({str(cache)!r}); print('held', flush=True); time.sleep(300)"],
+        cwd=REPO, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert_one_line(["prepare", str(world["recipe"]), f"data.cache_dir={cache}"], 2, ["data.cache_dir", "in use", f"pid {holder.pid}"])
+        assert sorted(p.name for p in cache.iterdir()) == [LOCK_NAME]
+    finally:
+        holder.kill()
+        holder.wait()
+    warnings = []
+    with hold_folder(cache, "data.cache_dir", warn=warnings.append):
+        assert json.loads((cache / LOCK_NAME).read_text())["pid"] == os.getpid()
+    assert len(warnings) == 1 and f"pid {holder.pid}" in warnings[0] and "taking it over" in warnings[0], warnings
+    assert not (cache / LOCK_NAME).exists()
+    assert main(["prepare", str(world["recipe"]), f"data.cache_dir={cache}"]) == 0
+    assert not (cache / LOCK_NAME).exists() and (cache / "command.txt").is_file()
+
+
+def test_every_file_draftsmith_writes_honours_the_umask(world):
+    """safetensors creates its files 0600: an export another user serves must be readable as the
+    umask says, like every other file of a run and an export."""
+    want = 0o666 & ~current_umask()
+    for key in ("run", "export"):
+        modes = {str(p.relative_to(world[key])): oct(p.stat().st_mode & 0o777) for p in world[key].rglob("*") if p.is_file()}
+        wrong = {name: mode for name, mode in modes.items() if mode != oct(want)}
+        assert modes and not wrong, (key, oct(want), wrong)
+
+
+# ----------------------------------------------------------------------------- full disks
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB file system of its own (tmpfs) that a test can fill; skipped where this machine does
+    not let the tests mount one (mounting needs root, or a container that allows it)."""
+    where = tmp_path / "small-disk"
+    where.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command: the disk-full cases need a small tmpfs")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip() or 'mount failed'}): the disk-full cases need one")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def fill(disk: Path, leave: int) -> None:
+    """Fill `disk` with one file until about `leave` bytes are free."""
+    free = shutil.disk_usage(disk).free
+    with open(disk / "filler", "wb") as fh:
+        fh.write(b"\0" * max(free - leave, 0))
+
+
+def leftovers(folder: Path) -> list[str]:
+    return [str(p.relative_to(folder)) for p in folder.rglob("*") if p.name.startswith(TMP_PREFIX)]
+
+
+def test_a_disk_that_fills_at_a_checkpoint_is_one_line_and_keeps_the_last_good_one(small_disk, tiny_llama_dir):
+    """torch reports the full disk as "enforce fail at inline_container.cc ... unexpected pos"; the
+    user reads that the disk is full and where, and finds the checkpoints written before intact
+    and no half-written one."""
+    data = write_chats(small_disk.parent / "chats.jsonl", n=24, words=3)
+    run = small_disk / "run"
+    recipe = small_disk.parent / "recipe.yaml"
+    recipe.write_text(
+        f"""
+trainer: heads
+output_dir: {run}
+target: {{path: {tiny_llama_dir}}}
+data: {{path: {data}, eval_size: 4, max_length: 64, seed: 1}}
+head: {{kind: medusa, num_heads: 2, num_layers: 1}}
+train: {{micro_batch_size: 2, max_steps: 60, lr: 0.01, log_every: 1, eval_every: 100000, save_every: 1, keep_last: 100, lr_schedule: constant}}
+"""
+    )
+    line = assert_one_line(["train", str(recipe)], 1, ["disk is full", str(run)])
+    assert "unexpected" not in line, line
+    assert not leftovers(run), leftovers(run)
+    kept = list_checkpoints(run)
+    assert kept and checkpoint_problem(kept[-1], verify_contents=True) is None, kept
+    assert not (run / LOCK_NAME).exists()
+
+
+def test_a_full_disk_under_eval_export_and_prepare_leaves_nothing_partial(world, small_disk):
+    fill(small_disk, leave=16 * 1024)
+    before = snapshot(small_disk)
+    cases = [
+        ["eval", "--drafter", str(world["export"]), "--prompts", str(world["prompts"]), "--max-new-tokens", "4", "--out", str(small_disk / "report")],
+        ["export", str(world["run"]), "--out", str(small_disk / "export")],
+        ["prepare", str(world["recipe"]), f"data.cache_dir={small_disk / 'data'}"],
+    ]
+    for argv in cases:
+        line = assert_one_line(argv, 1, ["disk is full", str(small_disk)])
+        assert "unexpected" not in line, line
+        assert snapshot(small_disk) == before and sorted(p.name for p in small_disk.iterdir()) == ["filler"], (argv, sorted(small_disk.rglob("*")))
+
+
+def test_serve_target_refuses_a_port_in_use_and_a_dead_server_names_its_cause(world, tmp_path):
+    """A port already taken is refused before vLLM starts (it took 14 s to find out, and said only
+    "exited with code 1"); a server that dies while starting is one line with the log's cause."""
+    from draftsmith.data.server import ServerError
+    from draftsmith.serving import vllm_openai_server
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert_one_line(["serve-target", str(world["recipe"]), "--port", str(port)], 2, ["--port", str(port), "in use"])
+    # This interpreter has no vLLM: the server exits at once, and the log says why.
+    with pytest.raises(ServerError) as err:
+        with vllm_openai_server(sys.executable, world["model"], "tiny", tmp_path / "server.log"):
+            pass
+    message = str(err.value)
+    assert "\n" not in message and "No module named 'vllm" in message and str(tmp_path / "server.log") in message, message
+
+
+def test_a_checkpoint_is_known_by_its_contents_not_its_name(world, tmp_path):
+    """An intact step-N copied to `best`, or a link to it under another name, is the same
+    checkpoint: it exports (the old reading took the name for the step and called it damaged)."""
+    step = list_checkpoints(world["run"])[-1]
+    shutil.copytree(step, tmp_path / "best")
+    (tmp_path / "latest").symlink_to(step, target_is_directory=True)
+    for name in ("best", "latest"):
+        assert main(["export", str(tmp_path / name), "--out", str(tmp_path / f"export-{name}")]) == 0, name
+        assert (tmp_path / f"export-{name}" / "model.safetensors").read_bytes() == (world["export"] / "model.safetensors").read_bytes()
+
+
+def test_eval_counts_the_prompts_it_skips_and_says_why(world, tmp_path, capsys):
+    """An empty record and a prompt longer than the target's context (1024 positions) are skipped
+    with a warning that counts them, not silently and not cut; the report counts what ran."""
+    prompts = tmp_path / "prompts.jsonl"
+    records = [{"prompt": "say red cat"}, {"prompt": ""}, {"prompt": "say " * 300}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    capsys.readouterr()
+    assert main(["eval", "--drafter", str(world["export"]), "--prompts", str(prompts), "--max-new-tokens", "4", "--out", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 1 record(s)" in err and "skipping 1 of 2 prompts longer than the target's context" in err and "not cut" in err, err[-2000:]
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["num_prompts"] == 1
+
+
+def test_eval_replaces_a_report_an_earlier_eval_left_half_written(world, tmp_path):
+    """What an interrupted eval of an earlier version left (report files, no manifest) is its own
+    output, not the user's: the rerun replaces it instead of asking for --overwrite."""
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "report.json").write_text('{"mean_accepted_length": 1.')
+    (out / "report.md").write_text("# Acceptance")
+    assert main(["eval", "--drafter", str(world["export"]), "--prompts", str(world["prompts"]), "--max-new-tokens", "4", "--out", str(out)]) == 0
+    assert json.loads((out / "report.json").read_text())["num_prompts"] == 2 and (out / MANIFEST_NAME).is_file()

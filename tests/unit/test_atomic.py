@@ -42,3 +42,25 @@ def test_write_atomic_text_and_bytes(tmp_path):
     assert write_atomic(tmp_path / "b.bin", b"\x00\x01").read_bytes() == b"\x00\x01"
     write_atomic(tmp_path / "a.json", "replaced")
     assert (tmp_path / "a.json").read_text() == "replaced"
+
+
+def test_a_committed_file_gets_the_umask_s_permissions_even_when_written_0600(tmp_path):
+    """safetensors and tempfile create files 0600; what draftsmith leaves must be readable as the
+    user's umask says (0640 under 027), folders included, executable bits kept."""
+    import os
+
+    from draftsmith.atomic import atomic_path
+
+    old = os.umask(0o027)
+    try:
+        with atomic_path(tmp_path / "out", folder=True) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"x")
+            os.chmod(tmp / "model.safetensors", 0o600)
+            (tmp / "run.sh").write_text("#!/bin/sh\n")
+            os.chmod(tmp / "run.sh", 0o700)
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    assert oct(out.stat().st_mode & 0o777) == oct(0o750)
+    assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o640)
+    assert oct((out / "run.sh").stat().st_mode & 0o777) == oct(0o750)

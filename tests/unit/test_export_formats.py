@@ -540,3 +540,51 @@ def test_bench_vllm_refuses_an_out_that_vllm_would_misread_before_exporting_anyt
     err = capsys.readouterr().err
     assert err.startswith(f"error: --drafter df={dflash}") and "contains 'eagle3' as method eagle3" in err and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_bench_vllm_refuses_more_tokens_than_heads_and_a_missing_venv_before_writing(target, tmp_path, capsys, monkeypatch):
+    """--k 5 for a 3-head Medusa is refused before vLLM starts; a good command without a vLLM venv
+    is refused before the drafter is exported into --out (the rerun found a folder it refused)."""
+    from draftsmith.cli import script_main
+
+    bench = load_script("scripts/bench_vllm.py")
+    monkeypatch.delenv("DRAFTSMITH_DEBUG", raising=False)
+    monkeypatch.setenv("DRAFTSMITH_VLLM_VENV", str(tmp_path / "no-venv"))
+    medusa, _ = head_folder(target, tmp_path, "medusa", num_heads=3, num_layers=1)
+    out = tmp_path / "bench"
+    for k, words in [("5", [f"--drafter m={medusa}", "3 heads", "--num-speculative-tokens 3"]), ("3", ["no vLLM venv"])]:
+        monkeypatch.setattr(sys, "argv", ["bench_vllm.py", "--drafter", f"m={medusa}", "--k", k, "--out", str(out), "--limit", "1"])
+        assert script_main(bench.main) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and all(w in err for w in words), err
+        assert not out.exists()
+
+
+def test_medusa_export_refuses_more_tokens_per_step_than_heads(target, tmp_path):
+    src, _ = head_folder(target, tmp_path, "medusa", num_heads=3, num_layers=1)
+    with pytest.raises(ExportError, match="3 heads"):
+        export(src, tmp_path / "m5", "vllm", ExportOptions(num_speculative_tokens=5))
+    assert not (tmp_path / "m5").exists()
+    out = export(src, tmp_path / "m3", "vllm", ExportOptions(num_speculative_tokens=3))
+    assert '"num_speculative_tokens": 3' in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize("recorded, named, opened", [
+    ("smollm2-135m", None, "smollm2-135m"),  # the verifier is the built-in's Hub id: decode offline with the built-in
+    ("smollm2-135m", "someone/other-model", "someone/other-model"),  # a verifier the user named wins
+])  # fmt: skip
+def test_a_speculators_folder_that_records_a_built_in_target_opens_with_it(target, tmp_path, recorded, named, opened):
+    """speculators' config names the verifier by its Hub id; a built-in target recorded beside it
+    is the same model, read offline, where the Hub id would be fetched (and fail offline)."""
+    from draftsmith.artifacts import open_drafter
+    from draftsmith.target import BUILTIN_MODELS
+
+    src, _ = head_folder(target, tmp_path, "eagle3", draft_vocab_size=24, aux_layer_ids=[2, 4, 5])
+    config = json.loads((src / "config.json").read_text())
+    config["draftsmith"]["target"]["path"] = recorded
+    (src / "config.json").write_text(json.dumps(config))
+    (src / MANIFEST_NAME).unlink()  # edited on purpose
+    out = export(src, tmp_path / "spec", "speculators", ExportOptions(verifier=named))
+    verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+    assert verifier == (named or BUILTIN_MODELS[recorded]["hub_id"])
+    assert open_drafter(out).target["path"] == opened

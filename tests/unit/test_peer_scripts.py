@@ -108,3 +108,57 @@ def test_bench_gpu_times_every_drafter_kind_on_the_cpu(tmp_path):
     assert itself["drafter"].startswith("target drafting for itself") and itself["tokens_per_step"] > 3.0  # chains of 4 plus the bonus
     assert all(r["verification"] == "torch reference" and r["ms_per_step"] > 0 for r in rows)
     assert "| tiny | eagle3, nothing accepted |" in out.read_text()
+
+
+# Every script under scripts/ refuses a bad command line in one line, exit 2, before it loads a
+# model, starts an engine or writes anything (the line names the flag).
+BAD_SCRIPT_ARGS = [
+    ("scripts/bench_vllm.py", ["--ngram", "abc"], "--ngram"),
+    ("scripts/bench_vllm.py", ["--ngram", "3:4-2"], "--ngram"),
+    ("scripts/bench_vllm.py", ["--k", "0"], "--k"),
+    ("scripts/bench_vllm.py", ["--limit", "0"], "--limit"),
+    ("scripts/bench_vllm.py", ["--max-new-tokens", "-5"], "--max-new-tokens"),
+    ("scripts/bench_vllm.py", ["--suffix", "0"], "--suffix"),
+    ("scripts/bench_vllm.py", ["--draftsmith-limit", "nan"], "--draftsmith-limit"),
+    ("scripts/bench_train.py", ["--steps", "0"], "--steps"),
+    ("scripts/bench_train.py", ["--steps", "2", "--warmup", "2"], "--warmup"),
+    ("scripts/bench_verify.py", ["--reps", "0"], "--reps"),
+    ("scripts/bench_verify.py", ["--device", "tpu"], "--device"),
+    ("scripts/bench_regenerate.py", ["recipe.yaml", "--backends", "hf,gpu"], "--backends"),
+    ("scripts/split_prompts.py", ["recipe.yaml", "--n", "0"], "--n"),
+    ("scripts/simulate_online.py", ["--update-every", "0"], "--update-every"),
+    ("scripts/learning_curve.py", [], "run"),
+    ("scripts/check_speculators_dflash.py", [], "out"),
+    ("scripts/peers/speculators_eagle3.py", ["recipe.yaml", "--setting", "best"], "--setting"),
+]
+
+
+@pytest.mark.parametrize("script, argv, flag", BAD_SCRIPT_ARGS, ids=[f"{s.split('/')[-1]} {' '.join(a)}" for s, a, _ in BAD_SCRIPT_ARGS])
+def test_every_script_refuses_a_bad_command_line_in_one_line(script, argv, flag, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DRAFTSMITH_VLLM_VENV", str(tmp_path / "no-venv"))
+    module = load_script(script)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", [script, *argv, *(["--out", str(out)] if "--out" in open(REPO / script).read() and "learning_curve" not in script else [])])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        script_main(module.main)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and flag in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
+
+
+def test_bench_script_names_its_real_options_for_an_out_it_will_not_replace(bench, tmp_path, capsys, monkeypatch):
+    """The script has --resume, not --overwrite: an unfinished benchmark is to be resumed, a folder
+    of the user's to be left alone."""
+    monkeypatch.delenv("DRAFTSMITH_DEBUG", raising=False)
+    unfinished, mine = tmp_path / "bench", tmp_path / "mine"
+    unfinished.mkdir()
+    (unfinished / "job.json").write_text("{}")
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    for out, words in [(unfinished, ["unfinished benchmark", "--resume"]), (mine, ["notes.txt", "choose another destination"])]:
+        monkeypatch.setattr(sys, "argv", ["bench_vllm.py", "--ngram", "3", "--out", str(out)])
+        assert script_main(bench.main) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--overwrite" not in err and all(w in err for w in words), err
