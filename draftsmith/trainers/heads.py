@@ -284,7 +284,7 @@ class HeadTrainer:
         dims = self.target.dims
         state = {
             "data": self.stream.state_dict(),
-            "head": asdict(self.recipe.head),
+            "head": asdict(self.head.cfg),
             "target": {
                 "path": self.recipe.target.path,
                 "hidden_size": dims.hidden_size,
