@@ -40,7 +40,7 @@ from torch import Tensor
 from draftsmith.atomic import MANIFEST_NAME, manifest_problem
 from draftsmith.heads import HEADS, DraftHead, TargetDims
 from draftsmith.runs import (
-    STATE_FILE, WEIGHTS_NAME, checkpoint_problem, drafter_kind, is_checkpoint, list_checkpoints, log, read_state,
+    STATE_FILE, WEIGHTS_NAME, checkpoint_problem, is_checkpoint, list_checkpoints, log, read_state,
 )
 from draftsmith.target import BUILTIN_MODELS
 
@@ -253,7 +253,7 @@ def open_drafter(path: str | Path, dtype: str = "float32", exit_layer: Optional[
         raise ArtifactError(f"{path} is neither a draftsmith checkpoint nor a run folder with checkpoints (and has no {CONFIG_NAME} of an export)")
     ckpt = verified_checkpoint(path)
     state = read_state(ckpt)
-    kind = drafter_kind(state)
+    kind = state.drafter_kind
     if exit_layer is not None and kind != "early_exit":
         raise ArtifactError(f"{ckpt} holds a {kind} drafter; --exit-layer applies to a model that drafts for itself (a layerskip run or a causal LM)")
     loader = CHECKPOINT_LOADERS.get(kind, _head_from_checkpoint if kind in HEADS else None)

@@ -23,8 +23,10 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from draftsmith.atomic import sha256_file
 
@@ -35,6 +37,10 @@ WEIGHTS_NAME = "model.safetensors"
 
 class RunFolderError(ValueError):
     """A folder that is not a run or checkpoint draftsmith can read. The message names it."""
+
+
+class MalformedStateError(RunFolderError):
+    """A trainer_state.json that parses but is not what draftsmith writes (a key missing or mistyped)."""
 
 
 def log(message: str, stream=None) -> None:
@@ -52,32 +58,99 @@ def checkpoint_step(path: Path) -> int:
     return int(path.name[len(CHECKPOINT_PREFIX) :])
 
 
-def read_state(checkpoint: str | Path) -> dict:
-    """trainer_state.json of a checkpoint folder."""
+@dataclass(frozen=True)
+class CheckpointState(Mapping):
+    """trainer_state.json of a checkpoint, parsed and checked once (``read_state``).
+
+    The fields every checkpoint has are typed: ``step``, ``trainer``, ``drafter_kind`` (a head
+    kind, "standalone" or "early_exit"), ``engine``, and the manifest (``files``: sizes, ``sha256``).
+    What a trainer records of its own (its data position, head config, last evaluation, ...) is
+    read like a dict: ``state["data"]``, ``state.get("last_eval")``.
+    """
+
+    path: Path
+    step: int
+    trainer: str
+    drafter_kind: str
+    engine: dict
+    files: dict
+    sha256: dict
+    record: dict = field(repr=False)
+
+    @classmethod
+    def parse(cls, path: Path, record: Any) -> "CheckpointState":
+        """RunFolderError (one line naming the file and the key) unless `record` is a checkpoint's state."""
+
+        def bad(what: str) -> RunFolderError:
+            return MalformedStateError(f"{path} is not a checkpoint state draftsmith wrote ({what}): restore the checkpoint or resume from another")
+
+        if not isinstance(record, dict):
+            raise bad(f"a JSON {type(record).__name__}, not an object")
+        step, drafter = record.get("step"), record.get("drafter")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise bad(f"'step' is {step!r}, not a step number")
+        if not isinstance(drafter, dict) or not isinstance(drafter.get("kind"), str):
+            raise bad("no 'drafter.kind' naming what was trained")
+        files, digests = record.get("files", {}), record.get("sha256", {})
+        if not isinstance(files, dict) or not all(isinstance(v, int) for v in files.values()):
+            raise bad("'files' is not a manifest of file sizes")
+        if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
+            raise bad("'sha256' is not a manifest of digests")
+        engine = record.get("engine", {"kind": "accelerate", "zero_stage": None, "world_size": 1})
+        return cls(path, step, str(record.get("trainer", "")), drafter["kind"], engine, files, digests, record)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.record[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.record)
+
+    def __len__(self) -> int:
+        return len(self.record)
+
+
+# States already parsed in this process, by file and its (mtime, size): a checkpoint opened for
+# export or eval is verified, listed and read without parsing its state again.
+_STATES: dict[tuple[str, int, int], CheckpointState] = {}
+
+
+def read_state(checkpoint: str | Path) -> CheckpointState:
+    """trainer_state.json of a checkpoint folder (CheckpointState); RunFolderError, one line, when it
+    is missing, unreadable or malformed."""
     path = Path(checkpoint) / STATE_FILE
     try:
-        return json.loads(path.read_text())
+        stat = path.stat()
+        key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+        if key not in _STATES:
+            _STATES[key] = CheckpointState.parse(path, json.loads(path.read_text()))
+        return _STATES[key]
     except (OSError, ValueError) as err:
+        if isinstance(err, RunFolderError):
+            raise
         raise RunFolderError(f"{path} is unreadable ({type(err).__name__}): not a complete checkpoint") from None
 
 
 def checkpoint_problem(path: Path, verify_contents: bool = False) -> Optional[str]:
     """Why `path` is not a complete checkpoint, or None when it is: trainer_state.json must be
-    readable and every file of its manifest present with the recorded size and, with
-    `verify_contents`, the recorded sha256 (a file damaged in place keeps its size)."""
+    readable and well formed, and every file of its manifest present with the recorded size and,
+    with `verify_contents`, the recorded sha256 (a file damaged in place keeps its size)."""
     # What the folder holds decides, not its name: a copy called `best`, or a link to a step, is one.
-    try:
-        state = json.loads((path / STATE_FILE).read_text())
-    except (ValueError, OSError):
+    if not (path / STATE_FILE).is_file():
         return f"no readable {STATE_FILE}"
-    for rel, size in state.get("files", {}).items():
+    try:
+        state = read_state(path)
+    except MalformedStateError:
+        return f"malformed {STATE_FILE}"
+    except RunFolderError:
+        return f"no readable {STATE_FILE}"
+    for rel, size in state.files.items():
         file = path / rel
         if not file.is_file():
             return f"{rel} is missing"
         if file.stat().st_size != size:
             return f"{rel} has {file.stat().st_size} bytes, {size} were written"
     if verify_contents:
-        for rel, digest in state.get("sha256", {}).items():
+        for rel, digest in state.sha256.items():
             if sha256_file(path / rel) != digest:
                 return f"{rel} does not match the sha256 recorded when it was written"
     return None
@@ -225,24 +298,19 @@ def hold_folder(folder: str | Path, what: str = "output_dir", warn: Callable[[st
     return lock
 
 
-def drafter_kind(state: dict) -> str:
-    """What a checkpoint trained: a head kind ("medusa", "eagle3", ...), "standalone" (a draft LM)
-    or "early_exit" (a model that drafts with its own first layers)."""
-    return state["drafter"]["kind"]
-
-
 __all__ = [
     "CHECKPOINT_PREFIX",
+    "CheckpointState",
     "FolderInUseError",
     "FolderLock",
     "LOCK_NAME",
+    "MalformedStateError",
     "RunFolderError",
     "STATE_FILE",
     "WEIGHTS_NAME",
     "checkpoint_problem",
     "checkpoint_root",
     "checkpoint_step",
-    "drafter_kind",
     "hold_folder",
     "is_checkpoint",
     "list_checkpoints",

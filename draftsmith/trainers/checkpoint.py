@@ -234,7 +234,7 @@ def prepare_resume(accelerator, path: Path) -> Path:
     single-process checkpoint loads at any world size as it is.
     """
     state = read_state(path)
-    saved = state.get("engine", {"kind": "accelerate", "zero_stage": None, "world_size": 1})
+    saved = state.engine
     now = engine_info(accelerator)
     if saved["kind"] != now["kind"]:
         how = f"DeepSpeed ZeRO-{saved['zero_stage']}" if saved["kind"] == "deepspeed" else "one process or DDP (no deepspeed: section)"
@@ -306,5 +306,5 @@ def load_checkpoint(accelerator, path: Path, load_from: Optional[Path] = None, s
     state = read_state(path)
     # accelerate restores its micro-batch counter, which decides where accumulation windows end;
     # a run with another world size accumulates differently, so align it with the optimizer step.
-    accelerator.step = int(state["step"]) * accelerator.gradient_accumulation_steps
+    accelerator.step = state.step * accelerator.gradient_accumulation_steps
     return state

@@ -94,6 +94,39 @@ def test_a_damaged_checkpoint_is_refused_wherever_it_is_opened(tmp_path, capsys)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda state: state.pop("drafter"), "no 'drafter.kind'"),
+        (lambda state: state.update(step="ten"), "'step' is 'ten'"),
+        (lambda state: state.update(files=["model.safetensors"]), "'files' is not a manifest"),
+    ],
+    ids=["no drafter kind", "step not a number", "files not a manifest"],
+)
+def test_a_malformed_checkpoint_state_is_one_line_exit_2(tmp_path, capsys, edit, words):
+    """A trainer_state.json that parses but lacks a key draftsmith writes was a KeyError reported
+    as "unexpected", exit 1; it names the file and the key, exit 2, and a run folder skips it."""
+    from draftsmith.runs import MalformedStateError, list_checkpoints, read_state
+
+    run, ckpt, _ = checkpoint(tmp_path)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    edit(state)
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(MalformedStateError, match=words):
+        read_state(ckpt)
+    one_line_exit_2(capsys, "export", ckpt, "--out", tmp_path / "out", naming=["trainer_state.json"])
+    assert list_checkpoints(run, warn=lambda message: None) == [] and not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_state_is_parsed_once_and_typed(tmp_path):
+    from draftsmith.runs import read_state
+
+    _, ckpt, _ = checkpoint(tmp_path)
+    state = read_state(ckpt)
+    assert read_state(ckpt) is state and state.step == 10 and state.drafter_kind == "medusa" and state["head"]["num_heads"] == 2
+    assert state.engine == {"kind": "accelerate", "zero_stage": None, "world_size": 1} and set(state.files) == {"model.safetensors", "recipe.yaml"}
+
+
 def test_a_run_folder_falls_back_to_its_newest_sound_checkpoint(tmp_path, capsys):
     run, older, head = checkpoint(tmp_path)
     newer = older.with_name("step-000020")
