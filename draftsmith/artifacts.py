@@ -254,6 +254,8 @@ def open_drafter(path: str | Path, dtype: str = "float32", exit_layer: Optional[
     ckpt = verified_checkpoint(path)
     state = read_state(ckpt)
     kind = state.drafter_kind
+    if kind is None:
+        raise ArtifactError(f"{ckpt / STATE_FILE} records no drafter kind (drafter.kind): it cannot say what it holds; export a checkpoint draftsmith wrote")
     if exit_layer is not None and kind != "early_exit":
         raise ArtifactError(f"{ckpt} holds a {kind} drafter; --exit-layer applies to a model that drafts for itself (a layerskip run or a causal LM)")
     loader = CHECKPOINT_LOADERS.get(kind, _head_from_checkpoint if kind in HEADS else None)

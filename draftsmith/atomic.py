@@ -260,6 +260,10 @@ def check_destination(
     if out.exists() or out.is_symlink():
         if not out.is_dir():
             raise DestinationError(f"{out} exists and is not a folder: choose another destination")
+        if os.path.ismount(out):
+            # A folder is written whole beside its destination and renamed into place; a mount point
+            # cannot be renamed over ("Device or resource busy" after all the work).
+            raise DestinationError(f"{out} is a mount point, which draftsmith cannot replace: write into a folder inside it (e.g. {out / 'out'})")
         entries = sorted(p.name for p in out.iterdir())
         if entries and not owned(out) and not overwrite:
             raise DestinationError(

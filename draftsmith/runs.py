@@ -63,7 +63,8 @@ class CheckpointState(Mapping):
     """trainer_state.json of a checkpoint, parsed and checked once (``read_state``).
 
     The fields every checkpoint has are typed: ``step``, ``trainer``, ``drafter_kind`` (a head
-    kind, "standalone" or "early_exit"), ``engine``, and the manifest (``files``: sizes, ``sha256``).
+    kind, "standalone" or "early_exit"; None where a checkpoint does not record it, which resume
+    does not need and export refuses), ``engine``, and the manifest (``files``: sizes, ``sha256``).
     What a trainer records of its own (its data position, head config, last evaluation, ...) is
     read like a dict: ``state["data"]``, ``state.get("last_eval")``.
     """
@@ -71,7 +72,7 @@ class CheckpointState(Mapping):
     path: Path
     step: int
     trainer: str
-    drafter_kind: str
+    drafter_kind: Optional[str]
     engine: dict
     files: dict
     sha256: dict
@@ -89,15 +90,15 @@ class CheckpointState(Mapping):
         step, drafter = record.get("step"), record.get("drafter")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise bad(f"'step' is {step!r}, not a step number")
-        if not isinstance(drafter, dict) or not isinstance(drafter.get("kind"), str):
-            raise bad("no 'drafter.kind' naming what was trained")
+        if drafter is not None and (not isinstance(drafter, dict) or not isinstance(drafter.get("kind"), str)):
+            raise bad(f"'drafter' is {drafter!r}, not {{'kind': ...}} naming what was trained")
         files, digests = record.get("files", {}), record.get("sha256", {})
         if not isinstance(files, dict) or not all(isinstance(v, int) for v in files.values()):
             raise bad("'files' is not a manifest of file sizes")
         if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
             raise bad("'sha256' is not a manifest of digests")
         engine = record.get("engine", {"kind": "accelerate", "zero_stage": None, "world_size": 1})
-        return cls(path, step, str(record.get("trainer", "")), drafter["kind"], engine, files, digests, record)
+        return cls(path, step, str(record.get("trainer", "")), drafter and drafter["kind"], engine, files, digests, record)
 
     def __getitem__(self, key: str) -> Any:
         return self.record[key]

@@ -361,6 +361,18 @@ def test_a_full_disk_under_eval_export_and_prepare_leaves_nothing_partial(world,
         assert snapshot(small_disk) == before and sorted(p.name for p in small_disk.iterdir()) == ["filler"], (argv, sorted(small_disk.rglob("*")))
 
 
+def test_an_out_that_is_a_mount_point_is_refused_before_any_work(world, small_disk):
+    """export and eval write a folder beside --out and rename it into place: onto a mount point that
+    failed after the work with "Device or resource busy", exit 1."""
+    cases = [
+        ["export", str(world["run"]), "--out", str(small_disk)],
+        ["eval", "--drafter", str(world["export"]), "--prompts", str(world["prompts"]), "--max-new-tokens", "4", "--out", str(small_disk)],
+    ]
+    for argv in cases:
+        assert_one_line(argv, 2, ["mount point", str(small_disk)])
+        assert sorted(p.name for p in small_disk.iterdir()) == []
+
+
 def test_serve_target_refuses_a_port_in_use_and_a_dead_server_names_its_cause(world, tmp_path):
     """A port already taken is refused before vLLM starts (it took 14 s to find out, and said only
     "exited with code 1"); a server that dies while starting is one line with the log's cause."""

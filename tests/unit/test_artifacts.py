@@ -97,7 +97,7 @@ def test_a_damaged_checkpoint_is_refused_wherever_it_is_opened(tmp_path, capsys)
 @pytest.mark.parametrize(
     "edit, words",
     [
-        (lambda state: state.pop("drafter"), "no 'drafter.kind'"),
+        (lambda state: state.update(drafter="medusa"), "'drafter' is 'medusa', not"),
         (lambda state: state.update(step="ten"), "'step' is 'ten'"),
         (lambda state: state.update(files=["model.safetensors"]), "'files' is not a manifest"),
     ],
@@ -116,6 +116,17 @@ def test_a_malformed_checkpoint_state_is_one_line_exit_2(tmp_path, capsys, edit,
         read_state(ckpt)
     one_line_exit_2(capsys, "export", ckpt, "--out", tmp_path / "out", naming=["trainer_state.json"])
     assert list_checkpoints(run, warn=lambda message: None) == [] and not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_that_does_not_say_what_it_holds_resumes_but_does_not_export(tmp_path, capsys):
+    from draftsmith.runs import list_checkpoints, read_state
+
+    run, ckpt, _ = checkpoint(tmp_path)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    del state["drafter"]
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    assert read_state(ckpt).drafter_kind is None and list_checkpoints(run) == [ckpt]
+    one_line_exit_2(capsys, "export", ckpt, "--out", tmp_path / "out", naming=["records no drafter kind", "trainer_state.json"])
 
 
 def test_a_checkpoint_state_is_parsed_once_and_typed(tmp_path):

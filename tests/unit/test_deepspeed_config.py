@@ -147,7 +147,7 @@ def _fake_checkpoint(root: Path, step: int, files: dict[str, bytes], engine: dic
         (path / rel).parent.mkdir(parents=True, exist_ok=True)
         (path / rel).write_bytes(data)
     manifest = {rel: len(data) for rel, data in files.items()}
-    (path / STATE_FILE).write_text(json.dumps({"step": step, "engine": engine, "files": manifest}))
+    (path / STATE_FILE).write_text(json.dumps({"step": step, "drafter": {"kind": "medusa"}, "engine": engine, "files": manifest}))
     return path
 
 
