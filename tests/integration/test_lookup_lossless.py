@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from draftsmith.heads.eagle import EagleConfig, EagleHead
+from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.runtime import verify as verify_module
 from draftsmith.runtime.drafters import HeadDrafter, StandaloneDrafter
 from draftsmith.runtime.generate import TargetSession, speculative_generate
@@ -16,7 +17,7 @@ from draftsmith.runtime.verify import SamplingParams
 from draftsmith.target import FrozenTarget
 from draftsmith.testing import joint_p_value, tiny_causal_lm, tiny_tokenizer
 
-from tests.integration.test_lossless import _noisy_copy, _peaky, _random_dflash, _random_eagle, _random_hydra, _random_medusa
+from tests.integration.test_lossless import _noisy_copy, _peaky, _random_clover, _random_dflash, _random_eagle, _random_hydra, _random_medusa
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,6 +44,12 @@ def setup(request):
     return target, prompts, references
 
 
+def _random_eagle3(target, seed):
+    """An EAGLE-3 head on the tiny target's three layers with a reduced draft vocabulary (d2t)."""
+    torch.manual_seed(seed)
+    return Eagle3Head(Eagle3Config(aux_layer_ids=[1, 2, 3], draft_vocab_size=48, depth=4, train_depth=3), target.dims).eval()
+
+
 def _confident_noisy_copy(model):
     """The target perturbed, its LM head scaled up: sure of its (often right) guesses, so a cost
     leaves some levels in and cuts others."""
@@ -62,6 +69,8 @@ DRAFTERS = {
     "hybrid-medusa-lookup-adaptive": lambda t: HybridDrafter(HeadDrafter(_random_medusa(t, 1), t, ADAPTIVE), PromptLookup(1, 3)),
     "hybrid-eagle-suffix": lambda t: HybridDrafter(HeadDrafter(_random_eagle(t, 4, num_layers=2), t, DynamicTreeSpec(4, 3, 10)), SuffixMatcher()),
     "hybrid-eagle-lookup-adaptive": lambda t: HybridDrafter(HeadDrafter(_random_eagle(t, 5), t, ADAPTIVE), PromptLookup(1, 3)),
+    "hybrid-eagle3-suffix": lambda t: HybridDrafter(HeadDrafter(_random_eagle3(t, 7), t, DynamicTreeSpec(4, 3, 10)), SuffixMatcher()),
+    "hybrid-clover-lookup": lambda t: HybridDrafter(HeadDrafter(_random_clover(t, 9, depth=4), t, default_tree(4, (4, 2, 2, 1))), PromptLookup(1, 3)),
     "hybrid-hydra-suffix": lambda t: HybridDrafter(HeadDrafter(_random_hydra(t, 6), t, default_tree(4, (4, 2, 2, 1))), SuffixMatcher()),
     "hybrid-dflash-lookup": lambda t: HybridDrafter(HeadDrafter(_random_dflash(t, 12, block_size=5), t, ADAPTIVE), PromptLookup(1, 3)),
     # A random head is unsure of everything: with a cost it would draft nothing, so none here.
