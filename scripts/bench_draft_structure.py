@@ -8,7 +8,8 @@ LM head (an untrained early exit run as a separate model: its probabilities are 
 about draft-layers / L of the target's), drafting each structure in ``--draft-trees``; the lookup
 drafters (prompt lookup, suffix matching) draft each structure in ``--lookup-trees``. Every run is
 greedy in fp32 and checked token for token against the target's own greedy decoding. Reports tokens
-per target forward (new tokens / target forwards, the prefill excluded), tokens/s, draft seconds,
+per target forward (new tokens / target forwards, the prefill excluded), tokens/s, draft seconds and
+draft model forwards,
 and the mean expected accepted length the adaptive builder predicted where it predicts one.
 Timings depend on what else runs on the machine: the tokens per target forward do not.
 """
@@ -88,7 +89,7 @@ def main() -> int:
         runs += [(kind, t, lambda spec, kind=kind: LookupDrafter(make_matcher(kind), spec)) for t in args.lookup_trees]
     for name, tree, build in runs:
         drafter = build(parse_tree(tree))
-        new = forwards = identical = 0
+        new = forwards = identical = draft_forwards = 0
         wall = draft = 0.0
         for ids, reference in zip(prompts, baseline):
             out, stats = speculative_generate(target, drafter, ids, args.max_new_tokens, eos_token_id=eos)
@@ -97,10 +98,11 @@ def main() -> int:
             forwards += stats.target_forwards - (1 if ids.shape[1] > 1 else 0)
             wall += stats.wall_time
             draft += stats.draft_time
+            draft_forwards += stats.draft_forwards or 0
         expected = getattr(drafter, "expected", None)
         row = {
             "drafter": name, "tree": tree, "tokens_per_target_forward": new / forwards, "tokens_per_second": new / wall,
-            "draft_seconds": draft, "identical": f"{identical}/{len(prompts)}",
+            "draft_seconds": draft, "draft_forwards": draft_forwards, "identical": f"{identical}/{len(prompts)}",
             "mean_expected_length": sum(expected) / len(expected) if expected else None,
         }  # fmt: skip
         rows.append(row)
