@@ -280,8 +280,26 @@ def add_device_option(p: argparse.ArgumentParser, default: str | None = None, no
 
 
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", required=True, help="an export folder, a run/checkpoint folder, an HF causal-LM folder, or a built-in model name")
-    p.add_argument("--target", default=None, help="override the target the drafter recorded")
+    p.add_argument(
+        "--drafter", required=True,
+        help='an export folder, a run/checkpoint folder, an HF causal-LM folder, a built-in model name, or "lookup" '
+        '(prompt lookup) / "suffix" (suffix matching): drafters without training',
+    )  # fmt: skip
+    p.add_argument(
+        "--target", default=None,
+        help="override the target the drafter recorded (lookup and suffix record none: default the built-in smollm2-135m)",
+    )  # fmt: skip
+    p.add_argument(
+        "--hybrid", default=None, choices=["lookup", "suffix"],
+        help="merge a trained head's tree with prompt lookup or suffix matching under the tree's one node budget",
+    )  # fmt: skip
+    p.add_argument("--prompt-lookup-min", type=_bounded(int, 1), default=1, help="lookup: the shortest n-gram matched (vLLM's prompt_lookup_min)")
+    p.add_argument("--prompt-lookup-max", type=_bounded(int, 1), default=3, help="lookup: the longest n-gram matched (vLLM's prompt_lookup_max)")
+    p.add_argument(
+        "--suffix-cache", action="store_true",
+        help="suffix: also match the answers of earlier prompts of this run (suffix decoding's global cache; off by default: "
+        "one prompt's drafts then draw on another's answers)",
+    )  # fmt: skip
     add_device_option(p, note="on CUDA verification runs in the fused kernel")
     p.add_argument(
         "--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
@@ -293,8 +311,10 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=_bounded(float, 0.0, 1.0, low_open=True), default=1.0)
     p.add_argument(
         "--tree", default=None,
-        help='widths per depth "4,2,2,1", a JSON choice list, or "dynamic:DEPTH,TOPK,BUDGET" '
-        "(default: the sparse tree a head's checkpoint or export stores, else the default tree; a chain of 4 for draft LMs)",
+        help='widths per depth "4,2,2,1", a JSON choice list, "dynamic:DEPTH,TOPK,BUDGET" (EAGLE-2) or '
+        '"adaptive:DEPTH,TOPK,BUDGET[,COST]" (OPT-Tree: the budget\'s best nodes each step, levels stop below COST tokens) '
+        "(default: the sparse tree a head's checkpoint or export stores, else the default tree; a chain of 4 for draft LMs; "
+        "dynamic:5,3,10 for lookup and suffix; a hybrid uses the head's tree's depth, width and node count as one budget)",
     )  # fmt: skip
     p.add_argument("--seed", type=_bounded(int, 0, 2**63 - 1), default=0)
     p.add_argument(
@@ -317,15 +337,24 @@ def _sampling(args):
         raise BadInput(f"--verify {args.verify}: {err}" if args.verify == "typical" else str(err)) from None
 
 
+def _load_drafter(args, exit_layer=None):
+    """The drafter and target the decoding flags name."""
+    from draftsmith.runtime.load import LookupOptions, load_drafter
+
+    if args.prompt_lookup_min > args.prompt_lookup_max:
+        raise BadInput(f"--prompt-lookup-min {args.prompt_lookup_min} is above --prompt-lookup-max {args.prompt_lookup_max}")
+    options = LookupOptions(args.prompt_lookup_min, args.prompt_lookup_max, args.suffix_cache)
+    return load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=exit_layer, device=args.device, hybrid=args.hybrid, lookup=options)
+
+
 def cmd_generate(args) -> int:
     from draftsmith.eval.run import generate_one, too_long
     from draftsmith.runtime.generate import verification_kernel
-    from draftsmith.runtime.load import load_drafter
 
     sampling = _sampling(args)
     if not args.prompt.strip():
         raise BadInput("--prompt is empty: give the text to answer")
-    loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer, device=args.device)
+    loaded = _load_drafter(args, args.exit_layer)
     messages = [{"role": "user", "content": args.prompt}]
     long = too_long(loaded, messages, args.max_new_tokens)
     if long:  # refused, not cut: a cut prompt asks something else
@@ -352,7 +381,6 @@ def cmd_eval(args) -> int:
     from draftsmith.eval.report import report_folder, write_report
     from draftsmith.eval.run import evaluate, fitting_prompts, load_prompts
     from draftsmith.runtime.generate import verification_kernel
-    from draftsmith.runtime.load import load_drafter
 
     sampling = _sampling(args)
     check_destination(args.out, overwrite=args.overwrite, owned=report_folder)
@@ -366,11 +394,11 @@ def cmd_eval(args) -> int:
         )
         extra["exit_sweep"] = rows
     else:
-        loaded = load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=args.exit_layer, device=args.device)
+        loaded = _load_drafter(args, args.exit_layer)
         prompts = fitting_prompts(loaded, prompts, args.max_new_tokens)
         stats, extra = evaluate(
             loaded, prompts, args.max_new_tokens, sampling, args.seed,
-            baseline=True, assisted=loaded.kind in ("standalone", "early_exit") and not args.no_assisted,
+            baseline=True, assisted=loaded.kind in ("standalone", "early_exit", "lookup") and not args.no_assisted,
         )
     if loaded.kind == "early_exit":
         extra = {**loaded.meta, **extra}
@@ -385,6 +413,7 @@ def cmd_eval(args) -> int:
         "top_k": args.top_k,
         "top_p": args.top_p,
         "tree": loaded.meta.get("tree", args.tree or "default"),
+        **{key: loaded.meta[key] for key in ("matcher", "hybrid") if key in loaded.meta},
         "verification": sampling.describe(),
         "lossless": sampling.lossless,
         "target_dtype": str(loaded.target.dtype).replace("torch.", ""),
@@ -475,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=_bounded(int, 1), default=None, help="use the first N prompts (in the order the source holds them)")
     p.add_argument("--out", required=True, help="folder for report.json, report.md, report.png, acceptance.csv")
     p.add_argument("--overwrite", action="store_true", help="replace --out even when it holds files draftsmith did not write there")
-    p.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation (standalone and early-exit drafters)")
+    p.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation (standalone, early-exit and lookup drafters)")
     p.add_argument(
         "--exit-layer", type=_exit_layers, default=None,
         help="the model drafts for itself with its first E layers (LayerSkip); 'sweep' tries every E (or a list: 4,8,12) and keeps the fastest",

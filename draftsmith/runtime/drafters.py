@@ -32,11 +32,13 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from draftsmith.runtime.tree import (
+    AdaptiveTreeSpec,
     DraftTree,
     DynamicTreeSpec,
     Frontier,
     TreeSpec,
     build_dynamic_tree,
+    build_scored_tree,
 )
 from draftsmith.runtime.verify import SamplingParams, VerifyResult, logits_to_probs
 from draftsmith.target import check_attention
@@ -174,7 +176,7 @@ def grow_static_tree(
 
 
 def grow_tree(
-    spec: Union[TreeSpec, DynamicTreeSpec], state: "DraftState", node_logits: Callable[[Frontier], Tensor], device
+    spec: Union[TreeSpec, DynamicTreeSpec, AdaptiveTreeSpec], state: "DraftState", node_logits: Callable[[Frontier], Tensor], device
 ) -> tuple[DraftTree, list[int]]:
     """Draft ``spec`` from the root of ``state`` for a drafter whose nodes condition on their path.
 
@@ -183,9 +185,22 @@ def grow_tree(
     style (``build_dynamic_tree``). When sampling, the dynamic tree ranks candidates by the draft's
     processed distribution (``logits_to_probs`` with the sampling settings: tokens it filters out
     are never proposed) and is marked ``deterministic``, so verification tests its fixed candidates
-    with EAGLE's rule and stays lossless. Returns (tree, ids): ids[i] is the frontier id
+    with EAGLE's rule and stays lossless. An AdaptiveTreeSpec grows OPT-Tree style
+    (``build_scored_tree``: the nodes of largest path-probability product under the budget, depth
+    dynamic with a cost), by rank as well. Returns (tree, ids): ids[i] is the frontier id
     ``node_logits`` saw for tree node i.
     """
+    if isinstance(spec, AdaptiveTreeSpec):
+        sampling = state.sampling
+
+        def probs_of(frontier: Frontier) -> Tensor:
+            logits = node_logits(frontier)
+            if not sampling.sampled:
+                return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+            return logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+
+        tree, ids, _, _ = build_scored_tree(state.root, spec, probs_of, device=device, deterministic=sampling.sampled)
+        return tree, ids
     if isinstance(spec, DynamicTreeSpec):
         sampling = state.sampling
 
@@ -242,8 +257,8 @@ class HeadDrafter:
     step.
     """
 
-    def __init__(self, head: nn.Module, target, tree: Union[TreeSpec, DynamicTreeSpec]) -> None:
-        depth = tree.max_depth if isinstance(tree, TreeSpec) else tree.depth
+    def __init__(self, head: nn.Module, target, tree: Union[TreeSpec, DynamicTreeSpec, AdaptiveTreeSpec]) -> None:
+        depth = tree.max_depth if isinstance(tree, TreeSpec) else tree.depth  # dynamic and adaptive trees both have .depth
         if depth > head.depth:
             raise DrafterError(f"the tree is {depth} deep but the {head.cfg.kind} head drafts {head.depth} tokens")
         self.head = head.eval()
@@ -263,11 +278,11 @@ class HeadDrafter:
         return self.session.forwards
 
     @torch.no_grad()
-    def propose(self, state: DraftState) -> DraftTree:
-        device = state.tokens.device
+    def read(self, state: DraftState) -> bool:
+        """Let the session read the positions that entered the target's cache since the last step.
+        False when nothing has predicted the root yet (a one-token prompt): no drafting this step."""
         if state.new_hidden is None or state.new_hidden.shape[1] == 0:
-            # Nothing has predicted the root yet (one-token prompt): let the target take one plain step.
-            return _root_only(state.root, device)
+            return False
         M = state.new_hidden.shape[1]
         start = state.prefix_len - M
         if start != self.session.decided:
@@ -277,6 +292,14 @@ class HeadDrafter:
             )
         # x_{j+1} for each new position j; the last one is the root.
         self.session.extend(state.new_hidden, state.new_layers, state.tokens[:, start + 1 :])
+        return True
+
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> DraftTree:
+        device = state.tokens.device
+        if not self.read(state):
+            # Nothing has predicted the root yet (one-token prompt): let the target take one plain step.
+            return _root_only(state.root, device)
         tree, _ = grow_tree(self.tree, state, self.session.expand, device)
         return tree
 
@@ -295,7 +318,7 @@ class StandaloneDrafter:
     cache entries of the accepted path and drops the other tree nodes.
     """
 
-    def __init__(self, model: nn.Module, tree: Union[TreeSpec, DynamicTreeSpec] = TreeSpec.chain(4)) -> None:
+    def __init__(self, model: nn.Module, tree: Union[TreeSpec, DynamicTreeSpec, AdaptiveTreeSpec] = TreeSpec.chain(4)) -> None:
         check_attention(model, "draft")  # its tree levels attend through a custom mask too
         self.model = model.eval()
         self.tree = tree

@@ -10,10 +10,15 @@ to the target's own only in fp32 (bf16 rounds one-token and many-token forwards 
 measurements of losslessness pass ``--dtype float32``.
 
 One builder per artifact type; a new kind of drafter adds one here (a head kind needs none).
+The drafters that need no training are names, not folders: ``lookup`` (prompt lookup) and
+``suffix`` (suffix matching). Nothing records their target, so it is ``--target``, else the
+built-in ``smollm2-135m`` (said once on stderr). ``hybrid`` merges one of them with a trained
+head's tree (``HybridDrafter``).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -23,7 +28,8 @@ import torch
 from draftsmith.artifacts import Artifact, ArtifactError, DraftLMArtifact, EarlyExitArtifact, HeadArtifact, open_drafter
 from draftsmith.runtime.drafters import DrafterError, HeadDrafter, StandaloneDrafter
 from draftsmith.runtime.early_exit import DEFAULT_DRAFT_LENGTH, EarlyExitDrafter, is_chain
-from draftsmith.runtime.tree import SparseTree, TreeError, TreeSpec, default_tree, parse_tree
+from draftsmith.runtime.lookup import DEFAULT_LOOKUP_TREE, LOOKUP_KINDS, HybridDrafter, LookupDrafter, make_matcher
+from draftsmith.runtime.tree import SparseTree, TreeError, TreeSpec, default_tree, parse_tree, tree_shape
 from draftsmith.target import FrozenTarget, choose_device, resolve_dtype
 
 
@@ -31,7 +37,7 @@ from draftsmith.target import FrozenTarget, choose_device, resolve_dtype
 class LoadedDrafter:
     """A drafter ready to run, the target it drafts for, and where both came from."""
 
-    kind: str  # "medusa", ..., "standalone" or "early_exit"
+    kind: str  # "medusa", ..., "standalone", "early_exit", "lookup", "suffix", or a head's kind + "+lookup" / "+suffix" (hybrid)
     drafter: Any
     target: FrozenTarget
     folder: Path
@@ -50,6 +56,22 @@ def decoding_placement(device: Optional[str] = None, dtype: Optional[str] = None
     return chosen, resolve_dtype(dtype or "auto", "target", chosen)
 
 
+# The target of a lookup drafter when --target is not given: the fast real model every machine here has.
+DEFAULT_LOOKUP_TARGET = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class LookupOptions:
+    """How a lookup drafter matches (``--prompt-lookup-min/max``, ``--suffix-cache``)."""
+
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    global_cache: bool = False
+
+    def matcher(self, kind: str):
+        return make_matcher(kind, self.prompt_lookup_min, self.prompt_lookup_max, self.global_cache)
+
+
 def load_drafter(
     folder: str | Path,
     target: Optional[str] = None,
@@ -57,21 +79,65 @@ def load_drafter(
     dtype: Optional[str] = None,
     exit_layer: Optional[int] = None,
     device: Optional[str] = None,
+    hybrid: Optional[str] = None,
+    lookup: LookupOptions = LookupOptions(),
 ) -> LoadedDrafter:
     """Open a drafter folder (draftsmith.artifacts) and load its target. `tree` is a spec for
     parse_tree; without one a head drafts the sparse tree its checkpoint or export stores (built
     from held-out accuracies at the end of training), else the default tree of its depth, a draft
     LM a chain of 4, an early-exit model its recorded chain (``meta["tree"]`` says which). With
     `exit_layer`, or for a LayerSkip run or export, the model drafts for itself with its first layers.
-    Everything lands on `device` (see decoding_placement)."""
+
+    `folder` "lookup" or "suffix" is a drafter without training (on `target`, else the built-in
+    smollm2-135m). `hybrid` ("lookup" or "suffix") merges that matcher with a head's tree under
+    the tree's node budget. Everything lands on `device` (see decoding_placement)."""
     spec = parse_tree(tree) if tree else None
+    by_name = str(folder) in LOOKUP_KINDS
+    if by_name and hybrid:
+        raise DrafterError(f"--hybrid merges lookup with a trained drafter: give its folder as --drafter, not {folder!r}")
+    if lookup.global_cache and "suffix" not in (str(folder), hybrid):
+        raise DrafterError("--suffix-cache belongs to suffix matching: use --drafter suffix or --hybrid suffix")
     where, chosen = decoding_placement(device, dtype)
+    if by_name:
+        return _lookup(str(folder), target, chosen, tree, spec, lookup, where)
     artifact = open_drafter(folder, chosen, exit_layer)
     if isinstance(artifact, EarlyExitArtifact):
-        return _early_exit(artifact, target, tree, spec, where)
-    if isinstance(artifact, DraftLMArtifact):
-        return _draft_lm(artifact, target, chosen, spec, where)
-    return _head(artifact, target, chosen, tree, spec, where)
+        loaded = _early_exit(artifact, target, tree, spec, where)
+    elif isinstance(artifact, DraftLMArtifact):
+        loaded = _draft_lm(artifact, target, chosen, spec, where)
+    else:
+        loaded = _head(artifact, target, chosen, tree, spec, where)
+    return _hybrid(loaded, hybrid, spec, lookup) if hybrid else loaded
+
+
+def _lookup(kind: str, target: Optional[str], dtype: str, tree: Optional[str], spec, options: LookupOptions, device: torch.device) -> LoadedDrafter:
+    matcher = options.matcher(kind)  # refuses bad options before the target loads
+    drafter = LookupDrafter(matcher, spec or DEFAULT_LOOKUP_TREE)
+    if target is None:
+        print(f"--drafter {kind}: no --target given, drafting for the built-in {DEFAULT_LOOKUP_TARGET}", file=sys.stderr)
+    target_path = target or DEFAULT_LOOKUP_TARGET
+    tgt = FrozenTarget.load(target_path, dtype, device=device)
+    shape = drafter.shape
+    meta = {"tree": f"given: {tree}" if spec is not None else f"default lookup tree: depth {shape.depth}, {shape.budget} nodes", "matcher": matcher.describe()}
+    # transformers' own prompt lookup, drafting a chain as deep as ours, is the peer in eval.
+    assist = {"prompt_lookup_num_tokens": shape.depth, "max_matching_ngram_size": options.prompt_lookup_max} if kind == "lookup" else {}
+    return LoadedDrafter(kind, drafter, tgt, Path(kind), target_path, meta=meta, assist=assist)
+
+
+def _hybrid(loaded: LoadedDrafter, kind: str, spec, options: LookupOptions) -> LoadedDrafter:
+    if kind not in LOOKUP_KINDS:
+        raise DrafterError(f"--hybrid {kind}: choose one of {', '.join(LOOKUP_KINDS)}")
+    if not isinstance(loaded.drafter, HeadDrafter):
+        raise DrafterError(f"--hybrid merges lookup with a trained head's tree; a {loaded.kind} drafter keeps its own state along its own tree and cannot join one")
+    drafter = HybridDrafter(loaded.drafter, options.matcher(kind), spec)
+    shape = tree_shape(drafter.tree)
+    meta = {
+        **loaded.meta,
+        "hybrid": drafter.matcher.describe(),
+        "tree": f"{loaded.meta.get('tree')}; merged with {kind} under one budget: depth {shape.depth}, {shape.topk} children a node, {shape.budget} nodes"
+        + (f", cost {shape.cost}" if shape.cost else ""),
+    }
+    return LoadedDrafter(f"{loaded.kind}+{kind}", drafter, loaded.target, loaded.folder, loaded.target_path, meta=meta)
 
 
 def _target_for(artifact: Artifact, override: Optional[str], dtype: str, device: torch.device) -> tuple[FrozenTarget, str]:
@@ -163,4 +229,4 @@ def _early_exit(artifact: EarlyExitArtifact, target: Optional[str], tree: Option
     return early_exit_loaded(early_exit_target(artifact, device), artifact.folder, artifact.exit_layer, early_exit_chain(tree, artifact.block), artifact.exit_chosen_by)
 
 
-__all__ = ["LoadedDrafter", "decoding_placement", "early_exit_chain", "early_exit_loaded", "early_exit_target", "load_drafter"]
+__all__ = ["DEFAULT_LOOKUP_TARGET", "LoadedDrafter", "LookupOptions", "decoding_placement", "early_exit_chain", "early_exit_loaded", "early_exit_target", "load_drafter"]

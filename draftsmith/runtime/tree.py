@@ -30,6 +30,8 @@ __all__ = [
     "TreeError",
     "TreeSpec",
     "DynamicTreeSpec",
+    "AdaptiveTreeSpec",
+    "Candidates",
     "DraftTree",
     "Frontier",
     "default_tree",
@@ -38,6 +40,8 @@ __all__ = [
     "tree_positions",
     "tree_attention_mask",
     "build_dynamic_tree",
+    "build_scored_tree",
+    "tree_shape",
     "sparse_tree",
     "SparseTree",
 ]
@@ -159,6 +163,45 @@ class DynamicTreeSpec:
             raise TreeError(f"a dynamic tree's topk {self.topk} is past the runtime's limit of {MAX_TREE_NODES}")
 
 
+@dataclass(frozen=True)
+class AdaptiveTreeSpec:
+    """A draft structure chosen per step (OPT-Tree's objective): the ``budget`` drafted nodes with the
+    largest expected accepted length, from the draft's probabilities and the lookup's match
+    statistics (``build_scored_tree``), at most ``depth`` deep, ``topk`` children per expanded node.
+
+    ``cost`` (tokens, >= 0) makes the depth dynamic: drafting stops after a level whose expected
+    gain (the growth of the expected accepted length of the best tree of ``budget`` nodes) falls
+    below it, and levels whose chosen nodes add less than it are left out. 0 never stops early.
+    Children are chosen by rank, so when sampling the tree is verified as deterministic candidates.
+    """
+
+    depth: int
+    topk: int
+    budget: int
+    cost: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.topk < 1 or self.budget < 1:
+            raise _not_a_tree(f"an adaptive tree needs depth, topk and budget >= 1, got {self.depth}, {self.topk}, {self.budget}")
+        if not self.cost >= 0:
+            raise _not_a_tree(f"an adaptive tree's cost must be >= 0, got {self.cost}")
+        _check_size(self.budget, self.depth)
+        if self.topk > MAX_TREE_NODES:
+            raise TreeError(f"an adaptive tree's topk {self.topk} is past the runtime's limit of {MAX_TREE_NODES}")
+
+
+def tree_shape(spec) -> AdaptiveTreeSpec:
+    """Depth, children per node, node budget and cost of any tree spec, as the scored builder
+    (``build_scored_tree``) reads them: a static tree's deepest node, widest node and node count
+    (cost 0), a dynamic tree's own numbers (cost 0), an adaptive tree as it is."""
+    if isinstance(spec, AdaptiveTreeSpec):
+        return spec
+    if isinstance(spec, DynamicTreeSpec):
+        return AdaptiveTreeSpec(spec.depth, spec.topk, spec.budget)
+    widest = max((spec.parents.count(i) for i in range(spec.num_nodes)), default=1)
+    return AdaptiveTreeSpec(max(spec.max_depth, 1), max(widest, 1), max(spec.num_nodes - 1, 1))
+
+
 def default_tree(depth: int = 4, widths: Sequence[int] = (4, 2, 2, 1)) -> TreeSpec:
     """Top-k per depth along the best path: the best node at depth d-1 gets ``widths[d-1]`` children.
 
@@ -255,8 +298,20 @@ def parse_tree(text: str):
     - ``"4,2,2,1"``: widths per depth along the best path (default_tree); ``"1,1,1"`` is a chain of 3.
     - ``"[[0],[1],[0,0]]"``: a JSON list of choices (TreeSpec.from_choices).
     - ``"dynamic:6,8,60"``: a DynamicTreeSpec(depth=6, topk=8, budget=60).
+    - ``"adaptive:6,8,60,0.1"``: an AdaptiveTreeSpec(depth=6, topk=8, budget=60, cost=0.1); the
+      cost may be left out (0).
     """
     text = text.strip()
+    if text.startswith("adaptive:"):
+        parts = text[len("adaptive:") :].split(",")
+        try:
+            if len(parts) not in (3, 4):
+                raise ValueError
+            depth, topk, budget = (int(x) for x in parts[:3])
+            cost = float(parts[3]) if len(parts) == 4 else 0.0
+        except ValueError:
+            raise _not_a_tree(f"{text!r}: expected adaptive:DEPTH,TOPK,BUDGET[,COST]") from None
+        return AdaptiveTreeSpec(depth, topk, budget, cost)
     if text.startswith("dynamic:"):
         try:
             depth, topk, budget = (int(x) for x in text[len("dynamic:") :].split(","))
@@ -274,7 +329,7 @@ def parse_tree(text: str):
     try:
         widths = [int(x) for x in text.split(",")]
     except ValueError:
-        raise _not_a_tree(f"{text!r}: expected widths like 4,2,2,1, a JSON list of choices, or dynamic:D,K,B") from None
+        raise _not_a_tree(f"{text!r}: expected widths like 4,2,2,1, a JSON list of choices, dynamic:D,K,B or adaptive:D,K,B[,C]") from None
     return default_tree(len(widths), widths)
 
 
@@ -475,3 +530,127 @@ def build_dynamic_tree(
         [tokens[i] for i in kept], [-1] + [new_index[parents[i]] for i in kept[1:]], device=device, deterministic=deterministic
     )
     return tree, kept
+
+
+@dataclass
+class Candidates:
+    """Continuations proposed without a draft model (lookup, suffix matching), as a trie under a root.
+
+    Node 0 is the root (token unused); ``parents[i] < i``. ``probs[i]`` is the estimated probability
+    that node i is the target's token given that its parent's path was accepted (the match
+    statistics: the share of the parent's occurrences that continue with this token, times the
+    lookup's measured reliability). ``tokens``, ``parents`` and ``probs`` are per node.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    probs: list[float]
+
+    @classmethod
+    def empty(cls) -> "Candidates":
+        return cls([-1], [-1], [1.0])
+
+    @property
+    def size(self) -> int:
+        """Candidate nodes, the root excluded."""
+        return len(self.tokens) - 1
+
+
+def build_scored_tree(
+    root_token: int,
+    shape: AdaptiveTreeSpec,
+    expand: Optional[Callable[[Frontier], Tensor]] = None,
+    seeds: Optional[Candidates] = None,
+    device=None,
+    deterministic: bool = False,
+) -> tuple[DraftTree, list[int], list[bool], float]:
+    """The draft tree of at most ``shape.budget`` nodes with the largest expected accepted length,
+    from a draft's probabilities (``expand``) and lookup candidates (``seeds``), for one sequence.
+
+    A node's value is the product of its path's acceptance probabilities (OPT-Tree): the chance it
+    is accepted, so a tree's expected accepted length is 1 + the sum of its nodes' values. The
+    seeds enter the pool first, with their ``probs``. Then, when ``expand`` is given, level by
+    level up to ``shape.depth``: ``expand(frontier) -> probs [F,V]`` (probabilities, not logits)
+    gives each frontier node's ``shape.topk`` most likely children; a child that is also a seed
+    keeps the larger value. The next frontier is the ``topk`` nodes of the new level, among the
+    children (drafted or seeded) of the nodes just expanded, with the largest values (a node is
+    only expanded after its parent, as path-conditioned drafts need). With ``shape.cost`` > 0 the
+    growth stops after a level that raised the expected accepted length of the best tree by less
+    than the cost (dynamic depth).
+
+    Finally the ``budget`` nodes of largest value are kept (ties: shallower, then earlier), and
+    with a cost, levels whose kept nodes add less than the cost are cut off. A child's value never
+    exceeds its parent's, so the kept nodes always include their ancestors.
+
+    Returns (tree marked ``deterministic`` as asked, ids, seeded, expected) where ``ids[i]`` is the
+    pool id ``expand`` saw for tree node i, ``seeded[i]`` says whether node i came from the seeds
+    (possibly drafted as well), and ``expected`` is 1 + the kept nodes' values.
+    """
+    tokens, parents, depths, values, seeded = [int(root_token)], [-1], [0], [1.0], [False]
+    child_of: dict[tuple[int, int], int] = {}
+
+    def add(parent: int, token: int, value: float, from_seed: bool) -> int:
+        value = min(value, values[parent])  # rounding must not lift a child above its parent
+        node = child_of.get((parent, token))
+        if node is None:
+            node = len(tokens)
+            child_of[(parent, token)] = node
+            tokens.append(token)
+            parents.append(parent)
+            depths.append(depths[parent] + 1)
+            values.append(value)
+            seeded.append(from_seed)
+        else:
+            values[node] = max(values[node], value)
+            seeded[node] = seeded[node] or from_seed
+        return node
+
+    if seeds is not None:
+        pool_id = {0: 0}
+        for i in range(1, len(seeds.tokens)):
+            parent = pool_id[seeds.parents[i]]
+            if depths[parent] >= MAX_TREE_DEPTH:
+                continue
+            pool_id[i] = add(parent, int(seeds.tokens[i]), values[parent] * float(seeds.probs[i]), True)
+        pool_id.clear()
+
+    def best_total() -> float:
+        return sum(sorted(values[1:], reverse=True)[: shape.budget])
+
+    if expand is not None:
+        frontier, total = [0], best_total()
+        for level in range(1, shape.depth + 1):
+            probs = expand(Frontier(list(frontier), tokens, parents, depths))
+            if probs.shape[0] != len(frontier):
+                raise ValueError(f"expand returned {probs.shape[0]} rows for {len(frontier)} frontier nodes")
+            top_p, top_tokens = torch.topk(probs.double(), min(shape.topk, probs.shape[-1]), dim=-1)
+            for row, parent in enumerate(frontier):
+                for p, token in zip(top_p[row].tolist(), top_tokens[row].tolist()):
+                    if p > 0:
+                        add(parent, int(token), values[parent] * min(p, 1.0), False)
+            expanded = set(frontier)
+            level_nodes = [i for i in range(1, len(tokens)) if depths[i] == level and parents[i] in expanded]
+            frontier = sorted(sorted(level_nodes, key=lambda i: (-values[i], i))[: shape.topk])
+            new_total = best_total()
+            if not frontier or (shape.cost > 0 and new_total - total < shape.cost):
+                break
+            total = new_total
+
+    ranked = sorted(range(1, len(tokens)), key=lambda i: (-values[i], depths[i], i))
+    kept = sorted(i for i in ranked[: shape.budget] if values[i] > 0)
+    if shape.cost > 0:
+        gain: dict[int, float] = {}
+        for i in kept:
+            gain[depths[i]] = gain.get(depths[i], 0.0) + values[i]
+        last = 0
+        while gain.get(last + 1, 0.0) >= shape.cost:
+            last += 1
+        kept = [i for i in kept if depths[i] <= last]
+    # Pool ids are topological (a node is added after its parent), so the kept ids in ascending order are too.
+    kept = [0] + kept
+    new_index = {old: new for new, old in enumerate(kept)}
+    tree = DraftTree.from_lists(
+        [tokens[i] for i in kept], [-1] + [new_index[parents[i]] for i in kept[1:]], device=device, deterministic=deterministic
+    )
+    expected = 1.0 + sum(values[i] for i in kept[1:])
+    return tree, kept, [seeded[i] for i in kept], expected

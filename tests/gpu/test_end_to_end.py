@@ -112,6 +112,9 @@ def test_heads_trainer_feature_cache_resume_and_decoding(tmp_path, models, devic
     assert summary["step"] == 4 and sorted(logged(tmp_path / kind)) == [1, 2, 3, 4]
     run = tmp_path / kind
     assert greedy_identical(run, name, PROMPTS, dtype="float32") == (3, 3)
+    if kind == "eagle3":  # drafting without training, and merged with a head's tree, on the same device
+        assert greedy_identical(run, name, PROMPTS, dtype="float32", hybrid="suffix") == (3, 3)
+        assert greedy_identical("lookup", name, PROMPTS, dtype="float32", target=str(models["target"])) == (3, 3)
     if kind in ("medusa", "eagle3"):  # the command line's path is the same for every head kind
         report = cli_eval(run, tmp_path / f"eval-{kind}", name)
         assert report["greedy_identical_to_baseline"] == "3/3" and report["device"].startswith(name)

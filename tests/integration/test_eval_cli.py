@@ -138,3 +138,49 @@ def test_typical_acceptance_is_reported_as_not_lossless_and_refuses_what_it_cann
         assert len(proc.stderr.strip().splitlines()) == 1
     proc = cli("generate", "--drafter", export, "--prompt", "hi", "--verify", "typical", "--temperature", "0.7", "--max-new-tokens", 8)
     assert proc.returncode == 0 and "NOT lossless" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_lookup_and_suffix_drafters_by_name(tiny_llama_dir, tmp_path):
+    """--drafter lookup / suffix need no folder: reports say so, output is the target's own, and
+    transformers' prompt lookup runs beside lookup as the peer."""
+    prompts = tmp_path / "repeat.jsonl"
+    rows = [{"prompt": "repeat: red cat red cat red cat"}, {"prompt": "say 1 2 3 1 2 3 1 2"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = cli("eval", "--drafter", "lookup", "--target", tiny_llama_dir, "--prompts", prompts, "--max-new-tokens", 24,
+               "--prompt-lookup-max", 4, "--out", tmp_path / "lookup")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "lookup" / "report.json").read_text())
+    assert report["drafter_kind"] == "lookup" and report["greedy_identical_to_baseline"] == "2/2"
+    assert report["matcher"] == "prompt lookup, n-grams 1-4" and report["assisted_tokens_per_second"] is not None
+    proc = cli("eval", "--drafter", "suffix", "--target", tiny_llama_dir, "--prompts", prompts, "--max-new-tokens", 24,
+               "--suffix-cache", "--tree", "adaptive:6,3,12,0.2", "--out", tmp_path / "suffix")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "suffix" / "report.json").read_text())
+    assert report["drafter_kind"] == "suffix" and report["greedy_identical_to_baseline"] == "2/2"
+    assert "global cache" in report["matcher"] and report["tree"] == "given: adaptive:6,3,12,0.2"
+
+
+def test_hybrid_of_a_head_with_suffix_matching(head_export, prompts, tmp_path):
+    export, _ = head_export
+    proc = cli("eval", "--drafter", export, "--hybrid", "suffix", "--prompts", prompts, "--max-new-tokens", 24, "--out", tmp_path / "h")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "h" / "report.json").read_text())
+    assert report["drafter_kind"] == "medusa+suffix" and report["greedy_identical_to_baseline"] == "3/3"
+    assert "merged with suffix under one budget" in report["tree"]
+
+
+def test_lookup_flags_that_cannot_work_are_refused_in_one_line_before_a_model_loads(head_export, tiny_llama_dir):
+    export, _ = head_export
+    for args, words in (
+        (("--drafter", "lookup", "--hybrid", "suffix"), "trained drafter"),
+        (("--drafter", "lookup", "--suffix-cache"), "suffix matching"),
+        (("--drafter", export, "--suffix-cache"), "suffix matching"),
+        (("--drafter", "lookup", "--prompt-lookup-min", "4", "--prompt-lookup-max", "2"), "above --prompt-lookup-max"),
+    ):
+        proc = cli("generate", *args, "--prompt", "hi", "--max-new-tokens", 4)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and words in proc.stderr, (args, proc.stderr[-2000:])
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    # What kind a folder holds is known once it is open: a draft LM is refused after loading, in one line.
+    proc = cli("generate", "--drafter", tiny_llama_dir, "--target", tiny_llama_dir, "--hybrid", "lookup", "--prompt", "hi")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "cannot join" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]

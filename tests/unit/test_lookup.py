@@ -1,0 +1,196 @@
+"""Lookup drafting without a model: the matchers, the scored (OPT-Tree) tree builder, their budgets,
+and suffix matching's global cache (off unless asked)."""
+
+import itertools
+
+import pytest
+import torch
+
+from draftsmith.runtime.drafters import DrafterError, DraftState
+from draftsmith.runtime.lookup import LookupDrafter, PromptLookup, SuffixMatcher, make_matcher
+from draftsmith.runtime.tree import AdaptiveTreeSpec, Candidates, DynamicTreeSpec, Frontier, TreeError, TreeSpec, build_scored_tree, parse_tree, tree_shape
+
+
+def _propose(drafter, text):
+    tokens = torch.tensor([text])
+    drafter.reset(tokens)
+    return drafter.propose(DraftState(tokens=tokens))
+
+
+def _paths(tree):
+    """Every drafted node as its token path from the root (root excluded)."""
+    tokens, parents = tree.tokens[0].tolist(), tree.parents[0].tolist()
+    out = []
+    for node in range(1, len(tokens)):
+        path, n = [], node
+        while n > 0:
+            path.append(tokens[n])
+            n = parents[n]
+        out.append(tuple(reversed(path)))
+    return out
+
+
+def test_a_repeated_phrase_proposes_its_continuation():
+    # "1 2 3 4 9 ... 1 2 3": the trigram 1 2 3 occurred before, followed by 4 9 7.
+    text = [1, 2, 3, 4, 9, 7, 5, 1, 2, 3]
+    tree = _propose(LookupDrafter(PromptLookup(1, 3), TreeSpec.chain(3)), text)
+    assert tree.tokens[0].tolist() == [3, 4, 9, 7] and tree.parents[0].tolist() == [-1, 0, 1, 2]
+    assert tree.deterministic  # fixed candidates: lossless under sampling too
+    # Nothing ends the text that occurred before: nothing is drafted.
+    assert _propose(LookupDrafter(PromptLookup(1, 3)), [1, 2, 3, 4]).size == 1
+    # The longest n-gram wins over shorter ones, as vLLM's ngram: "2 3" -> 8 here, "1 2 3" -> 4.
+    text = [2, 3, 8, 1, 2, 3, 4, 6, 1, 2, 3]
+    assert _paths(_propose(LookupDrafter(PromptLookup(1, 3), TreeSpec.chain(1)), text)) == [(4,)]
+    # With min 4, a trigram match is not enough.
+    assert _propose(LookupDrafter(PromptLookup(4, 5)), text).size == 1
+
+
+def test_the_continuation_of_an_overlapping_match_runs_on_periodically():
+    # "5 6 5 6 5": the last bigram "6 5" ended at position 2, whose continuation runs into the
+    # text's end; the period 2 carries it on.
+    text = [5, 6, 5, 6, 5]
+    tree = _propose(LookupDrafter(PromptLookup(1, 2), TreeSpec.chain(5)), text)
+    assert tree.tokens[0].tolist() == [5, 6, 5, 6, 5, 6]
+
+
+def test_several_matches_form_branches_ordered_by_count():
+    # "1 2" is followed by 5 6 twice and by 7 8 once (distinct separators: "1 2" is the longest match).
+    text = [1, 2, 5, 6, 20, 1, 2, 7, 8, 21, 1, 2, 5, 6, 22, 1, 2]
+    for matcher in (PromptLookup(1, 2), SuffixMatcher(min_prob=0.0)):
+        tree = _propose(LookupDrafter(matcher, DynamicTreeSpec(depth=2, topk=2, budget=4)), text)
+        paths = _paths(tree)
+        assert set(paths) == {(5,), (7,), (5, 6), (7, 8)}, (matcher.kind, paths)
+        # The more frequent branch comes first among the root's children.
+        assert [tree.tokens[0, i].item() for i in range(1, tree.size) if tree.parents[0, i] == 0] == [5, 7]
+    # The probabilities behind the order: 2/3 and 1/3 of the occurrences, times the reliability.
+    matcher = PromptLookup(1, 2)
+    matcher.reset(text)
+    seeds = matcher.candidates(depth=1, budget=8, reliability=0.5)
+    assert dict(zip(seeds.tokens[1:], seeds.probs[1:])) == pytest.approx({5: 2 / 3 * 0.5, 7: 1 / 3 * 0.5})
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 5])
+def test_the_node_budget_is_respected_and_keeps_the_likeliest_nodes(budget):
+    # Five different continuations of "1 2", one of them three times: a wide trie.
+    text = []
+    for follow in ([3, 4], [5, 6], [3, 4], [7, 8], [9, 10], [3, 4], [11, 12]):
+        text += [1, 2] + follow + [0]
+    text += [1, 2]
+    tree = _propose(LookupDrafter(PromptLookup(2, 2), DynamicTreeSpec(depth=2, topk=8, budget=budget)), text)
+    assert tree.size - 1 == budget
+    paths = _paths(tree)
+    assert paths[0] == (3,) and (budget < 2 or (3, 4) in paths)  # 3 of 7 occurrences, then its only child
+
+
+def test_suffix_matching_prefers_the_longest_suffix_and_bounds_depth_by_it():
+    # The text ends with "4 1 2": a match of 3 -> continuation 9 9 9; "1 2" alone is followed by 7 too.
+    text = [4, 1, 2, 9, 9, 9, 0, 1, 2, 7, 7, 0, 4, 1, 2]
+    tree = _propose(LookupDrafter(SuffixMatcher(), TreeSpec.chain(8)), text)
+    # Suffix decoding's spec factor 1: at most as deep as the match is long.
+    assert _paths(tree) == [(9,), (9, 9), (9, 9, 9)]
+
+
+def test_the_global_cache_is_off_by_default_and_draws_on_earlier_answers_only_when_on():
+    prompt_a, answer_a = [1, 2, 3], [40, 41, 42, 43, 44, 45]
+    prompt_b = [7, 8, 9]
+    for on in (False, True):
+        matcher = SuffixMatcher(global_cache=on) if on else SuffixMatcher()
+        drafter = LookupDrafter(matcher, TreeSpec.chain(3))
+        _propose(drafter, prompt_a)
+        matcher.sync(prompt_a + answer_a)  # the first generation's answer
+        # A second prompt whose answer starts like the first answer: only the cache knows the rest.
+        tokens = torch.tensor([prompt_b + [40, 41, 42]])
+        drafter.reset(tokens[:, :3])
+        tree = drafter.propose(DraftState(tokens=tokens))
+        assert _paths(tree) == ([(43,), (43, 44), (43, 44, 45)] if on else []), on
+    assert SuffixMatcher().global_cache is False
+    with pytest.raises(DrafterError, match="suffix"):
+        make_matcher("lookup", global_cache=True)
+
+
+def test_the_drafter_catches_up_with_decided_tokens_and_refuses_a_shorter_state():
+    drafter = LookupDrafter(PromptLookup(1, 2), TreeSpec.chain(2))
+    _propose(drafter, [1, 2, 3, 1, 2])
+    with pytest.raises(DrafterError, match="reset"):
+        drafter.propose(DraftState(tokens=torch.tensor([[1, 2]])))
+
+
+# ---------------------------------------------------------------- the scored tree (OPT-Tree)
+
+
+def _fixed_expand(table, calls=None):
+    """expand() over a fixed law: table[depth] is the probability vector after any node at that depth."""
+
+    def expand(frontier):
+        if calls is not None:
+            calls.append(len(frontier.nodes))
+        return torch.stack([torch.tensor(table[frontier.depths[n]], dtype=torch.float64) for n in frontier.nodes])
+
+    return expand
+
+
+def _brute_best(table, depth, topk, budget):
+    """The largest expected accepted length of any ancestor-closed set of at most `budget` nodes
+    among the topk children of every node, by enumeration."""
+    nodes = {(): 1.0}
+    for d in range(depth):
+        probs = torch.tensor(table[d])
+        top = torch.topk(probs, topk)
+        for path, value in list(nodes.items()):
+            if len(path) == d:
+                for p, t in zip(top.values.tolist(), top.indices.tolist()):
+                    nodes[path + (t,)] = value * p
+    drafted = [n for n in nodes if n]
+    best = 0.0
+    for k in range(1, budget + 1):
+        for subset in itertools.combinations(drafted, k):
+            chosen = set(subset)
+            if all(p[:-1] in chosen or len(p) == 1 for p in chosen):
+                best = max(best, sum(nodes[p] for p in chosen))
+    return 1.0 + best
+
+
+@pytest.mark.parametrize("budget", [1, 3, 5])
+def test_the_scored_tree_maximises_the_expected_accepted_length(budget):
+    table = [[0.5, 0.3, 0.2, 0.0], [0.9, 0.05, 0.05, 0.0], [0.4, 0.4, 0.2, 0.0]]
+    tree, ids, _, expected = build_scored_tree(0, AdaptiveTreeSpec(depth=3, topk=2, budget=budget), _fixed_expand(table))
+    assert tree.size - 1 == budget
+    assert expected == pytest.approx(_brute_best(table, 3, 2, budget))
+    # Frontier ids are the pool's, root first and topological.
+    assert ids[0] == 0 and ids == sorted(ids)
+
+
+def test_dynamic_depth_stops_when_a_level_gains_less_than_its_cost():
+    # A confident first level, then a flat law: level 2 adds (0.9 + 0.1) * 0.25 * 2 = 0.5 tokens.
+    table = [[0.9, 0.1, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]]
+    calls = []
+    tree, _, _, _ = build_scored_tree(0, AdaptiveTreeSpec(depth=4, topk=2, budget=8), _fixed_expand(table, calls))
+    assert len(calls) == 4 and tree.max_depth == 3  # no cost: every level is drafted (depth 4 loses to depth 2's siblings)
+    calls.clear()
+    build_scored_tree(0, AdaptiveTreeSpec(depth=4, topk=2, budget=8, cost=0.5), _fixed_expand(table, calls))
+    assert len(calls) == 3  # level 2 gains 0.5, enough; level 3 gains 0.175, not
+    calls.clear()
+    tree, _, _, expected = build_scored_tree(0, AdaptiveTreeSpec(depth=4, topk=2, budget=8, cost=0.6), _fixed_expand(table, calls))
+    # Level 1 gains 1.0 >= 0.6 and goes on; level 2 gains 0.5 < 0.6: drafting stops, level 2 is cut.
+    assert len(calls) == 2 and tree.max_depth == 1
+    assert expected == pytest.approx(2.0)
+
+
+def test_seeds_merge_with_drafted_children_keeping_the_larger_estimate():
+    table = [[0.6, 0.3, 0.1, 0.0]]
+    seeds = Candidates([-1, 1, 3, 2], [-1, 0, 1, 0], [1.0, 0.8, 0.5, 0.2])  # 1 -> 3 and 2 under the root
+    tree, _, seeded, expected = build_scored_tree(9, AdaptiveTreeSpec(depth=1, topk=2, budget=10), _fixed_expand(table), seeds)
+    paths = dict(zip(_paths(tree), seeded[1:]))
+    # Token 1 is both a seed (0.8) and the draft's second choice (0.3): one node, seeded; token 0 drafted only.
+    assert paths == {(1,): True, (2,): True, (1, 3): True, (0,): False}
+    assert expected == pytest.approx(1 + 0.8 + 0.6 + 0.8 * 0.5 + 0.2)
+
+
+def test_parse_and_shape_of_adaptive_trees():
+    assert parse_tree("adaptive:6,4,20,0.25") == AdaptiveTreeSpec(6, 4, 20, 0.25)
+    assert parse_tree("adaptive:6,4,20") == AdaptiveTreeSpec(6, 4, 20, 0.0)
+    for bad in ("adaptive:6,4", "adaptive:a,b,c", "adaptive:0,4,20", "adaptive:6,4,20,-1"):
+        with pytest.raises(TreeError):
+            parse_tree(bad)
+    assert tree_shape(parse_tree("4,2,2,1")) == AdaptiveTreeSpec(4, 4, 9)
+    assert tree_shape(DynamicTreeSpec(5, 3, 10)) == AdaptiveTreeSpec(5, 3, 10)
