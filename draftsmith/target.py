@@ -159,6 +159,20 @@ def _dequantized_cache_dir(folder: str, gguf_file: str) -> Path:
     return cache_root() / "models" / f"{src.stem}-{key}"
 
 
+def cpu_name() -> str:
+    """This machine's CPU model, as benchmarks name it beside their figures."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as fh:

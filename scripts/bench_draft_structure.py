@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -41,15 +40,6 @@ def early_layers_model(model, layers: int):
     return draft.eval()
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
 
 def main() -> int:
     from draftsmith.data.chat import encode_prompt, stop_token_ids
@@ -58,7 +48,7 @@ def main() -> int:
     from draftsmith.runtime.generate import autoregressive_generate, speculative_generate
     from draftsmith.runtime.lookup import LookupDrafter, make_matcher
     from draftsmith.runtime.tree import parse_tree
-    from draftsmith.target import FrozenTarget
+    from draftsmith.target import FrozenTarget, cpu_name
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m")

@@ -23,7 +23,6 @@ Markdown table to --out and the rows as JSON beside it.
 from __future__ import annotations
 
 import json
-import platform
 import sys
 import time
 from datetime import datetime, timezone
@@ -183,7 +182,7 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
 
 def main(argv=None) -> int:
     from draftsmith.cli import OneLineParser, add_device_option, bounded
-    from draftsmith.target import choose_device
+    from draftsmith.target import choose_device, cpu_name
 
     p = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     add_device_option(p)
@@ -197,7 +196,7 @@ def main(argv=None) -> int:
     shapes = args.shapes or (["smollm2-135m", "llama-3.1-8b"] if device.type == "cuda" else ["tiny"])
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {platform.processor() or ''} ({torch.backends.cpu.get_cpu_capability()})",
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})",
         "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
     }  # fmt: skip
     rows = [row for shape in shapes for row in bench_shape(shape, device, args)]

@@ -15,22 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 from draftsmith.cli import OneLineParser, script_main
 
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def backends(text: str) -> list[str]:
@@ -62,7 +52,7 @@ def main(argv=None) -> int:
     from draftsmith.data import regenerate_conversations
     from draftsmith.data.sources import load_conversations
     from draftsmith.serving import servable_folder, vllm_openai_server, vllm_python
-    from draftsmith.target import FrozenTarget, choose_device
+    from draftsmith.target import FrozenTarget, choose_device, cpu_name
 
     recipe = _load(args.recipe)
     data = recipe.data
