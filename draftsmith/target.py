@@ -201,6 +201,8 @@ def resolve_device(name: str = "auto") -> tuple[torch.device, str]:
     CPU; "cpu", "cuda" and "cuda:N" name one. A CUDA device that is not there is a DeviceError."""
     name = str(name).strip() or "auto"
     local = int(os.environ.get("LOCAL_RANK", "-1"))
+    if torch.cuda.is_available() and not 0 <= local < torch.cuda.device_count():
+        local = -1  # no launcher, or one that shows each rank its own single device
     if name == "auto":
         if not torch.cuda.is_available():
             return torch.device("cpu"), f"no CUDA device is visible (torch {torch.__version__})"
