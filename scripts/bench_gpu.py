@@ -59,7 +59,7 @@ def build_target(shape: str, device: torch.device, dtype: torch.dtype, seed: int
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False, attn_implementation="sdpa",
                          pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
+        model = LlamaForCausalLM._from_config(config, dtype=dtype).eval()
     return FrozenTarget(model)
 
 
@@ -79,9 +79,10 @@ def build_head_drafter(kind: str, target):
         values["aux_layer_ids"] = [1, 2, 3]
     cls = HEADS[kind]
     torch.manual_seed(1)
-    head = cls(cls.config_class(**values), target.dims)
+    with torch.device(target.device):  # built where it runs: an 8B-shaped head's LM head is large
+        head = cls(cls.config_class(**values), target.dims)
     head.init_from_target(target)
-    return HeadDrafter(head.to(device=target.device, dtype=torch.float32 if target.dtype == torch.float32 else target.dtype).eval(), target, parse_tree(tree))
+    return HeadDrafter(head.to(dtype=target.dtype).eval(), target, parse_tree(tree))
 
 
 def sync(device: torch.device) -> None:
