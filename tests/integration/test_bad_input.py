@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from draftsmith.atomic import MANIFEST_NAME, TMP_PREFIX, current_umask
 from draftsmith.cli import main
@@ -68,7 +69,15 @@ def flip(path: Path) -> None:
 
 
 # (name, argv builder, expected exit code, words the one line must hold, setup)
-ROWS = [
+# A CUDA device this machine lacks: refused before any model loads or anything is written (the rows
+# only hold where no GPU is visible; tests/gpu covers the machines that have one).
+NO_CUDA = [] if torch.cuda.is_available() else [
+    ("train --device cuda without a GPU", lambda w: ["train", str(w["recipe"]), "--device", "cuda"], 2, ["no CUDA device is visible", "--device cpu"]),
+    ("a recipe's train.device that is no device", lambda w: ["train", str(w["recipe"]), "train.device=gpu"], 2, ["train.device", "auto, cpu or cuda"]),
+    ("generate --device cuda:0 without a GPU", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "hi", "--device", "cuda:0"], 2, ["--device", "no CUDA device"]),
+]  # fmt: skip
+
+ROWS = NO_CUDA + [
     ("missing recipe", lambda w: ["train", str(w["root"] / "nope.yaml")], 2, ["nope.yaml"]),
     ("unknown recipe key", lambda w: ["train", str(w["recipe"]), "train.lrr=1e-3"], 2, ["train.lrr", "train.lr"]),
     ("output_dir is the user's folder", lambda w: ["train", str(w["recipe"]), f"output_dir={w['user']}"], 2, ["mine", "not a draftsmith run"]),
