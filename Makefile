@@ -49,7 +49,8 @@ real-pair: setup
 GPU_PYTHON ?= 3.12
 GPU_WHEELS := omegaconf==2.4.0 gguf==0.19.0 datasets==5.2.0 transformers==5.23.0 tokenizers==0.23.3 \
 	dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 hjson==3.1.0 py-cpuinfo==9.0.0 msgpack==1.2.4 \
-	ninja==1.13.2 einops==0.8.2 pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
+	ninja==1.13.2 einops==0.8.2 pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 \
+	pytest-xdist==3.8.0 execnet==2.1.2
 
 gpu-wheels: setup
 	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \

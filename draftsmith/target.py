@@ -252,9 +252,12 @@ def auto_dtype(device: Optional[torch.device | str] = None) -> tuple[str, str]:
     device = torch.device(device) if device is not None else resolve_device("auto")[0]
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        if torch.cuda.is_bf16_supported():
-            return "bfloat16", f"CUDA device {name} computes bf16 natively"
-        return "float32", f"CUDA device {name} has no native bf16"
+        # Native bf16 starts with Ampere (compute capability 8.0); is_bf16_supported() also counts
+        # the emulation older cards (V100, T4) offer, which is slow.
+        major, minor = torch.cuda.get_device_capability(device)
+        if major >= 8:
+            return "bfloat16", f"CUDA device {name} computes bf16 natively (compute capability {major}.{minor})"
+        return "float32", f"CUDA device {name} has no native bf16 (compute capability {major}.{minor})"
     flags = _cpu_flags()
     native = sorted(flags & {"avx512_bf16", "amx_bf16"})
     capability = torch.backends.cpu.get_cpu_capability()

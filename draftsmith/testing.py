@@ -310,14 +310,15 @@ class SimulatedDevice(torch.overrides.TorchFunctionMode):
     on different devices.
 
     Inside the block every tensor has a place: the *host* (made by a factory without a ``device=``,
-    ``torch.from_numpy``, ``.cpu()``, ``.to("cpu")``: where batches are collated; and a module's
+    ``.cpu()``, ``.to("cpu")``: where batches are collated; and a module's
     parameters until the module moves) or the *device* (whatever ``.to(device)`` moves there,
     device being a ``torch.device`` object such as ``accelerator.device`` or ``model.device``), or
-    no place yet (tensors read from files, or made outside the block). A result takes the place of
-    its inputs, a factory with ``device=x.device`` the place of x, a parameter the place of its
-    data. An operation whose inputs of one element or more stand on both places raises
-    DeviceMismatch, as CUDA would; the exceptions are CUDA's own (0-dim host tensors, host index
-    tensors into device tensors, copies, assignment into a slice).
+    no place yet (tensors read from files, ``torch.from_numpy``'s, which no mode sees, or made
+    outside the block), which no check involves. A result takes the place of its inputs, a factory
+    with ``device=x.device`` the place of x, a parameter the place of its data. An operation whose
+    inputs of one element or more stand on both places raises DeviceMismatch, as CUDA would; the
+    exceptions are CUDA's own (0-dim host tensors, host index tensors into device tensors, copies,
+    assignment into a slice).
 
     Enter it before models are built or loaded: a parameter made outside counts as on the host.
     ``checked`` counts the operations it judged (a test can assert that it looked at all).
@@ -428,7 +429,10 @@ class SimulatedDevice(torch.overrides.TorchFunctionMode):
             raise DeviceMismatch(f"numpy() of a device tensor {tuple(args[0].shape)}: on a GPU this fails; call .cpu() first")
         if func in (T.__getitem__, T.__setitem__):
             target, index = args[0], args[1]
-            where = self._check(func, [target])  # a value assigned into a slice is copied across devices
+            indexed = any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(index))
+            value = [args[2]] if func is T.__setitem__ and indexed and isinstance(args[2], torch.Tensor) else []
+            # A value assigned into a slice is copied across devices; through index tensors (index_put_) it is not.
+            where = self._check(func, [target, *value])
             for t in torch.utils._pytree.tree_leaves(index):
                 if isinstance(t, torch.Tensor) and t.dim() > 0 and self.place(t) == self.DEVICE and where == self.HOST:
                     raise self._mismatch(func, target, t)

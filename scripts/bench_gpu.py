@@ -200,9 +200,12 @@ def main(argv=None) -> int:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})",
         "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
     }  # fmt: skip
-    rows = [row for shape in shapes for row in bench_shape(shape, device, args)]
+    rows = []
+    for shape in shapes:
+        rows += bench_shape(shape, device, args)
+        if args.out:  # after every shape: a run cut short keeps what it measured
+            write(args.out, rows, meta)
     if args.out:
-        write(args.out, rows, meta)
         print(f"results: {args.out.resolve()} (and {args.out.with_suffix('.json').name})")
     return 0
 

@@ -178,7 +178,7 @@ def make_accelerator(train: TrainConfig, deepspeed: Optional[DeepSpeedConfig] = 
             from transformers.integrations import unset_hf_deepspeed_config
 
             unset_hf_deepspeed_config()
-        return accelerator
+        return _on(accelerator, device)
 
     from accelerate import Accelerator
 
@@ -186,12 +186,15 @@ def make_accelerator(train: TrainConfig, deepspeed: Optional[DeepSpeedConfig] = 
         # Several CPU processes talk over gloo. In one process, naming a backend would make
         # accelerate believe it is distributed, so it is set only under a launcher.
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
-    return Accelerator(
-        mixed_precision=mixed,
-        gradient_accumulation_steps=accum,
-        kwargs_handlers=handlers,
-        cpu=cpu,
-    )
+    return _on(Accelerator(mixed_precision=mixed, gradient_accumulation_steps=accum, kwargs_handlers=handlers, cpu=cpu), device)
+
+
+def _on(accelerator, device: torch.device):
+    """`accelerator`, after checking that it runs where the device rule chose (accelerate keeps a
+    process-wide device that an earlier run in the same process could have fixed)."""
+    if accelerator.device.type != device.type:
+        raise TrainingError(f"the engine runs on {accelerator.device}, the device rule chose {device}: an earlier run in this process kept its device")
+    return accelerator
 
 
 def resolve_mixed_precision(name: str, device: Optional[torch.device] = None) -> str:
@@ -319,9 +322,10 @@ def teardown(accelerator) -> None:
     gc.collect()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    # accelerate keeps its settings (mixed precision, DeepSpeed plugin, accumulation) in
-    # process-wide singletons: forget them, so a later run in this process can choose its own.
-    AcceleratorState._reset_state()
+    # accelerate keeps its settings (mixed precision, DeepSpeed plugin, accumulation) and its device
+    # in process-wide singletons: forget them all, so a later run in this process chooses its own
+    # (a CPU run after a CUDA one in the same process would otherwise keep CUDA, silently).
+    AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
 
 

@@ -66,6 +66,10 @@ def test_what_cuda_refuses_is_refused():
         assert on_device.cpu().numpy().shape == (6,)
         with pytest.raises(DeviceMismatch):
             torch.arange(6) + on_device  # a factory without device= makes host tensors
+        mask = torch.tensor([True, False, True, False, True, False]).to(DEVICE)
+        with pytest.raises(DeviceMismatch):
+            on_device[mask] = torch.tensor([7.0, 8.0, 9.0])  # index_put_ with a host value
+        on_device[mask] = torch.tensor(7.0)  # a 0-dim value is fine
 
 
 def test_parameters_are_restored_after_the_block():

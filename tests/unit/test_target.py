@@ -202,12 +202,14 @@ def test_other_attention_implementations_are_refused_in_one_line(attention):
 
 
 def fake_cuda(monkeypatch, t, bf16: bool = True):
-    """A machine that reports one CUDA device (nothing is ever placed on it)."""
+    """A machine that reports one CUDA device (nothing is ever placed on it): Hopper with native
+    bf16, or a Volta that only emulates it (is_bf16_supported() says True there too)."""
     monkeypatch.setattr(t.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(t.torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(t.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(t.torch.cuda, "get_device_name", lambda device=None: "Fake H200")
-    monkeypatch.setattr(t.torch.cuda, "is_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(t.torch.cuda, "get_device_name", lambda device=None: "Fake H200" if bf16 else "Fake V100")
+    monkeypatch.setattr(t.torch.cuda, "get_device_capability", lambda device=None: (9, 0) if bf16 else (7, 0))
+    monkeypatch.setattr(t.torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
 
 
 def test_device_auto_is_cuda_when_visible_and_the_dtype_asks_the_device_the_model_runs_on(monkeypatch):
@@ -222,14 +224,14 @@ def test_device_auto_is_cuda_when_visible_and_the_dtype_asks_the_device_the_mode
     assert device == torch.device("cuda", 0) and "Fake H200" in why
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert t.resolve_device("cuda")[0] == torch.device("cuda", 0)
-    assert t.auto_dtype("cuda:0") == ("bfloat16", "CUDA device Fake H200 computes bf16 natively")
+    assert t.auto_dtype("cuda:0") == ("bfloat16", "CUDA device Fake H200 computes bf16 natively (compute capability 9.0)")
     # A model kept on the CPU of a GPU machine runs in what that CPU computes natively, not in bf16
     # because CUDA exists (the old rule picked bf16 there: about 50x slower on an AVX2 CPU).
     monkeypatch.setattr(t, "_cpu_flags", lambda: {"avx2"})
     assert t.auto_dtype("cpu")[0] == "float32" and t.resolve_dtype("auto", "target", "cpu") == "float32"
     assert t.auto_dtype()[0] == "bfloat16"  # no device given: the one `auto` picks, CUDA here
     fake_cuda(monkeypatch, t, bf16=False)
-    assert t.auto_dtype("cuda") == ("float32", "CUDA device Fake H200 has no native bf16")
+    assert t.auto_dtype("cuda") == ("float32", "CUDA device Fake V100 has no native bf16 (compute capability 7.0)")
 
 
 @pytest.mark.parametrize(
