@@ -174,7 +174,7 @@ def _checkpoint_problem(path: Path) -> Optional[str]:
     problem = checkpoint_problem(path)
     if problem:
         return problem
-    digests = read_state(path).get("sha256", {})
+    digests = read_state(path).sha256
     from draftsmith.atomic import sha256_file
 
     for rel in (WEIGHTS_NAME, "recipe.yaml"):

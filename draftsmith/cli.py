@@ -232,9 +232,10 @@ def cmd_push(args) -> int:
     return 0
 
 
-def _bounded(kind, low, high=None, low_open=False):
+def bounded(kind, low, high=None, low_open=False):
     """An argparse type: a finite `kind` within [low, high] ((low, high] when low_open), checked
-    before any model loads (nan passes every comparison, so it is refused by name)."""
+    before any model loads (nan passes every comparison, so it is refused by name). The scripts
+    under scripts/ check their numbers with it too."""
 
     def parse(text: str):
         value = kind(text)
@@ -248,15 +249,11 @@ def _bounded(kind, low, high=None, low_open=False):
     return parse
 
 
-# The same checks for the numbers of the scripts under scripts/.
-bounded = _bounded
-
-
 def _exit_layers(text: str):
     """--exit-layer of eval: E (>= 1), "sweep", or a comma-separated list of exits to sweep."""
     if text == "sweep":
         return text
-    values = [_bounded(int, 1)(part) for part in text.split(",")]
+    values = [bounded(int, 1)(part) for part in text.split(",")]
     return values[0] if len(values) == 1 and "," not in text else values
 
 
@@ -293,8 +290,8 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
         "--hybrid", default=None, choices=["lookup", "suffix"],
         help="merge a trained head's tree with prompt lookup or suffix matching under the tree's one node budget",
     )  # fmt: skip
-    p.add_argument("--prompt-lookup-min", type=_bounded(int, 1), default=1, help="lookup: the shortest n-gram matched (vLLM's prompt_lookup_min)")
-    p.add_argument("--prompt-lookup-max", type=_bounded(int, 1), default=3, help="lookup: the longest n-gram matched (vLLM's prompt_lookup_max)")
+    p.add_argument("--prompt-lookup-min", type=bounded(int, 1), default=1, help="lookup: the shortest n-gram matched (vLLM's prompt_lookup_min)")
+    p.add_argument("--prompt-lookup-max", type=bounded(int, 1), default=3, help="lookup: the longest n-gram matched (vLLM's prompt_lookup_max)")
     p.add_argument(
         "--suffix-cache", action="store_true",
         help="suffix: also match the answers of earlier prompts of this run (suffix decoding's global cache; off by default: "
@@ -305,10 +302,10 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
         "--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
         help="precision of decoding (default auto: bf16 where the hardware has it, fp32 elsewhere; greedy output is token-identical to the target's own only in float32)",
     )  # fmt: skip
-    p.add_argument("--max-new-tokens", type=_bounded(int, 1, MAX_NEW_TOKENS), default=128)
-    p.add_argument("--temperature", type=_bounded(float, 0.0), default=0.0, help="0 decodes greedily")
-    p.add_argument("--top-k", type=_bounded(int, 0), default=0, help="0 keeps the whole vocabulary")
-    p.add_argument("--top-p", type=_bounded(float, 0.0, 1.0, low_open=True), default=1.0)
+    p.add_argument("--max-new-tokens", type=bounded(int, 1, MAX_NEW_TOKENS), default=128)
+    p.add_argument("--temperature", type=bounded(float, 0.0), default=0.0, help="0 decodes greedily")
+    p.add_argument("--top-k", type=bounded(int, 0), default=0, help="0 keeps the whole vocabulary")
+    p.add_argument("--top-p", type=bounded(float, 0.0, 1.0, low_open=True), default=1.0)
     p.add_argument(
         "--tree", default=None,
         help='widths per depth "4,2,2,1", a JSON choice list, "dynamic:DEPTH,TOPK,BUDGET" (EAGLE-2) or '
@@ -316,14 +313,14 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
         "(default: the sparse tree a head's checkpoint or export stores, else the default tree; a chain of 4 for draft LMs; "
         "dynamic:5,3,10 for lookup and suffix; a hybrid uses the head's tree's depth, width and node count as one budget)",
     )  # fmt: skip
-    p.add_argument("--seed", type=_bounded(int, 0, 2**63 - 1), default=0)
+    p.add_argument("--seed", type=bounded(int, 0, 2**63 - 1), default=0)
     p.add_argument(
         "--verify", default="exact", choices=["exact", "typical"],
         help="exact: greedy, or lossless sampling at --temperature > 0 (default). typical: Medusa's typical "
         "acceptance at --temperature > 0, NOT lossless (output does not follow the target's distribution)",
     )  # fmt: skip
-    p.add_argument("--posterior-threshold", type=_bounded(float, 0.0, 1.0, low_open=True), default=0.09, help="--verify typical: epsilon")
-    p.add_argument("--posterior-alpha", type=_bounded(float, 0.0, low_open=False), default=0.3, help="--verify typical: alpha (sqrt(epsilon) in Medusa)")
+    p.add_argument("--posterior-threshold", type=bounded(float, 0.0, 1.0, low_open=True), default=0.09, help="--verify typical: epsilon")
+    p.add_argument("--posterior-alpha", type=bounded(float, 0.0, low_open=False), default=0.3, help="--verify typical: alpha (sqrt(epsilon) in Medusa)")
 
 
 def _sampling(args):
@@ -458,8 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve-target", help="serve a recipe's target with vLLM's OpenAI server, for data.regenerate.backend=server")
     p.add_argument("recipe", nargs="+", help="recipe YAML files, then key=value overrides")
-    p.add_argument("--port", type=_bounded(int, 1, 65535), default=8000)
-    p.add_argument("--max-model-len", type=_bounded(int, 16, MAX_NEW_TOKENS), default=2048, help="longest prompt plus answer the server accepts")
+    p.add_argument("--port", type=bounded(int, 1, 65535), default=8000)
+    p.add_argument("--max-model-len", type=bounded(int, 16, MAX_NEW_TOKENS), default=2048, help="longest prompt plus answer the server accepts")
     p.add_argument("--log", default=None, help="server log file (default <data cache_dir>/vllm-server.log)")
     p.set_defaults(func=cmd_serve_target)
 
@@ -477,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the folder to write")
     p.add_argument("--format", default="draftsmith", choices=["draftsmith", "vllm", "sglang", "speculators"], help="whose layout (default: draftsmith)")
     p.add_argument(
-        "--num-speculative-tokens", type=_bounded(int, 1, 64), default=None,
+        "--num-speculative-tokens", type=bounded(int, 1, 64), default=None,
         help="tokens per step in the serve command (and speculators' config); default: a DFlash head's block_size - 1, else 3",
     )  # fmt: skip
     p.add_argument("--verifier", default=None, help="speculators: the target the folder names (default: the recorded target's hub id or path)")
@@ -488,20 +485,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("folder")
     p.add_argument("--repo-id", required=True)
     p.add_argument("--private", action="store_true")
-    p.add_argument("--timeout", type=_bounded(float, 0.0, 3600.0, low_open=True), default=60.0, help="seconds a request may go without an answer")
-    p.add_argument("--deadline", type=_bounded(float, 0.0, 86400.0, low_open=True), default=3600.0, help="seconds the whole upload may take")
+    p.add_argument("--timeout", type=bounded(float, 0.0, 3600.0, low_open=True), default=60.0, help="seconds a request may go without an answer")
+    p.add_argument("--deadline", type=bounded(float, 0.0, 86400.0, low_open=True), default=3600.0, help="seconds the whole upload may take")
     p.set_defaults(func=cmd_push)
 
     p = sub.add_parser("generate", help="speculative generation for one prompt, with acceptance statistics")
     _add_decoding_args(p)
-    p.add_argument("--exit-layer", type=_bounded(int, 1), default=None, help="the model drafts for itself with its first E layers (LayerSkip)")
+    p.add_argument("--exit-layer", type=bounded(int, 1), default=None, help="the model drafts for itself with its first E layers (LayerSkip)")
     p.add_argument("--prompt", required=True)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="acceptance and speedup over a prompt set -> report.json/.md/.png")
     _add_decoding_args(p)
     p.add_argument("--prompts", required=True, help='a JSONL/JSON file (prompt or messages) or "mtbench", "humaneval", "sharegpt"')
-    p.add_argument("--limit", type=_bounded(int, 1), default=None, help="use the first N prompts (in the order the source holds them)")
+    p.add_argument("--limit", type=bounded(int, 1), default=None, help="use the first N prompts (in the order the source holds them)")
     p.add_argument("--out", required=True, help="folder for report.json, report.md, report.png, acceptance.csv")
     p.add_argument("--overwrite", action="store_true", help="replace --out even when it holds files draftsmith did not write there")
     p.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation (standalone, early-exit and lookup drafters)")
