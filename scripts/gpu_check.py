@@ -80,7 +80,9 @@ def run_step(name: str, cmd: list[str], limit: float, out: Path, env: dict) -> d
     text = log.read_text(errors="replace")
     summary = SUMMARY.findall(text)
     counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in COUNTS.findall(summary[-1])} if summary else {}
-    failing = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", text, flags=re.M)))
+    # "FAILED id" in the short summary, "[gw3] [ 40%] FAILED id" as xdist goes (-v): a step
+    # stopped at its limit has no summary
+    failing = sorted(set(re.findall(r"^(?:\[gw\d+\] \[ *\d+%\] )?(?:FAILED|ERROR) (\S+)", text, flags=re.M)))
     row = {
         "step": name, "command": " ".join(cmd), "exit_code": code, "seconds": round(time.time() - started, 1),
         "counts": counts, "failing": failing, "tail": text[-3000:], "log": log.name,
@@ -115,31 +117,49 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu-check", help="report folder (default $OUT, else runs/gpu-check)")
     p.add_argument("--budget", type=float, default=540.0, help="seconds for all steps together (a device call may run 600)")
     p.add_argument("--workers", type=int, default=12, help="pytest-xdist workers for the unit and integration suites")
-    p.add_argument("--only", nargs="*", default=None, help="steps to run (gpu-tests, suite, bench-verify, bench-gpu)")
+    p.add_argument("--only", nargs="*", default=None, help="steps to run, in this order (gpu-tests, suite, bench-verify, bench-gpu)")
+    p.add_argument("--share", nargs="*", default=[], metavar="STEP=FRACTION", help="a step's share of the budget instead of its default")
+    p.add_argument("--gpu-tests", nargs="*", default=["tests/gpu"], help="what the gpu-tests step runs (files or test ids)")
+    p.add_argument("--suite-tests", nargs="*", default=["tests/unit", "tests/integration"], help="what the suite step runs (files or test ids; @FILE: those listed in FILE)")
+    p.add_argument("--bench-args", default="--prompts 2 --new-tokens 48", help="arguments for scripts/bench_gpu.py (besides --out)")
     args = p.parse_args(argv)
+    args.suite_tests = [t for item in args.suite_tests for t in (Path(item[1:]).read_text().split() if item.startswith("@") else [item])]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "DRAFTSMITH_FAILURE_LOG": str((out / "failures.log").resolve()), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     info = machine(env)
     print(f"[gpu-check] machine: {json.dumps(info)}", flush=True)
     py = sys.executable
     # Shares of the budget: the GPU tests first (they are the point), the suite next, the benchmark last.
     # The suite in parallel where pytest-xdist is there (make gpu-wheels brings it), else in one process.
-    parallel = ["-n", str(args.workers)] if importlib.util.find_spec("xdist") else []
+    # -v there (net of -q): a line per test as it finishes, which a step stopped at its limit keeps.
+    parallel = ["-n", str(args.workers), "-vv"] if importlib.util.find_spec("xdist") else []
     steps = [
         # The CUDA tests only: their simulated twins are CI's.
-        ("gpu-tests", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-m", "gpu", "tests/gpu"], 0.35),
+        ("gpu-tests", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-m", "gpu", *args.gpu_tests], 0.35),
         ("suite", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *parallel,
-                   "-m", "not slow and not interop", "tests/unit", "tests/integration"], 0.35),
+                   "-m", "not slow and not interop and not assets", *args.suite_tests], 0.35),
         ("bench-verify", [py, "scripts/bench_verify.py", "--reps", "10", "--out", str(out / "bench-verify.md")], 0.12),
-        ("bench-gpu", [py, "scripts/bench_gpu.py", "--prompts", "2", "--new-tokens", "48", "--out", str(out / "bench-gpu.md")], 0.18),
+        ("bench-gpu", [py, "scripts/bench_gpu.py", *args.bench_args.split(), "--out", str(out / "bench-gpu.md")], 0.18),
     ]  # fmt: skip
+    unknown = sorted(set(args.only or []) - {name for name, _, _ in steps})
+    if unknown:
+        p.error(f"--only: no step named {', '.join(unknown)}")
+    shares = {}
+    for item in args.share:
+        name, _, fraction = item.partition("=")
+        try:
+            shares[name] = float(fraction)
+        except ValueError:
+            p.error(f"--share {item}: expected STEP=FRACTION")
+    steps = [(name, cmd, shares.get(name, share)) for name, cmd, share in steps]
+    if args.only is not None:
+        steps = sorted((step for step in steps if step[0] in args.only), key=lambda step: args.only.index(step[0]))
+    whole = sum(share for _, _, share in steps)  # the shares of the steps chosen split the whole budget
     deadline = time.time() + args.budget
     rows = []
     for name, cmd, share in steps:
-        if args.only is not None and name not in args.only:
-            continue
-        limit = min(args.budget * share, deadline - time.time())
+        limit = min(args.budget * share / whole, deadline - time.time())
         if limit < 10:
             rows.append({"step": name, "command": " ".join(cmd), "exit_code": "not run (budget spent)", "seconds": 0, "counts": {}, "failing": [], "tail": "", "log": ""})
             continue

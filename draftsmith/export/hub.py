@@ -28,18 +28,24 @@ def _endpoint() -> str:
     return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
 
 
-def _use_timeouts(seconds: float) -> None:
-    """Every request huggingface_hub makes from now on gives up after `seconds` without progress."""
-    import httpx2
+def _http_client_module():
+    """The HTTP library huggingface_hub itself uses: httpx2 from huggingface_hub 2, httpx in 1.x."""
     from huggingface_hub.utils import _http
 
+    return getattr(_http, "httpx2", None) or _http.httpx
+
+
+def _use_timeouts(seconds: float) -> None:
+    """Every request huggingface_hub makes from now on gives up after `seconds` without progress."""
+    from huggingface_hub.utils import _http
+
+    http = _http_client_module()
     _http.set_client_factory(
-        lambda: httpx2.Client(event_hooks={"request": [_http.hf_request_event_hook]}, follow_redirects=True, timeout=httpx2.Timeout(seconds))
+        lambda: http.Client(event_hooks={"request": [_http.hf_request_event_hook]}, follow_redirects=True, timeout=http.Timeout(seconds))
     )
 
 
 def _explain(err: BaseException, timeout: float) -> Exception:
-    import httpx2
     from huggingface_hub.errors import HFValidationError, HfHubHTTPError
 
     where = _endpoint()
@@ -48,9 +54,10 @@ def _explain(err: BaseException, timeout: float) -> Exception:
     if isinstance(err, HfHubHTTPError):
         status = getattr(getattr(err, "response", None), "status_code", "?")
         return HubError(f"the Hub at {where} refused the upload (HTTP {status}: {str(err).splitlines()[0][:160]})")
-    if isinstance(err, httpx2.TimeoutException):
+    http = _http_client_module()
+    if isinstance(err, http.TimeoutException):
         return HubError(f"the Hub at {where} did not answer within {timeout:.0f} s")
-    if isinstance(err, (httpx2.TransportError, OSError)):
+    if isinstance(err, (http.TransportError, OSError)):
         return HubError(f"cannot reach the Hub at {where} ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else 'no detail'})")
     return HubError(f"the upload to {where} failed ({type(err).__name__}: {str(err).splitlines()[0][:160]})")
 

@@ -27,20 +27,29 @@ from draftsmith.trainers.engine import TrainingError, any_rank, gather_objects, 
 
 
 class MetricsLog:
-    """Metrics as JSONL (<output_dir>/metrics.jsonl), and TensorBoard when it is installed."""
+    """Metrics as JSONL (<output_dir>/metrics.jsonl), and TensorBoard when it is installed. The
+    TensorBoard writer opens at the first record: a run that stops before it has anything to log
+    (bad input found on resume) leaves no new events file in the user's folder."""
 
     def __init__(self, output_dir: str | Path, enabled: bool = True) -> None:
         self.enabled = enabled
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.output_dir = Path(output_dir)
+        self.path = self.output_dir / "metrics.jsonl"
         self._tb = None
+        self._tb_tried = False
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _tensorboard(self):
+        if not self._tb_tried:
+            self._tb_tried = True
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+                self._tb = SummaryWriter(str(self.output_dir / "tensorboard"))
             except ImportError:
                 self._tb = None
+        return self._tb
 
     def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
         if not self.enabled:
@@ -48,14 +57,15 @@ class MetricsLog:
         record = {"step": step, "kind": kind, "time": round(time.time(), 3), **values}
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
-        if self._tb is not None:
+        tb = self._tensorboard()
+        if tb is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+                    tb.add_scalar(f"{kind}/{key}", value, step)
                 elif isinstance(value, list):
                     for i, v in enumerate(value):
                         if isinstance(v, (int, float)):
-                            self._tb.add_scalar(f"{kind}/{key}_{i + 1}", v, step)
+                            tb.add_scalar(f"{kind}/{key}_{i + 1}", v, step)
 
     def truncate_after(self, step: int) -> None:
         """Drop records past `step`: a resumed run rewrites them, so the log stays one run's history."""

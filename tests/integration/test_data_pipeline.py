@@ -25,6 +25,7 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
 
 
+@pytest.mark.assets
 def test_sharegpt_with_smollm2_trains_exactly_the_answers(smollm2_tokenizer, tmp_path):
     tok = smollm2_tokenizer
     cfg = DataConfig(path="sharegpt", limit=48, eval_size=8, max_length=100_000, seed=0)
@@ -74,6 +75,7 @@ def test_packed_batches_through_the_frozen_target(arch, request, tiny_tokenizer,
     assert example == 5
 
 
+@pytest.mark.assets
 @pytest.mark.slow
 def test_smollm2_regenerates_mtbench_like_its_own_generate(tmp_path):
     target = FrozenTarget.load("smollm2-135m", dtype="float32")  # fp32: bf16 batching flips near-ties

@@ -86,7 +86,7 @@ def test_checkpoint_holds_draft_only_and_resume_reproduces(tmp_path, models):
     draft_keys = {f"draft.{k}" for k in trainer.draft.state_dict()}
     assert set(weights) == draft_keys
     target_values = [v for v in trainer.target.model.state_dict().values()]
-    assert not any(v.shape == t.shape and torch.equal(v, t) for v in weights.values() for t in target_values)
+    assert not any(v.shape == t.shape and torch.equal(v, t.cpu()) for v in weights.values() for t in target_values)
 
     recipe2 = make_recipe(tmp_path, models, "resumed", "train.max_steps=12", "train.save_every=4", "train.eval_every=12", "distill.lambda_onpolicy=0.5", "distill.onpolicy_max_new_tokens=8")
     run_trainer(recipe2, interrupt_at=6)

@@ -48,7 +48,8 @@ train: {{micro_batch_size: 4, max_steps: 3, lr: 0.05, log_every: 1, eval_every: 
     try:
         trainer.train()
         probe = torch.tensor([[5, 17, 40, 41, 42, 9]])
-        trained_logits = trainer.draft(input_ids=probe).logits.detach()
+        where = next(trainer.draft.parameters()).device  # the trainer's device (CUDA where one is visible)
+        trained_logits = trainer.draft(input_ids=probe.to(where)).logits.detach().cpu()
     finally:
         trainer.close()
 
@@ -81,7 +82,7 @@ train: {{micro_batch_size: 4, max_steps: 3, lr: 0.05, log_every: 1, eval_every: 
     # draft with LoRA merged, drafting for the target its recipe names.
     from draftsmith.runtime.load import load_drafter
 
-    loaded = load_drafter(tmp_path / "run", dtype="float32")
+    loaded = load_drafter(tmp_path / "run", dtype="float32", device="cpu")
     assert loaded.kind == "standalone" and loaded.target_path == str(target_dir)
     assert torch.allclose(loaded.draft_model(input_ids=probe).logits, trained_logits, atol=1e-5)
     run_out, _ = speculative_generate(loaded.target, loaded.drafter, prompt, 24)

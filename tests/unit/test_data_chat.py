@@ -71,6 +71,7 @@ def qwen_tiny():
     return tokenizer
 
 
+@pytest.mark.assets
 def test_smollm2_two_turns(smollm2_tokenizer):
     tok = smollm2_tokenizer
     example = tokenize_conversation(tok, TWO_TURNS, max_length=512)
@@ -87,6 +88,7 @@ def test_smollm2_two_turns(smollm2_tokenizer):
     assert example["input_ids"] == tok.apply_chat_template(TWO_TURNS, tokenize=True, return_dict=True)["input_ids"]
 
 
+@pytest.mark.assets
 def test_smollm2_system_prompt_and_multiline_answers(smollm2_tokenizer):
     tok = smollm2_tokenizer
     messages = [
@@ -124,6 +126,7 @@ def test_qwen25_template_on_char_tokenizer(qwen_tiny):
     assert len(runs) == 4  # on, off, on, off
 
 
+@pytest.mark.assets
 def test_qwen25_template_on_bpe_tokenizer(smollm2_tokenizer):
     tok = copy.deepcopy(smollm2_tokenizer)
     tok.chat_template = QWEN25_TEMPLATE

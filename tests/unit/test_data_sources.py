@@ -182,6 +182,7 @@ def test_missing_builtin_names_the_pip_command(monkeypatch):
         load_conversations("fakebench")
 
 
+@pytest.mark.assets
 def test_builtin_data_sets_load_offline():
     stats = {}
     sharegpt = load_conversations("sharegpt", limit=300, seed=0, stats=stats)

@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +130,32 @@ def test_run_loop_stops_on_a_nan_loss_naming_the_position_and_the_last_checkpoin
     trainer = _Counter(nan_at=8)
     with pytest.raises(TrainingError, match="loss became nan at step 8; the last good checkpoint is ckpt-6"):
         loop.run_loop(trainer, loop.Schedule(10, "step", log_every=1, save_every=3), 0, "test")
+
+
+def test_tensorboard_opens_at_the_first_record(tmp_path, monkeypatch):
+    """A run that stops before logging anything (bad input found on resume) leaves no events file."""
+    import sys
+    import types
+
+    opened = []
+
+    class Writer:
+        def __init__(self, folder):
+            opened.append(folder)
+            Path(folder).mkdir(parents=True)
+            (Path(folder) / "events").write_text("")
+
+        def add_scalar(self, *args):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    log = loop.MetricsLog(tmp_path / "run")
+    log.close()
+    assert opened == [] and not (tmp_path / "run" / "tensorboard").exists()
+    log = loop.MetricsLog(tmp_path / "run")
+    log.write(1, "train", {"loss": 1.0})
+    log.write(2, "train", {"loss": 0.5})
+    assert opened == [str(tmp_path / "run" / "tensorboard")] and (tmp_path / "run" / "tensorboard" / "events").is_file()
