@@ -7,14 +7,16 @@ Speed does not depend on the weights' values, and the GPU machines hold no model
 is a random Llama of the named shape built on the device (bf16 on CUDA, fp32 on the CPU). For each
 shape it times, over --prompts prompts of --prompt-len tokens and --new-tokens new tokens:
 
-- plain decoding: transformers' greedy generate() and draftsmith's own autoregressive loop (the faster
+- plain decoding: transformers' greedy generate() and draftsmith's own autoregressive loop (the fastest
   is the baseline);
 - a speculative step with nothing accepted: untrained (random) EAGLE-3 (EAGLE-2 dynamic tree, depth
   5, top-4, 26 nodes), DFlash (one block of 4), Medusa (sparse tree 4,2,2,1) heads and a one-layer
   standalone draft model (chain of 4), so each step is all overhead;
 - a speculative step with everything accepted: the target drafting for itself (a chain of 4).
 
-It reports ms per step, tokens per step and the step cost over the plain step, and projects the
+draftsmith's loops run twice: on transformers' DynamicCache with eager forwards (the reference path),
+and on the static cache whose target forwards replay as CUDA graphs (runtime/static.py; eager on the
+CPU). The drafters' own steps run eagerly in both. It reports ms per step, tokens per step and the step cost over the plain step, and projects the
 speedup a drafter would give at the accepted lengths measured on the CPU for trained drafters
 (docs/peers.md, docs/heads.md): tau tokens per step at the nothing-accepted step's cost. Writes a
 Markdown table to --out and the rows as JSON beside it.
@@ -48,6 +50,11 @@ DRAFTERS = {
     "dflash": ("{kind: dflash, block_size: 5, num_layers: 1}", "1,1,1,1"),
     "medusa": ("{kind: medusa, num_heads: 4, num_layers: 1}", "4,2,2,1"),
 }
+
+
+# The target's cache in each measurement: transformers' DynamicCache with eager forwards (the
+# reference), and the preallocated StaticSession, its forwards replayed as CUDA graphs on a GPU.
+CACHES = ("dynamic", "static")
 
 
 def build_target(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -115,30 +122,37 @@ def bench_shape(shape: str, device: torch.device, args) -> list[dict]:
     prompts = [torch.randint(3, V, (1, args.prompt_len), generator=gen).to(device) for _ in range(args.prompts)]
     N = args.new_tokens
     rows = []
+    CACHE_NAMES = {"dynamic": "dynamic cache", "static": "static cache + CUDA graphs" if device.type == "cuda" else "static cache"}
 
     def record(name: str, seconds: float, tokens: int, steps: int, **extra) -> None:
         rows.append({
             "shape": shape, "drafter": name, "ms_per_step": round(1000 * seconds / max(steps, 1), 3),
             "tokens_per_step": round(tokens / max(steps, 1), 3), "ms_per_token": round(1000 * seconds / max(tokens, 1), 3), **extra,
         })  # fmt: skip
+        if extra.get("cache") == "static":  # did the graphs hold (a failed capture decodes on eagerly)?
+            rows[-1]["graphs"] = all(session.graphs for session in target.__dict__.get("_static_sessions", {}).values())
         print(json.dumps(rows[-1]), flush=True)
 
     def hf_greedy(ids):
         out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
         return out.shape[1] - ids.shape[1], out.shape[1] - ids.shape[1]
 
-    def own_plain(ids):
-        out, stats = autoregressive_generate(target, ids, N)
-        return stats.new_tokens, stats.steps
+    def own_plain(cache):
+        def run(ids):
+            out, stats = autoregressive_generate(target, ids, N, cache=cache)
+            return stats.new_tokens, stats.steps
+
+        return run
 
     with torch.no_grad():
-        record("plain: transformers generate()", *time_generation(hf_greedy, prompts, device))
-        record("plain: draftsmith loop", *time_generation(own_plain, prompts, device))
+        record("plain: transformers generate()", *time_generation(hf_greedy, prompts, device), cache="transformers dynamic")
+        for cache in CACHES:
+            record(f"plain: draftsmith loop, {CACHE_NAMES[cache]}", *time_generation(own_plain(cache), prompts, device), cache=cache)
         plain = min(r["ms_per_step"] for r in rows)
 
-        def speculative(drafter):
+        def speculative(drafter, cache):
             def run(ids):
-                out, stats = speculative_generate(target, drafter, ids, N)
+                out, stats = speculative_generate(target, drafter, ids, N, cache=cache)
                 return stats.new_tokens, stats.steps
 
             return run
@@ -149,20 +163,45 @@ def bench_shape(shape: str, device: torch.device, args) -> list[dict]:
         small = tiny_causal_lm("llama", vocab_size=V, hidden_size=min(256, target.dims.hidden_size), num_layers=1, seed=2).to(device=device, dtype=dtype)
         small.config._attn_implementation = "sdpa"
         drafters["standalone (1-layer draft, chain of 4)"] = StandaloneDrafter(small, TreeSpec.chain(4))
+        drafters["target drafting for itself (chain of 4)"] = StandaloneDrafter(target.model, TreeSpec.chain(4))
         for name, drafter in drafters.items():
-            record(f"{name}, nothing accepted", *time_generation(speculative(drafter), prompts, device))
-            rows[-1]["cost_over_plain"] = round(rows[-1]["ms_per_step"] / plain, 3)
-            if name in MEASURED_TAU:
-                rows[-1]["projected_speedup_at_measured_tau"] = round(MEASURED_TAU[name] * plain / rows[-1]["ms_per_step"], 3)
-                rows[-1]["measured_tau"] = MEASURED_TAU[name]
-        record("target drafting for itself (chain of 4), everything accepted", *time_generation(speculative(StandaloneDrafter(target.model, TreeSpec.chain(4))), prompts, device))
-        rows[-1]["cost_over_plain"] = round(rows[-1]["ms_per_step"] / plain, 3)
+            for cache in CACHES:
+                accepted = "everything" if "itself" in name else "nothing"
+                record(f"{name}, {accepted} accepted, {CACHE_NAMES[cache]}", *time_generation(speculative(drafter, cache), prompts, device), cache=cache)
+                rows[-1]["cost_over_plain"] = round(rows[-1]["ms_per_step"] / plain, 3)
+                if name in MEASURED_TAU:
+                    rows[-1]["projected_speedup_at_measured_tau"] = round(MEASURED_TAU[name] * plain / rows[-1]["ms_per_step"], 3)
+                    rows[-1]["measured_tau"] = MEASURED_TAU[name]
+        if args.profile:
+            profile_step(shape, args.profile, speculative(drafters[args.profile], "static"), prompts[0], device, args)
     for row in rows:
         row.update(device=str(device), dtype=str(dtype).replace("torch.", ""), verification=verification_kernel(device), plain_ms_per_step=plain)
     del target, drafters
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def profile_step(shape: str, kind: str, run, prompt, device: torch.device, args) -> None:
+    """One generation with `kind` on the static cache under torch.profiler: the operators by
+    host time, and per step the kernel launches and host syncs (where a step's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        _, steps = run(prompt)
+    averages = prof.key_averages()
+    counts = {e.key: e.count for e in averages}
+    launches = sum(n for key, n in counts.items() if key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaGraphLaunch"))
+    syncs = sum(n for key, n in counts.items() if key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense"))
+    summary = (f"{shape}, {kind}, static cache: {steps} steps; per step {launches / max(steps, 1):.1f} kernel and graph launches, "
+               f"{syncs / max(steps, 1):.1f} host syncs (cudaStreamSynchronize and .item()-like reads)")  # fmt: skip
+    table = averages.table(sort_by="self_cpu_time_total", row_limit=30)
+    print(summary, flush=True)
+    if args.out:
+        path = args.out.with_name(f"{args.out.stem}-profile-{shape}-{kind}.txt")
+        path.write_text(summary + "\n\n" + table + "\n")
+        print(f"profile: {path.resolve()}", flush=True)
 
 
 def write(out: Path, rows: list[dict], meta: dict) -> None:
@@ -192,6 +231,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=bounded(int, 1), default=128)
     p.add_argument("--new-tokens", type=bounded(int, 1), default=96)
     p.add_argument("--out", type=Path, default=None, help="Markdown table (and .json beside it); default: print only")
+    p.add_argument("--profile", choices=list(DRAFTERS), default=None, help="also profile one generation with this head on the static cache (a table beside --out)")
     args = p.parse_args(argv)
     device = choose_device(args.device or "auto", "benchmark")
     shapes = args.shapes or (["smollm2-135m", "llama-3.1-8b"] if device.type == "cuda" else ["tiny"])

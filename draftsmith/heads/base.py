@@ -157,6 +157,12 @@ class HeadSession:
         """Logits [F,V] (target vocabulary) of the next token after each node of ``frontier.nodes``."""
         raise NotImplementedError
 
+    def level_logits(self) -> Optional[Tensor]:
+        """Logits [depth,V] when every node at depth d takes its children from row d whatever its
+        path (Medusa's heads, DFlash's block slots): a static tree is then drafted on the device
+        in one top-k, without a host read. None for heads whose nodes condition on their path."""
+        return None
+
     def rollback(self) -> None:
         """Forget the tree drafted since the last extend."""
 

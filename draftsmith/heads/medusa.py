@@ -122,3 +122,6 @@ class MedusaSession(HeadSession):
 
     def expand(self, frontier: Any) -> Tensor:
         return self.logits[[frontier.depths[n] for n in frontier.nodes]]
+
+    def level_logits(self) -> Tensor:
+        return self.logits

@@ -73,6 +73,8 @@ class DraftState:
         TargetFeatures convention) for each layer in the drafter's ``required_layers()``.
     sampling, generator: how the loop chooses tokens; a sampling drafter draws its children with
         this generator (on the model's device).
+    last_token: ``tokens[0, -1]`` as a Python int when the caller has it (the loop does), so that
+        reading the root costs no device sync; None to read it from ``tokens``.
     """
 
     tokens: Tensor
@@ -80,10 +82,11 @@ class DraftState:
     new_layers: dict[int, Tensor] = field(default_factory=dict)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generator: Optional[torch.Generator] = None
+    last_token: Optional[int] = None
 
     @property
     def root(self) -> int:
-        return int(self.tokens[0, -1])
+        return int(self.tokens[0, -1]) if self.last_token is None else self.last_token
 
     @property
     def prefix_len(self) -> int:
@@ -148,11 +151,15 @@ def grow_static_tree(
             break
         logits = level_logits(Frontier(frontier, tokens, parents, depths))
         next_level = []
+        if not sampling.sampled:
+            # One top-k over the whole level and one read: each row's ranks are a prefix of it.
+            widest = max(spec.ranks[k] for node in frontier for k in spec.children(spec_ids[node])) + 1
+            level_top = torch.topk(logits, min(widest, logits.shape[-1]), dim=-1).indices.tolist()
         for row, node in enumerate(frontier):
             kids = spec.children(spec_ids[node])
             if not sampling.sampled:
                 ranks = [spec.ranks[k] for k in kids]
-                top = torch.topk(logits[row], min(max(ranks) + 1, logits.shape[-1])).indices.tolist()
+                top = level_top[row]
                 chosen = [(k, top[r]) for k, r in zip(kids, ranks) if r < len(top)]
             else:
                 q = logits_to_probs(logits[row], sampling.temperature, sampling.top_k, sampling.top_p)
@@ -173,6 +180,35 @@ def grow_static_tree(
         for node, q in probs_rows.items():
             draft_probs[node] = q
     return DraftTree.from_lists(tokens, parents, draft_probs=draft_probs, device=device), spec_ids
+
+
+# Per (spec, device): (spec node depth - 1 and rank of every drafted node, parents, depths, num_nodes)
+# on the device, made once: a static tree's shape never changes between steps.
+_STATIC_SHAPES: dict = {}
+
+
+def static_tree_on_device(spec: TreeSpec, root: int, levels: Tensor) -> Optional[DraftTree]:
+    """Greedy drafting of the static tree ``spec`` when every node at depth d takes its children
+    from ``levels[d]`` ([depth,V] logits) whatever its path: one top-k and one gather on the
+    device, no host read (grow_static_tree reads every level back). The tree is the one
+    grow_static_tree makes, node for node (spec order). None where it does not apply (fewer
+    levels than the tree is deep, or more ranks than tokens)."""
+    depth, widest = spec.max_depth, max(spec.ranks) + 1
+    if spec.num_nodes < 2 or levels.shape[0] < depth or widest > levels.shape[-1]:
+        return None
+    device = levels.device
+    key = (spec, device)
+    shape = _STATIC_SHAPES.get(key)
+    if shape is None:
+        long = dict(dtype=torch.long, device=device)
+        shape = _STATIC_SHAPES[key] = (
+            torch.tensor([d - 1 for d in spec.depths[1:]], **long), torch.tensor(spec.ranks[1:], **long),
+            torch.tensor([spec.parents], **long), torch.tensor([spec.depths], **long), torch.tensor([spec.num_nodes], **long),
+        )  # fmt: skip
+    level, rank, parents, depths, num_nodes = shape
+    top = torch.topk(levels[:depth], widest, dim=-1).indices  # [depth, widest]
+    tokens = torch.cat([torch.full((1,), root, dtype=torch.long, device=device), top[level, rank]]).unsqueeze(0)
+    return DraftTree(tokens, parents, depths, num_nodes, known_max_depth=depth)
 
 
 def grow_tree(
@@ -300,7 +336,10 @@ class HeadDrafter:
         if not self.read(state):
             # Nothing has predicted the root yet (one-token prompt): let the target take one plain step.
             return _root_only(state.root, device)
-        tree, _ = grow_tree(self.tree, state, self.session.expand, device)
+        levels = self.session.level_logits() if isinstance(self.tree, TreeSpec) and not state.sampling.sampled else None
+        tree = None if levels is None else static_tree_on_device(self.tree, state.root, levels)
+        if tree is None:
+            tree, _ = grow_tree(self.tree, state, self.session.expand, device)
         return tree
 
     def accept(self, result: VerifyResult) -> None:

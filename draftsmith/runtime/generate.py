@@ -24,7 +24,7 @@ from draftsmith.runtime.tree import DraftTree, tree_attention_mask, tree_positio
 from draftsmith.runtime.verify import GREEDY, SamplingParams, VerifyResult, logits_to_probs, verify
 from draftsmith.target import DecoderStack, decoder_stack
 
-__all__ = ["GenerationStats", "TargetSession", "autoregressive_generate", "default_verify_fn", "speculative_generate", "verification_kernel"]
+__all__ = ["CACHES", "GenerationStats", "TargetSession", "autoregressive_generate", "open_session", "default_verify_fn", "speculative_generate", "verification_kernel"]
 
 
 @dataclass
@@ -115,6 +115,12 @@ class TargetSession:
         return hidden, layers
 
     @torch.no_grad()
+    def next_logits(self, ids: Tensor) -> Tensor:
+        """Append ids [1,M]; the logits [V] after the last of them (a plain decoding step)."""
+        hidden, _ = self.prefill(ids)
+        return self.target.lm_head(hidden[:, -1])[0]
+
+    @torch.no_grad()
     def forward_tree(self, tree: DraftTree) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
         """One forward over a tree's nodes. Returns (logits [1,N,V], final hidden [1,N,D], layers)."""
         mask = tree_attention_mask(tree.parents, self.length, self.target.dtype)
@@ -171,6 +177,34 @@ class TargetSession:
         self._tree_base = None
 
 
+CACHES = ("auto", "dynamic", "static")
+
+
+def open_session(target, layers: Sequence[int], cache: str, capacity: int, self_drafting: bool = False):
+    """The target's session for one generation. ``cache``: "dynamic" (TargetSession, transformers'
+    DynamicCache: the reference), "static" (StaticSession: a preallocated cache, its forwards
+    replayed as CUDA graphs on a GPU, eager on the CPU) or "auto" (static on CUDA where the target
+    supports it, dynamic elsewhere). A self-drafter (early exit) runs slices of the target's layers
+    on the dynamic cache, so "auto" gives it that one."""
+    from draftsmith.runtime.static import StaticSession, static_session_supported
+
+    if cache not in CACHES:
+        raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
+    if cache == "static" and self_drafting:
+        raise ValueError("cache='static' does not serve a self-drafter (early exit), which runs slices of the target's layers; use 'dynamic'")
+    if cache == "auto":
+        cache = "static" if target.device.type == "cuda" and not self_drafting and static_session_supported(target) else "dynamic"
+    if cache == "static":
+        return StaticSession.for_target(target, layers, capacity)
+    return TargetSession(target, layers)
+
+
+def _capacity(input_ids: Tensor, max_new_tokens: int) -> int:
+    from draftsmith.runtime.static import TREE_ROOM
+
+    return input_ids.shape[1] + max_new_tokens + TREE_ROOM
+
+
 def default_verify_fn(device) -> Callable[..., VerifyResult]:
     """The fused kernel where it compiles for the device (CUDA with triton), else the reference.
 
@@ -215,11 +249,12 @@ def speculative_generate(
     eos_token_id: Union[int, Iterable[int], None] = None,
     generator: Optional[torch.Generator] = None,
     verify_fn: Optional[Callable[..., VerifyResult]] = None,
+    cache: str = "auto",
 ) -> tuple[Tensor, GenerationStats]:
     """Speculative decoding with ``drafter`` against ``target`` (a FrozenTarget), batch size 1.
 
-    input_ids [1,T] (T >= 1, on the target's device). Returns (output_ids [1,T+n] = prompt + n new
-    tokens, stats). Stops after the first EOS (emitted, as in HF ``generate``) or after
+    input_ids [1,T] (T >= 1; on any device: decoding runs on the target's). Returns (output_ids
+    [1,T+n] = prompt + n new tokens, on input_ids' device, stats). Stops after the first EOS (emitted, as in HF ``generate``) or after
     ``max_new_tokens``; never emits past either. eos_token_id: an id, several, or None (no EOS).
     ``sampling`` says how tokens are chosen (SamplingParams: greedy, lossless sampling, or Medusa's
     typical acceptance, which is NOT lossless: the output does not follow the target's
@@ -228,16 +263,18 @@ def speculative_generate(
     verification. The target's attention must apply a custom 4D mask (eager or SDPA; FrozenTarget
     checks). ``verify_fn`` defaults to ``default_verify_fn`` for the target's device: the fused
     Triton kernel on a GPU, the torch reference elsewhere; typical acceptance always runs in the
-    torch reference.
+    torch reference. ``cache``: the target's KV cache (see ``open_session``): "auto" replays the
+    target's forwards as CUDA graphs on a static cache on a GPU.
     """
     _check_prompt(input_ids, max_new_tokens)
+    caller, input_ids = input_ids.device, input_ids.to(target.device)
     verify_fn = verify if sampling.mode == "typical" else verify_fn or default_verify_fn(input_ids.device)
     eos = _eos_set(eos_token_id)
     stats = GenerationStats()
     start = time.perf_counter()
-    session = TargetSession(target, drafter.required_layers())
     # A self-drafter (early exit) drafts on the target's own cache and verifies from its exit layer.
     shares_cache = hasattr(drafter, "bind")
+    session = open_session(target, drafter.required_layers(), cache, _capacity(input_ids, max_new_tokens), self_drafting=shares_cache)
     if shares_cache:
         drafter.bind(session)
     drafter.reset(input_ids)
@@ -249,16 +286,22 @@ def speculative_generate(
         stats.target_forwards += 1
     new: list[int] = []
     finished = max_new_tokens == 0
+    # The decided tokens' last one on the host: one read of the prompt, then what each step emits.
+    # A step then syncs with the device once, where it reads the verdict.
+    root = int(input_ids[0, -1])
     while not finished:
-        state = DraftState(tokens=tokens, new_hidden=hidden, new_layers=layers, sampling=sampling, generator=generator)
+        state = DraftState(tokens=tokens, new_hidden=hidden, new_layers=layers, sampling=sampling, generator=generator, last_token=root)
         t0 = time.perf_counter()
         tree = drafter.propose(state)
         stats.draft_time += time.perf_counter() - t0
-        if tree.batch_size != 1 or int(tree.tokens[0, 0]) != state.root:
-            raise DrafterError(f"{type(drafter).__name__} proposed a tree whose root is not the last decided token")
+        if tree.batch_size != 1:
+            raise DrafterError(f"{type(drafter).__name__} proposed {tree.batch_size} trees for one sequence")
+        rooted = tree.tokens[0, 0] == root  # checked with the verdict, not before the forward
         logits, tree_hidden, tree_layers = drafter.verify_forward(tree) if shares_cache else session.forward_tree(tree)
         stats.target_forwards += 1
         result = verify_fn(tree, logits, sampling, generator=generator)
+        if not bool(rooted):
+            raise DrafterError(f"{type(drafter).__name__} proposed a tree whose root is not the last decided token")
         t0 = time.perf_counter()
         drafter.accept(result)
         stats.draft_time += time.perf_counter() - t0
@@ -274,6 +317,7 @@ def speculative_generate(
                 finished = True
                 break
         tokens = torch.cat([tokens, torch.tensor([emitted], dtype=tokens.dtype, device=tokens.device)], dim=1)
+        root = emitted[-1]
         # The next drafter sees the target's features of the positions just cached: the path.
         path = path.to(tree_hidden.device)
         hidden = tree_hidden[:, path]
@@ -282,7 +326,7 @@ def speculative_generate(
     stats.wall_time = time.perf_counter() - start
     stats.draft_forwards = getattr(drafter, "forwards", None)
     out = torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)
-    return torch.cat([input_ids, out], dim=1), stats
+    return torch.cat([input_ids, out], dim=1).to(caller), stats
 
 
 @torch.no_grad()
@@ -293,6 +337,7 @@ def autoregressive_generate(
     sampling: SamplingParams = GREEDY,
     eos_token_id: Union[int, Iterable[int], None] = None,
     generator: Optional[torch.Generator] = None,
+    cache: str = "auto",
 ) -> tuple[Tensor, GenerationStats]:
     """The target alone, one token per forward on its KV cache: the baseline for speedups.
 
@@ -302,17 +347,17 @@ def autoregressive_generate(
     (``SamplingParams.target_alone``).
     """
     _check_prompt(input_ids, max_new_tokens)
+    caller, input_ids = input_ids.device, input_ids.to(target.device)
     sampling = sampling.target_alone()
     eos = _eos_set(eos_token_id)
     stats = GenerationStats()
     start = time.perf_counter()
-    session = TargetSession(target)
+    session = open_session(target, (), cache, _capacity(input_ids, max_new_tokens))
     new: list[int] = []
     ids = input_ids
     while len(new) < max_new_tokens:
-        hidden, _ = session.prefill(ids)
+        logits = session.next_logits(ids)
         stats.target_forwards += 1
-        logits = target.lm_head(hidden[:, -1])[0]
         if sampling.greedy:
             token = int(logits.argmax())
         else:
@@ -327,4 +372,4 @@ def autoregressive_generate(
     stats.new_tokens = len(new)
     stats.wall_time = time.perf_counter() - start
     out = torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)
-    return torch.cat([input_ids, out], dim=1), stats
+    return torch.cat([input_ids, out], dim=1).to(caller), stats

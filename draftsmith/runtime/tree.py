@@ -20,7 +20,7 @@ Shapes: B trees, N nodes, V vocabulary.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -355,25 +355,35 @@ class DraftTree:
     num_nodes: Tensor
     draft_probs: Optional[Tensor] = None
     deterministic: bool = False
+    # The deepest node, when the tree was built on the host (from_lists): max_depth without a sync.
+    known_max_depth: Optional[int] = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_lists(
         cls, tokens: Sequence[int], parents: Sequence[int], draft_probs: Optional[Tensor] = None, device=None, deterministic: bool = False
     ) -> "DraftTree":
-        """One tree (B = 1) from python lists; depths are computed. draft_probs [N,V] or None."""
-        depths = []
-        for i, p in enumerate(parents):
-            depths.append(0 if p < 0 else depths[p] + 1)
-        tree = cls(
+        """One tree (B = 1) from python lists; depths are computed. draft_probs [N,V] or None.
+        Checked on the host, before anything reaches the device (no device syncs)."""
+        if not tokens or len(parents) != len(tokens):
+            raise TreeError(f"a draft tree that is not a tree: {len(tokens)} tokens and {len(parents)} parents (every tree needs its root)")
+        if parents[0] != -1:
+            raise TreeError("a draft tree that is not a tree: the root's parent must be -1")
+        depths = [0]
+        for i, p in enumerate(parents[1:], start=1):
+            if not 0 <= p < i:
+                raise TreeError(f"a draft tree that is not a tree: node {i} of tree 0 has parent {p}")
+            depths.append(depths[p] + 1)
+        if draft_probs is not None and draft_probs.shape[0] != len(tokens):
+            raise TreeError(f"a draft tree that is not a tree: draft_probs has shape {tuple(draft_probs.shape)}, tokens (1, {len(tokens)})")
+        return cls(
             tokens=torch.tensor([list(tokens)], dtype=torch.long, device=device),
             parents=torch.tensor([list(parents)], dtype=torch.long, device=device),
             depths=torch.tensor([depths], dtype=torch.long, device=device),
             num_nodes=torch.tensor([len(tokens)], dtype=torch.long, device=device),
             draft_probs=None if draft_probs is None else draft_probs.unsqueeze(0),
             deterministic=deterministic,
+            known_max_depth=max(depths),
         )
-        tree.validate()
-        return tree
 
     @property
     def batch_size(self) -> int:
@@ -386,6 +396,8 @@ class DraftTree:
 
     @property
     def max_depth(self) -> int:
+        if self.known_max_depth is not None:
+            return self.known_max_depth
         return int(self.depths.max().item()) if self.depths.numel() else 0
 
     def validate(self) -> None:
@@ -434,18 +446,19 @@ def ancestor_mask(parents: Tensor) -> Tensor:
     """anc [B,N,N] bool: anc[b, i, j] is True iff node j is an ancestor of node i or i itself.
 
     parents [B,N] long, topological (parents[i] < i), -1 for the root and padding.
+
+    Reachability by squaring: R starts as "itself or its parent"; after k squarings R holds every
+    ancestor up to 2**k levels up, so ceil(log2 N) squarings reach the root. A few small matmuls
+    and no host sync, where a walk over the nodes would launch kernels per node.
     """
     B, N = parents.shape
-    anc = torch.zeros(B, N, N, dtype=torch.bool, device=parents.device)
-    rows = torch.arange(B, device=parents.device)
-    for i in range(N):
-        p = parents[:, i]
-        has_parent = p >= 0
-        # Topological order: the parent's row is final before its children are visited.
-        inherited = anc[rows, p.clamp_min(0)] & has_parent.unsqueeze(-1)
-        anc[:, i] = inherited
-        anc[:, i, i] = True
-    return anc
+    reach = torch.eye(N, device=parents.device).expand(B, N, N).clone()
+    has_parent = parents >= 0
+    reach.scatter_add_(2, parents.clamp_min(0).unsqueeze(-1), has_parent.unsqueeze(-1).to(reach.dtype))
+    reach.clamp_max_(1)
+    for _ in range(max(N - 1, 1).bit_length()):
+        reach = torch.bmm(reach, reach).clamp_max_(1)
+    return reach > 0
 
 
 def tree_positions(depths: Tensor, prefix_len: int) -> Tensor:
@@ -507,9 +520,10 @@ def build_dynamic_tree(
         if logp.shape[0] != len(frontier):
             raise ValueError(f"expand returned {logp.shape[0]} rows for {len(frontier)} frontier nodes")
         values, candidates = torch.topk(logp.float(), min(topk, logp.shape[-1]), dim=-1)
+        values, candidates = values.tolist(), candidates.tolist()  # one read per level, not per row
         level = []
         for row, parent in enumerate(frontier):
-            for value, token in zip(values[row].tolist(), candidates[row].tolist()):
+            for value, token in zip(values[row], candidates[row]):
                 if value == float("-inf"):
                     continue
                 level.append(len(tokens))

@@ -145,14 +145,17 @@ DRAFTERS = {
 }
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("kind", list(DRAFTERS))
-def test_greedy_speculative_equals_hf_greedy(setup, kind):
+def test_greedy_speculative_equals_hf_greedy(setup, kind, cache):
+    """On transformers' DynamicCache (the reference) and on the preallocated StaticSession (what
+    a GPU replays as CUDA graphs; eager here): every drafter kind, token for token."""
     target, prompts, references, other, noisy = setup
     build, all_accepted = DRAFTERS[kind]
     drafter = build(target, other, noisy)
     accepted = drafted_depth = 0
     for ids, reference in zip(prompts, references):
-        out, stats_ = speculative_generate(target, drafter, ids, MAX_NEW, eos_token_id=EOS)
+        out, stats_ = speculative_generate(target, drafter, ids, MAX_NEW, eos_token_id=EOS, cache=cache)
         assert out.tolist() == reference.tolist(), f"{kind}: prompt {ids.tolist()}"
         accepted += sum(stats_.accept_lens)
         drafted_depth += sum(stats_.draft_depths)

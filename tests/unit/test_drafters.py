@@ -204,3 +204,62 @@ def test_head_drafter_errors_and_root_only_start():
         HeadDrafter(head, target, DynamicTreeSpec(3, 2, 3))
     tree = HeadDrafter(head, target, TreeSpec.chain(2)).propose(_state([7]))  # one-token prompt
     assert tree.tokens.tolist() == [[7]]
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_tree_rooted_elsewhere_is_refused_before_anything_is_emitted(cache):
+    """The loop checks the root with the step's verdict (no sync of its own): still one clear error."""
+    from draftsmith.runtime.drafters import DrafterError
+    from draftsmith.runtime.generate import speculative_generate
+    from draftsmith.runtime.tree import DraftTree
+
+    class OffByOne:
+        def required_layers(self):
+            return []
+
+        def reset(self, prompt):
+            pass
+
+        def propose(self, state):
+            return DraftTree.from_lists([state.root + 1, 7], [-1, 0])
+
+        def accept(self, result):
+            pass
+
+    target = FrozenTarget(tiny_causal_lm("llama", seed=0))
+    with pytest.raises(DrafterError, match="OffByOne proposed a tree whose root is not the last decided token"):
+        speculative_generate(target, OffByOne(), torch.tensor([[5, 6, 7]]), 8, cache=cache)
+
+
+def test_a_static_tree_from_path_free_levels_is_drafted_on_the_device_as_on_the_host(monkeypatch):
+    """Medusa's and DFlash's greedy static trees: one top-k and a gather (no host read), the very
+    tree grow_static_tree builds level by level; and HeadDrafter takes that path for them."""
+    from draftsmith.runtime import drafters
+    from draftsmith.runtime.drafters import grow_static_tree, static_tree_on_device
+    from draftsmith.runtime.verify import GREEDY
+
+    gen = torch.Generator().manual_seed(0)
+    specs = [TreeSpec.chain(4), default_tree(4, (4, 2, 2, 1)), default_tree(3, (3, 2, 1)), TreeSpec.from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])]
+    for spec in specs:
+        levels = torch.randn(5, 50, generator=gen)
+        on_device = static_tree_on_device(spec, 7, levels)
+        host, _ = grow_static_tree(spec, 7, lambda f: levels[[f.depths[n] for n in f.nodes]], GREEDY)
+        for name in ("tokens", "parents", "depths", "num_nodes"):
+            assert torch.equal(getattr(on_device, name), getattr(host, name)), (spec, name)
+        on_device.validate()
+    assert static_tree_on_device(TreeSpec.chain(4), 7, torch.randn(3, 50)) is None  # fewer levels than depths
+    assert static_tree_on_device(default_tree(2, (4, 1)), 7, torch.randn(2, 3)) is None  # more ranks than tokens
+
+    target = FrozenTarget(tiny_causal_lm("llama", seed=0))
+    head = MedusaHead(MedusaConfig(num_heads=4, num_layers=1), target.dims)
+
+    def host_path(*args, **kwargs):
+        raise AssertionError("a Medusa static tree took the host path")
+
+    monkeypatch.setattr(drafters, "grow_tree", host_path)
+    from draftsmith.runtime.generate import speculative_generate
+
+    ids = torch.tensor([[5, 9, 14, 20]])
+    out, stats = speculative_generate(target, HeadDrafter(head, target, default_tree(4, (4, 2, 2, 1))), ids, 12)
+    want = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=None)
+    assert out.tolist() == want.tolist() and stats.steps >= 1

@@ -102,7 +102,12 @@ def recorded_drafting(head, target, prefix, depth):
             new_layers={i: h[:, : t + 1] for i, h in feats.hidden.items()},
         )
     )
-    assert tree.tokens.shape[1] == depth + 1 and len(recorded) == depth
+    assert tree.tokens.shape[1] == depth + 1
+    levels = session.level_logits()
+    if levels is not None:  # Medusa, DFlash: the chain drafted on the device from the level logits, no expand
+        assert not recorded
+        return tree.tokens[0, 1:], levels[:depth]
+    assert len(recorded) == depth
     return tree.tokens[0, 1:], torch.stack([r[0] for r in recorded])
 
 

@@ -77,3 +77,24 @@ def test_parameters_are_restored_after_the_block():
     with SimulatedDevice():
         assert torch.nn.Parameter.__new__ is not new
     assert torch.nn.Parameter.__new__ is new
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_decoding_takes_a_prompt_from_the_host_and_answers_there(cache):
+    """speculative_generate / autoregressive_generate run on the target's device whatever device
+    the prompt is on, and return on the prompt's: a user's CPU ids with a model on a GPU. The
+    static cache builds its masks, slots and positions on the device too."""
+    from draftsmith.runtime.drafters import StandaloneDrafter
+    from draftsmith.runtime.generate import autoregressive_generate, speculative_generate
+    from draftsmith.runtime.tree import TreeSpec
+    from draftsmith.target import FrozenTarget
+    from draftsmith.testing import tiny_causal_lm, tiny_tokenizer
+
+    with SimulatedDevice() as guard:
+        target = FrozenTarget(tiny_causal_lm("llama", seed=0).to(DEVICE), tiny_tokenizer())
+        drafter = StandaloneDrafter(tiny_causal_lm("llama", hidden_size=32, num_layers=1, seed=1).to(DEVICE), TreeSpec.chain(3))
+        prompt = torch.tensor([[5, 9, 14, 20]])
+        spec, _ = speculative_generate(target, drafter, prompt, 12, cache=cache)
+        plain, _ = autoregressive_generate(target, prompt, 12, cache=cache)
+        assert guard.place(spec) == guard.place(plain) == guard.HOST
+        assert spec.shape == (1, 16) and torch.equal(spec, plain)

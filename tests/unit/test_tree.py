@@ -128,6 +128,18 @@ def test_draft_tree_validation(parents, depths, needle):
         tree.validate()
 
 
+@pytest.mark.parametrize(
+    "parents, needle",
+    [([-1, 0, 2], "node 2 of tree 0 has parent 2"), ([0, 0, 1], "root's parent"), ([], "root"), ([-1, 0, -1], "has parent -1")],
+)
+def test_a_tree_from_lists_is_checked_on_the_host(parents, needle):
+    with pytest.raises(TreeError, match=needle):
+        DraftTree.from_lists(list(range(10, 10 + len(parents))), parents)
+    tree = DraftTree.from_lists([5, 6, 7, 8], [-1, 0, 1, 0])
+    assert tree.max_depth == tree.known_max_depth == 2 and tree.depths.tolist() == [[0, 1, 2, 1]]
+    tree.validate()  # what the host checked, the device check agrees with
+
+
 def test_padding_must_be_detached():
     tree = DraftTree(torch.tensor([[1, 2, 3]]), torch.tensor([[-1, 0, 1]]), torch.tensor([[0, 1, 2]]), torch.tensor([2]))
     with pytest.raises(TreeError, match="padding"):

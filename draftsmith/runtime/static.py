@@ -1,0 +1,263 @@
+"""The target on a preallocated KV cache, its forwards replayed as CUDA graphs on a GPU.
+
+On a GPU, a small model's forward at batch 1 is bound by the host: Python and kernel launches, not
+arithmetic (a 30-layer, 135M-parameter Llama takes about 19 ms a step on an H200 in eager mode).
+``StaticSession`` is ``TargetSession`` (prefill, forward_tree, keep) on a cache whose tensors never
+move: every decoder layer's keys and values live in one buffer [L,1,H,capacity,Dh], a forward writes
+its N entries at given slots, and every query attends over the whole buffer through an additive
+mask that hides the slots not (yet) part of its context. Shapes then depend only on N, so on CUDA
+each N's forward (embedding, decoder layers, final norm, LM head) is captured once as a CUDA graph
+and replayed: one launch instead of hundreds. The inputs of a replay (ids, positions, slots, mask)
+are copied into the graph's own buffers; its outputs are the graph's buffers too, valid until the
+next forward.
+
+On the CPU the same code runs eagerly (no graphs): it is the reference path's twin, token-identical
+to ``TargetSession`` (tests/unit/test_static_session.py), which is what makes the CUDA path testable
+without a GPU. Rolling back a rejected tree is one gather and one copy over all layers at once.
+
+Works for decoders whose layers run in slices (``target.decoder_stack``: Llama, Qwen2, Mistral and
+their kin); ``static_session_supported`` says whether a target is one.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from draftsmith.runtime.drafters import DrafterError
+from draftsmith.runtime.tree import DraftTree, ancestor_mask
+from draftsmith.runs import log
+from draftsmith.target import TargetLoadError, decoder_stack
+
+__all__ = ["StaticCache", "StaticSession", "static_session_supported"]
+
+# Slots reserved past prompt + new tokens for the largest tree a step may send.
+TREE_ROOM = 256
+
+
+def static_session_supported(target) -> bool:
+    """Whether ``target``'s decoder runs layer by layer with full attention in every layer (what
+    the static session needs; a sliding-window layer keeps no entry per position)."""
+    try:
+        decoder_stack(target.model)
+    except TargetLoadError:
+        return False
+    return "sliding_attention" not in (getattr(target.model.config, "layer_types", None) or ())
+
+
+class StaticCache:
+    """Keys and values of every decoder layer in two preallocated buffers [L,1,H,capacity,Dh].
+
+    Speaks the one method of transformers' Cache that decoder layers call: ``update(keys, values,
+    layer)`` writes the N new entries at ``slots`` (a [N] long tensor on the device, set before the
+    forward) and returns the layer's whole buffer, which the caller's mask restricts."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, device, dtype) -> None:
+        shape = (num_layers, 1, kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.capacity = capacity
+        self.slots: Optional[Tensor] = None
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs=None) -> tuple[Tensor, Tensor]:
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(2, self.slots, key_states.to(keys.dtype))
+        values.index_copy_(2, self.slots, value_states.to(values.dtype))
+        return keys, values
+
+    def move(self, start: int, sources: Tensor) -> None:
+        """Slots start, start+1, ... take the entries of slots ``sources`` (ascending, sources[j] >=
+        start + j), in every layer at once."""
+        m = sources.numel()
+        for buffer in (self.keys, self.values):
+            buffer[:, :, :, start : start + m] = buffer.index_select(3, sources)
+
+
+class _Graph:
+    """One tree size's forward captured as a CUDA graph, with its input and output buffers."""
+
+    def __init__(self, session: "StaticSession", n: int) -> None:
+        device, capacity = session.device, session.cache.capacity
+        self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, n, dtype=torch.long, device=device)
+        self.slots = torch.arange(n, dtype=torch.long, device=device)
+        self.mask = torch.zeros(1, 1, n, capacity, dtype=session.target.dtype, device=device)
+        # Warm up on a side stream (allocator and library workspaces), then capture. The warm-up
+        # writes garbage at slots length .. length+n-1: entries no query sees yet, which the
+        # forward about to run overwrites.
+        self.slots += session.length
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                session._eager(self.ids, self.positions, self.slots, self.mask)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=session.pool):
+            self.out = session._eager(self.ids, self.positions, self.slots, self.mask)
+
+    def __call__(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor):
+        self.ids.copy_(ids)
+        self.positions.copy_(positions)
+        self.slots.copy_(slots)
+        self.mask.copy_(mask)
+        self.graph.replay()
+        return self.out
+
+
+class StaticSession:
+    """``TargetSession`` on a ``StaticCache`` (B = 1), with CUDA graphs on a GPU (``graphs``: None =
+    where the target is on CUDA). Same interface and the same results: ``prefill`` appends tokens,
+    ``forward_tree`` appends a tree's nodes at slots length .. length+N-1, ``keep`` packs the
+    accepted path after the prefix. ``capacity``: slots to allocate (the prompt, the new tokens and
+    room for one tree); the cache grows, dropping its graphs, if a forward needs more."""
+
+    def __init__(self, target, layers: Sequence[int] = (), capacity: int = 1024, graphs: Optional[bool] = None) -> None:
+        self.target = target
+        self.stack = decoder_stack(target.model)
+        n = self.stack.num_layers
+        self.layers = list(layers)
+        self._wanted = sorted({i % n for i in self.layers})
+        config = target.model.config
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.device, self.dtype = target.device, target.dtype
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        if self.graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the target on a CUDA device; it is on {self.device}")
+        self.length = 0
+        self._tree_base: Optional[int] = None
+        self._allocate(capacity)
+
+    @classmethod
+    def for_target(cls, target, layers: Sequence[int] = (), capacity: int = 1024) -> "StaticSession":
+        """An empty session for ``target``, kept on it and reused by later generations, so that each
+        tree size's graph is captured once per target, not once per prompt."""
+        sessions = target.__dict__.setdefault("_static_sessions", {})
+        key = (tuple(layers), target.device, target.dtype)
+        session = sessions.get(key)
+        if session is None:
+            session = sessions[key] = cls(target, layers, capacity)
+        session.reset(capacity)
+        return session
+
+    def reset(self, capacity: int = 0) -> None:
+        """Forget every entry (the buffers and graphs stay); grow to ``capacity`` slots if smaller."""
+        self.length = 0
+        self._tree_base = None
+        if capacity > self.cache.capacity:
+            self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        old = getattr(self, "cache", None)
+        self.cache = StaticCache(self.stack.num_layers, self.kv_heads, self.head_dim, capacity, self.device, self.dtype)
+        if old is not None and self.length:
+            self.cache.keys[:, :, :, : self.length] = old.keys[:, :, :, : self.length]
+            self.cache.values[:, :, :, : self.length] = old.values[:, :, :, : self.length]
+        self.columns = torch.arange(capacity, device=self.device)
+        self._compiled: dict[int, _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+
+    def _room(self, n: int) -> None:
+        if self.length + n > self.cache.capacity:
+            self._allocate(max(2 * self.cache.capacity, self.length + n + TREE_ROOM))
+
+    # ----------------------------------------------------------------------------- the forward
+
+    def _eager(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, logits: str = "all") -> tuple[Optional[Tensor], Tensor, list[Tensor]]:
+        """Embedding, decoder layers (writing the cache at `slots`), final norm and LM head (on
+        every row, the last or none: `logits`). Returns (logits [1,N or 1,V] or None, final hidden
+        [1,N,D], the wanted layers' outputs)."""
+        self.cache.slots = slots
+        hidden = self.stack.embed(ids)
+        position_embeddings = self.stack.rotary(hidden, positions)
+        wanted = []
+        for i, layer in enumerate(self.stack.layers):
+            out = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True,
+                        position_embeddings=position_embeddings)  # fmt: skip
+            hidden = out[0] if isinstance(out, tuple) else out
+            if i in self._wanted:
+                wanted.append(hidden)
+        final = self.stack.norm(hidden)
+        head = {"all": final, "last": final[:, -1:], "none": None}[logits]
+        return (None if head is None else self.target.lm_head(head)), final, wanted
+
+    def _graph(self, n: int) -> Optional[_Graph]:
+        """N's graph, captured on first use; None (and eager from then on, said once) where the
+        capture fails: a model with an operation that cannot be captured still decodes."""
+        graph = self._compiled.get(n)
+        if graph is None:
+            try:
+                graph = self._compiled[n] = _Graph(self, n)
+            except RuntimeError as err:
+                self.graphs = False
+                log(f"note: CUDA graph capture failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); decoding on without graphs", sys.stderr)
+                return None
+        return graph
+
+    def _forward(self, ids: Tensor, positions: Tensor, visible: Tensor, logits: str = "all") -> tuple[Optional[Tensor], Tensor, dict[int, Tensor]]:
+        """N = ids.shape[1] new entries at slots length.., `visible` [N,capacity] bool. A tree or a
+        single token replays N's CUDA graph where the session has graphs (logits on every row); a
+        prompt runs eagerly, its length varying (logits as asked)."""
+        n = ids.shape[1]
+        slots = self.columns[self.length : self.length + n]
+        mask = torch.zeros(1, 1, n, self.cache.capacity, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        graph = self._graph(n) if self.graphs and (logits == "all" or n == 1) else None
+        if graph is not None:
+            # The graph's buffers are overwritten by its next replay: the features a drafter may
+            # keep are copied (small); the logits are read before the next forward.
+            out, final, wanted = graph(ids, positions, slots, mask)
+            final, wanted = final.clone(), [h.clone() for h in wanted]
+        else:
+            out, final, wanted = self._eager(ids, positions, slots, mask, logits)
+        outputs = dict(zip(self._wanted, wanted))
+        return out, final, {i: outputs[i % self.stack.num_layers] for i in self.layers}
+
+    # ----------------------------------------------------------------------------- TargetSession's interface
+
+    def _append(self, ids: Tensor, logits: str):
+        m = ids.shape[1]
+        self._room(m)
+        rows = torch.arange(self.length, self.length + m, device=self.device)
+        visible = self.columns.unsqueeze(0) <= rows.unsqueeze(1)  # causal over the cache
+        out = self._forward(ids, rows.unsqueeze(0), visible, logits)
+        self.length += m
+        return out
+
+    @torch.no_grad()
+    def prefill(self, ids: Tensor) -> tuple[Tensor, dict[int, Tensor]]:
+        """Append ids [1,M] to the cache. Returns (final hidden [1,M,D], {layer: [1,M,D]})."""
+        _, hidden, layers = self._append(ids, "none")
+        return hidden, layers
+
+    @torch.no_grad()
+    def next_logits(self, ids: Tensor) -> Tensor:
+        """Append ids [1,M]; the logits [V] after the last of them (a plain decoding step)."""
+        logits, _, _ = self._append(ids, "last")
+        return logits[0, -1]
+
+    @torch.no_grad()
+    def forward_tree(self, tree: DraftTree) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
+        """One forward over a tree's nodes. Returns (logits [1,N,V], final hidden [1,N,D], layers)."""
+        n = tree.size
+        self._room(n)
+        visible = (self.columns < self.length).unsqueeze(0).repeat(n, 1)
+        visible[:, self.length : self.length + n] = ancestor_mask(tree.parents)[0]
+        out = self._forward(tree.tokens, tree.depths + self.length, visible)
+        self._tree_base = self.length
+        self.length += n
+        return out
+
+    def keep(self, path: Union[Tensor, Sequence[int]]) -> None:
+        """Keep the entries of tree nodes ``path`` (ascending node indices, root first) of the last
+        forward_tree, drop the other nodes' entries."""
+        if self._tree_base is None:
+            raise DrafterError("keep() needs a forward_tree() first")
+        path = torch.as_tensor(path, dtype=torch.long, device=self.device)
+        self.cache.move(self._tree_base, path + self._tree_base)
+        self.length = self._tree_base + int(path.numel())
+        self._tree_base = None

@@ -1,0 +1,121 @@
+"""StaticSession: the target on a preallocated KV cache (what a GPU replays as CUDA graphs) computes
+what TargetSession computes on transformers' DynamicCache, step for step, on the CPU."""
+
+import pytest
+import torch
+
+from draftsmith.runtime.drafters import DrafterError, StandaloneDrafter
+from draftsmith.runtime.early_exit import EarlyExitDrafter
+from draftsmith.runtime.generate import TargetSession, autoregressive_generate, open_session, speculative_generate
+from draftsmith.runtime.static import StaticSession, static_session_supported
+from draftsmith.runtime.tree import DraftTree, TreeSpec, ancestor_mask
+from draftsmith.target import FrozenTarget
+from draftsmith.testing import tiny_causal_lm
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def target(request):
+    return FrozenTarget(tiny_causal_lm(request.param, seed=0))
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_every_forward_and_rollback_matches_the_dynamic_cache(target):
+    """prefill, a tree, keep a path, a second tree, keep, a plain step: the same logits, final
+    hidden states and captured layers as TargetSession; the cache grows past its first capacity."""
+    layers = [0, 2, -1]
+    ref, static = TargetSession(target, layers), StaticSession(target, layers, capacity=12)
+    prompt = torch.tensor([[5, 9, 14, 20, 7, 3, 11]])
+    (h1, l1), (h2, l2) = ref.prefill(prompt), static.prefill(prompt)
+    _close(h2, h1)
+    assert sorted(l2) == sorted(l1) == [-1, 0, 2]
+    for i in l1:
+        _close(l2[i], l1[i])
+    trees = [
+        DraftTree.from_lists([11, 30, 31, 40, 41, 42], [-1, 0, 0, 1, 1, 2]),
+        DraftTree.from_lists([40, 8, 9, 10], [-1, 0, 1, 1]),
+    ]
+    for tree, path in zip(trees, ([0, 1, 4], [0, 2])):
+        (g1, f1, t1), (g2, f2, t2) = ref.forward_tree(tree), static.forward_tree(tree)
+        _close(g2, g1)
+        _close(f2, f1)
+        for i in t1:
+            _close(t2[i], t1[i])
+        ref.keep(path)
+        static.keep(path)
+        assert static.length == ref.length
+    assert static.cache.capacity > 12  # grew, keeping what it held
+    _close(static.next_logits(torch.tensor([[12]])), ref.next_logits(torch.tensor([[12]])))
+
+
+def test_plain_and_speculative_decoding_on_the_static_cache_equal_hf_greedy(target):
+    prompts = [torch.tensor([[5, 9, 14, 20]]), torch.tensor([[7]]), torch.tensor([[3, 3, 3, 3, 3, 3, 3, 3, 40]])]
+    other = StandaloneDrafter(tiny_causal_lm("llama", hidden_size=32, num_layers=1, seed=1), TreeSpec.chain(3))
+    itself = StandaloneDrafter(target.model, TreeSpec.chain(3))  # everything accepted: 4 tokens a step
+    for ids in prompts:
+        want = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20, pad_token_id=0, eos_token_id=None)
+        plain, _ = autoregressive_generate(target, ids, 20, cache="static")
+        spec, _ = speculative_generate(target, other, ids, 20, cache="static")
+        fast, stats = speculative_generate(target, itself, ids, 20, cache="static")
+        assert plain.tolist() == spec.tolist() == fast.tolist() == want.tolist()
+        assert set(stats.accept_lens[:-1]) == {3}
+
+
+def test_one_session_per_target_reused_across_generations(target):
+    first = StaticSession.for_target(target, [1], capacity=64)
+    first.prefill(torch.tensor([[5, 6, 7]]))
+    again = StaticSession.for_target(target, [1], capacity=32)
+    assert again is first and again.length == 0 and again.cache.capacity == 64
+    bigger = StaticSession.for_target(target, [1], capacity=200)
+    assert bigger is first and bigger.cache.capacity == 200
+    assert StaticSession.for_target(target, [2], capacity=8) is not first
+
+
+def test_which_session_a_generation_opens(target):
+    assert type(open_session(target, [], "auto", 64)) is TargetSession  # the CPU: the reference cache
+    assert type(open_session(target, [], "static", 64)) is StaticSession
+    assert type(open_session(target, [], "auto", 64, self_drafting=True)) is TargetSession
+    with pytest.raises(ValueError, match="self-drafter"):
+        open_session(target, [], "static", 64, self_drafting=True)
+    with pytest.raises(ValueError, match="cache must be one of auto, dynamic, static, got 'paged'"):
+        speculative_generate(target, StandaloneDrafter(target.model), torch.tensor([[5, 6]]), 4, cache="paged")
+    with pytest.raises(ValueError, match="CUDA graphs need the target on a CUDA device"):
+        StaticSession(target, graphs=True)
+    with pytest.raises(DrafterError, match="forward_tree"):
+        StaticSession(target).keep([0])
+    assert static_session_supported(target)
+
+
+def test_an_early_exit_drafter_keeps_the_dynamic_cache(target):
+    """A self-drafter runs slices of the target's layers on the target's own cache: "auto" gives it
+    the dynamic one, and its output is still the target's greedy output."""
+    ids = torch.tensor([[5, 9, 14, 20]])
+    want = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=None)
+    out, _ = speculative_generate(target, EarlyExitDrafter(target, exit_layer=1, tree=TreeSpec.chain(2)), ids, 12)
+    assert out.tolist() == want.tolist()
+
+
+def test_ancestor_mask_is_the_walk_to_the_root():
+    def walk(parents):
+        B, N = parents.shape
+        anc = torch.zeros(B, N, N, dtype=torch.bool)
+        for b in range(B):
+            for i in range(N):
+                j = i
+                while j >= 0:
+                    anc[b, i, j] = True
+                    j = int(parents[b, j])
+        return anc
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 8, 26, 65):
+        parents = torch.full((3, n), -1)
+        for b in range(3):
+            for i in range(1, n):
+                if b < 2 or i % 5:  # the third tree has padding nodes (parent -1) among real ones
+                    parents[b, i] = int(torch.randint(0, i, (1,), generator=gen)) if b else i - 1  # the first one a chain
+        assert torch.equal(ancestor_mask(parents), walk(parents)), n
