@@ -42,6 +42,9 @@ def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
     model_type = drafter.target.get("model_type") or ""
     if model_type and model_type not in EAGLE3_TARGETS:
         return f"{'EAGLE-3' if drafter.kind == 'eagle3' else 'DFlash'} reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
+    if drafter.kind == "eagle3" and drafter.head.cfg.norm_before_fc and drafter.head.cfg.fc_norm:
+        # speculators 0.9.0's Eagle3SpeculatorConfig rejects the pair ("mutually exclusive").
+        return "speculators refuses head.norm_before_fc together with head.fc_norm (one or the other); --format vllm carries both"
     if drafter.kind == "dflash" and drafter.head.cfg.mask_embedding:
         return "speculators' DFlash has no learned mask vector (head.mask_embedding): --format vllm carries it (mask_embedding.pt)"
     return depth_refusal(drafter, options)

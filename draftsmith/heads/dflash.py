@@ -23,11 +23,15 @@ Auxiliary layer ids follow vLLM's capture convention, as EAGLE-3's do (id L = th
 layer L), default (2, N//2, N-3): the two heads share one feature cache. vLLM's
 ``dflash_config.target_layer_ids`` are these ids minus one.
 
-Training (speculators' and SpecForge's scheme): anchors at answer tokens, up to ``max_anchors`` per
-row drawn without replacement (all of them when there are fewer); each block's slots are scored by
-cross-entropy against the data tokens (the target's own answers), weighted per slot by D-PACE,
-exponential decay or uniformly (``dpace_weights``, ``decay_weights``), summed and divided by the
-number of scored slots (``block_loss``).
+Training: anchors at answer tokens, up to ``max_anchors`` per row drawn without replacement (all of
+them when there are fewer), as speculators and SpecForge draw them; each block's slots are scored
+by cross-entropy against the data tokens, weighted per slot by D-PACE, exponential decay or
+uniformly (``dpace_weights``, ``decay_weights``), summed and divided by the number of scored slots
+(``block_loss``). The labels differ from speculators' on purpose where the data is not the
+target's: speculators 0.9.0 scores each slot against the target's argmax there (its ``ce`` loss,
+the DFlash default; ``kl_div`` against the target's whole distribution). With ``data.regenerate``
+the answers are the target's own greedy tokens, and the two labels coincide but where batched
+regeneration rounds a near-tie the other way.
 
 Shapes: B batch, T positions, N anchors, S = block_size, K = S - 1 drafted slots, V vocabulary,
 D hidden size.
@@ -477,6 +481,9 @@ class DFlashSession(HeadSession):
 
     def expand(self, frontier: Any) -> Tensor:
         return self.slot_logits[[frontier.depths[n] for n in frontier.nodes]]
+
+    def level_logits(self) -> Optional[Tensor]:
+        return self.slot_logits
 
 
 __all__ = [

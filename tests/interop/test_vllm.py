@@ -16,6 +16,7 @@ follows the last prompt token, so draftsmith runs from the prompt plus that firs
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,29 @@ def test_tiny_target_every_kind_loads_whole_decodes_losslessly_and_accepts_as_dr
 def test_speculators_folder_serves_its_own_target(tiny):
     assert tiny["results"]["speculators"]["outputs"] == tiny["results"]["plain"]["outputs"]
     assert tiny["loaded"]["speculators"].target_path == str(tiny["root"] / "target")
+
+
+def test_vllm_drops_an_input_norm_whose_switch_is_off_and_refuses_such_an_fc_norm(tiny, vllm):
+    """What docs/heads.md says vLLM 0.32 does with an EAGLE-3.1 tensor whose switch is off: it
+    maps input_norm away without a word, and it fails to load an fc_norm (no module to take it).
+    draftsmith's reader refuses both in one line (tests/unit/test_export_formats.py)."""
+    root = tiny["root"]
+    sources = {"input-norm-off": (export(root / "eagle31", root / "vllm-eagle31", "vllm", ExportOptions(num_speculative_tokens=K)), "norm_before_fc"),
+               "fc-norm-off": (root / "vllm-eagle3-fc-norm", "fc_norm")}  # fmt: skip
+    runs = []
+    for name, (source, switch) in sources.items():
+        folder = root / name
+        shutil.copytree(source, folder)
+        config = json.loads((folder / "config.json").read_text())
+        config[switch] = False
+        config.get("eagle_config", {})[switch] = False
+        (folder / "config.json").write_text(json.dumps(config))
+        runs.append({"name": name, "method": "eagle3", "model": str(folder), "k": K, "expect_error": True})
+    job = {"target": str(root / "target"), "prompts": tiny["prompts"][:1], "max_tokens": 8, "runs": runs}
+    (root / "switched-off").mkdir()
+    results = vllm(job, root / "switched-off")
+    assert "error" not in results["input-norm-off"] and len(results["input-norm-off"]["outputs"][0]) == 8, results["input-norm-off"]
+    assert "There is no module or parameter named" in results["fc-norm-off"]["error"] and "fc_norm" in results["fc-norm-off"]["error"], results["fc-norm-off"]
 
 
 # ----------------------------------------------------------------------------- SmolLM2-135M-Instruct

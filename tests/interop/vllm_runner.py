@@ -5,7 +5,8 @@ The job names a target folder, prompts as token ids, a number of new tokens, and
 (no drafter) and drafters as ``{"name", "method", "model", "k"}`` (served with
 ``speculative_config``, plus any keys of ``"config"``, e.g. ngram's prompt_lookup_min/max; no
 ``model`` for the methods that need none: ngram, suffix) or ``{"name", "method", "model", "serve":
-folder}`` (``LLM(model=folder)``: a speculators folder that names its target itself). For each run
+folder}`` (``LLM(model=folder)``: a speculators folder that names its target itself); with
+``"expect_error": true`` a refusal is recorded as ``{"error": "..."}`` instead of ending the job. For each run
 the result holds the greedy output token ids and, for a drafter, the speculative method vLLM
 resolved, its spec-decode counters (drafts, draft tokens, accepted tokens, accepted per position)
 in all and per prompt, for DFlash every block it drafted (the proposer is wrapped in this process),
@@ -270,7 +271,14 @@ def main(job_path: str, result_path: str) -> int:
     for entry in runs:
         if entry["name"] in results:
             continue
-        results[entry["name"]] = run(job, None if entry.get("method") is None else entry)
+        if entry.get("expect_error"):
+            # A folder vLLM may refuse: what it says is the result (the job keeps going).
+            try:
+                results[entry["name"]] = run(job, entry)
+            except Exception as err:  # noqa: BLE001 - any refusal is the answer
+                results[entry["name"]] = {"error": f"{type(err).__name__}: {err}"}
+        else:
+            results[entry["name"]] = run(job, None if entry.get("method") is None else entry)
         # The finished engine is torn down now: collected later, in the middle of the next engine's
         # run, its teardown took the process-wide parallel state with it ("pipeline model parallel
         # group is not initialized", seen on the sixth engine of a process).

@@ -58,7 +58,7 @@ def same_logits(fixture, head, folder, **load):
     from draftsmith.runtime.load import load_drafter
 
     _, tgt = fixture
-    loaded = load_drafter(folder, **{"dtype": "float32", **load})
+    loaded = load_drafter(folder, **{"dtype": "float32", "device": "cpu", **load})
     ids = torch.randint(3, V, (1, 12), generator=torch.Generator().manual_seed(1))
     feats = tgt.features(ids, layers=head.required_layers())
     with torch.no_grad():
@@ -123,7 +123,7 @@ def test_an_engine_layout_export_drafts_the_tree_its_run_was_evaluated_with(targ
             "model_type": "llama", "hf_config": tgt.dims.hf_config}  # fmt: skip
     src = write_head_folder(head, info, tmp_path / "src-with-tree", tree=tree.to_dict())
     out = export(src, tmp_path / f"tree-{fmt}", fmt, ExportOptions(num_speculative_tokens=3, verifier=str(folder)))
-    from_run, from_export = load_drafter(src, dtype="float32"), load_drafter(out, dtype="float32")
+    from_run, from_export = load_drafter(src, dtype="float32", device="cpu"), load_drafter(out, dtype="float32", device="cpu")
     assert from_export.drafter.tree.choices == from_run.drafter.tree.choices == tree.spec.choices
     assert from_export.meta["tree"] == from_run.meta["tree"] and from_export.meta["tree"].startswith("stored sparse tree, 6 nodes")
 
@@ -158,6 +158,18 @@ def test_eagle31_switches_travel_and_come_back(target, tmp_path, fmt):
 
     with pytest.raises(ArtifactError, match="fc_norm.0.weight is there but fc_norm is off"):
         open_drafter(out)
+
+
+def test_both_eagle31_input_norms_go_to_vllm_but_not_to_speculators(target, tmp_path):
+    """norm_before_fc with fc_norm: vLLM runs input_norm, then fc_norm per state (what draftsmith
+    computes); speculators' config calls the pair mutually exclusive, so that layout refuses it."""
+    src, head = head_folder(target, tmp_path, "eagle3", aux_layer_ids=[2, 4, 5], norm_before_fc=True, fc_norm=True)
+    with pytest.raises(ExportError, match="speculators refuses head.norm_before_fc together with head.fc_norm"):
+        export(src, tmp_path / "speculators", "speculators", ExportOptions(verifier=str(target[0])))
+    assert not (tmp_path / "speculators").exists()
+    out = export(src, tmp_path / "vllm", "vllm", ExportOptions(verifier=str(target[0])))
+    assert {"input_norm.weight", "fc_norm.0.weight"} <= set(load_file(str(out / "model.safetensors")))
+    same_logits(target, head, out, target=str(target[0]))
 
 
 def test_eagle3_with_the_full_vocabulary_has_no_d2t_and_sglang_gets_non_default_ids(target, tmp_path):
@@ -425,7 +437,7 @@ def test_a_foreign_folder_whose_config_and_tensors_disagree_fails_in_one_line(ta
     (folder / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ArtifactError) as err:
-        load_drafter(folder, target=str(target[0]))
+        load_drafter(folder, target=str(target[0]), device="cpu")
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -449,12 +461,12 @@ def test_a_foreign_folder_may_carry_the_targets_embedding_in_bf16(target, tmp_pa
     assert (embedding.to(torch.bfloat16).float() - embedding).abs().max() > 1e-2
     tensors["embed_tokens.weight"] = embedding.to(torch.bfloat16)
     save_file(tensors, str(folder / "model.safetensors"))
-    load_drafter(folder, target=str(target[0]))
+    load_drafter(folder, target=str(target[0]), device="cpu")
     # One bf16 step off in one place is another embedding.
     tensors["embed_tokens.weight"][3, 5] += 0.5
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ArtifactError, match="carries an embedding that is not the target's"):
-        load_drafter(folder, target=str(target[0]))
+        load_drafter(folder, target=str(target[0]), device="cpu")
 
 
 def _speculators_dflash_folder(target, tmp_path):
@@ -490,7 +502,7 @@ def test_a_dflash_folder_written_by_speculators_decodes_causal_as_trained(target
     from draftsmith.runtime.load import load_drafter
 
     folder, head = _speculators_dflash_folder(target, tmp_path)
-    loaded = load_drafter(folder, dtype="float32")
+    loaded = load_drafter(folder, dtype="float32", device="cpu")
     assert loaded.target_path == str(target[0]) and loaded.meta["layout"] == "speculators"
     got = loaded.drafter.head
     assert got.cfg.causal is True and got.cfg.aux_layer_ids == [2, 4, 5] and got.cfg.block_size == 4 and got.cfg.num_layers == 2
@@ -521,7 +533,7 @@ def test_a_dflash_folder_draftsmith_cannot_compute_fails_in_one_line(target, tmp
     damage(config)
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ArtifactError) as err:
-        load_drafter(folder, dtype="float32")
+        load_drafter(folder, dtype="float32", device="cpu")
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
