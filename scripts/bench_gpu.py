@@ -15,11 +15,14 @@ shape it times, over --prompts prompts of --prompt-len tokens and --new-tokens n
 - a speculative step with everything accepted: the target drafting for itself (a chain of 4).
 
 draftsmith's loops run twice: on transformers' DynamicCache with eager forwards (the reference path),
-and on the static cache whose target forwards replay as CUDA graphs (runtime/static.py; eager on the
-CPU). The drafters' own steps run eagerly in both. It reports ms per step, tokens per step and the step cost over the plain step, and projects the
-speedup a drafter would give at the accepted lengths measured on the CPU for trained drafters
-(docs/peers.md, docs/heads.md): tau tokens per step at the nothing-accepted step's cost. Writes a
-Markdown table to --out and the rows as JSON beside it.
+and on the static cache whose forwards replay as CUDA graphs (runtime/static.py; eager on the CPU).
+A draft model (the standalone rows) runs on the same kind of cache as the target; the heads' own
+steps run eagerly in both. It reports ms per step, tokens per step and the step cost over the
+plain step, and projects the speedup a drafter would give at the accepted lengths measured on the
+CPU for trained drafters (docs/peers.md, docs/heads.md): tau tokens per step at the
+nothing-accepted step's cost. Writes a Markdown table to --out and the rows as JSON beside it;
+``--profile KIND`` adds torch.profiler's view of one generation with that head (kernel launches
+and host syncs per step, operators by host time) beside it.
 """
 
 from __future__ import annotations
@@ -164,8 +167,10 @@ def bench_shape(shape: str, device: torch.device, args) -> list[dict]:
         small.config._attn_implementation = "sdpa"
         drafters["standalone (1-layer draft, chain of 4)"] = StandaloneDrafter(small, TreeSpec.chain(4))
         drafters["target drafting for itself (chain of 4)"] = StandaloneDrafter(target.model, TreeSpec.chain(4))
-        for name, drafter in drafters.items():
+        for name, built in drafters.items():
             for cache in CACHES:
+                # A draft model keeps its own cache: the same kind as the target's in each row.
+                drafter = StandaloneDrafter(built.model, built.tree, cache=cache) if isinstance(built, StandaloneDrafter) else built
                 accepted = "everything" if "itself" in name else "nothing"
                 record(f"{name}, {accepted} accepted, {CACHE_NAMES[cache]}", *time_generation(speculative(drafter, cache), prompts, device), cache=cache)
                 rows[-1]["cost_over_plain"] = round(rows[-1]["ms_per_step"] / plain, 3)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from draftsmith.runtime.errors import DrafterError
 from draftsmith.runtime.tree import (
     AdaptiveTreeSpec,
     DraftTree,
@@ -54,10 +55,6 @@ __all__ = [
     "sample_without_replacement",
     "compact_cache",
 ]
-
-
-class DrafterError(RuntimeError):
-    """A drafter that cannot draft as asked (wrong tree depth, sliding-window cache, ...). One line."""
 
 
 @dataclass
@@ -357,10 +354,19 @@ class StandaloneDrafter:
     cache entries of the accepted path and drops the other tree nodes.
     """
 
-    def __init__(self, model: nn.Module, tree: Union[TreeSpec, DynamicTreeSpec, AdaptiveTreeSpec] = TreeSpec.chain(4)) -> None:
+    def __init__(
+        self, model: nn.Module, tree: Union[TreeSpec, DynamicTreeSpec, AdaptiveTreeSpec] = TreeSpec.chain(4), cache: str = "auto"
+    ) -> None:
         check_attention(model, "draft")  # its tree levels attend through a custom mask too
         self.model = model.eval()
         self.tree = tree
+        if cache not in ("auto", "dynamic", "static"):
+            raise ValueError(f"cache must be one of auto, dynamic, static, got {cache!r}")
+        # "static": the draft model on a preallocated cache, its forwards replayed as CUDA graphs on
+        # a GPU (runtime/static.py), as the target's are; "auto" takes it on CUDA.
+        self.cache_kind = cache
+        self._static_model = None  # the model wrapped for StaticSession, made once: its graphs stay
+        self.static = None
         self.cache = None
         self.cached_len = 0
         self._slots: dict[int, int] = {}  # node id -> cache position, for the tree being drafted
@@ -373,9 +379,27 @@ class StandaloneDrafter:
 
     def reset(self, prompt: Optional[Tensor]) -> None:
         self.cache = DynamicCache(config=self.model.config)
+        self.static = self._static_session(prompt)
         self.cached_len = 0
         self._slots, self._tree_ids, self._prefix = {}, [], 0
         self.forwards = 0  # draft model forwards since reset
+
+    def _static_session(self, prompt: Optional[Tensor]):
+        from draftsmith.runtime.static import TREE_ROOM, StaticSession, static_session_supported
+        from draftsmith.target import FrozenTarget
+
+        device = next(self.model.parameters()).device
+        if self.cache_kind == "dynamic" or (self.cache_kind == "auto" and device.type != "cuda"):
+            return None
+        if self._static_model is None:
+            self._static_model = FrozenTarget(self.model)
+            if not static_session_supported(self._static_model):
+                if self.cache_kind == "static":
+                    raise DrafterError(f"{type(self.model).__name__} cannot run on the static cache (its layers do not run one by one with full attention)")
+                self.cache_kind = "dynamic"
+                return None
+        capacity = (0 if prompt is None else prompt.shape[1]) + 2 * TREE_ROOM
+        return StaticSession.for_target(self._static_model, (), capacity)
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -396,7 +420,14 @@ class StandaloneDrafter:
             raise DrafterError(f"the drafter has seen {self.cached_len} tokens but the state holds {T}; call reset(prompt) first")
         unseen = state.tokens[:, self.cached_len :]
         positions = torch.arange(self.cached_len, T, device=device).unsqueeze(0)
-        root_logits = self._forward(unseen, positions, None)[-1]
+        if self.static is not None:
+            # Causal over the cache; a few tokens (a step's accepted path) replay a graph, a prompt runs eagerly.
+            visible = torch.ones(T - self.cached_len, T, dtype=torch.bool, device=device).tril(diagonal=self.cached_len)
+            logits, _, _ = self.static.append(unseen, positions, visible, "all" if unseen.shape[1] <= 8 else "last")
+            self.forwards += 1
+            root_logits = logits[0, -1]
+        else:
+            root_logits = self._forward(unseen, positions, None)[-1]
         self.cached_len = self._prefix = T
         logits_of: dict[int, Tensor] = {0: root_logits}
         self._slots = {0: T - 1}
@@ -412,21 +443,28 @@ class StandaloneDrafter:
 
     def _forward_nodes(self, todo: list[int], frontier: Frontier, T: int, device, logits_of: dict) -> None:
         """One draft forward over tree nodes ``todo`` on top of the cache (prefix + earlier tree nodes)."""
+        from draftsmith.heads.layers import tree_visibility
+
         L = self.cached_len
         n = len(todo)
-        visible = torch.zeros(n, L + n, dtype=torch.bool, device=device)
-        visible[:, :T] = True  # decided tokens, root included
-        for row, node in enumerate(todo):
-            ancestor = frontier.parents[node]
+        ancestors = []
+        for node in todo:
+            slots, ancestor = [], frontier.parents[node]
             while ancestor > 0:
-                visible[row, self._slots[ancestor]] = True
+                slots.append(self._slots[ancestor])
                 ancestor = frontier.parents[ancestor]
-            visible[row, L + row] = True
-        mask = torch.zeros(1, 1, n, L + n, dtype=self._dtype, device=device)
-        mask.masked_fill_(~visible.view(1, 1, n, L + n), torch.finfo(self._dtype).min)
+            ancestors.append(slots)
+        # Decided tokens (root included), the cache slots of its ancestors, itself: one upload.
+        visible = tree_visibility(T, L, ancestors, device)
         ids = torch.tensor([[frontier.tokens[i] for i in todo]], device=device)
         positions = torch.tensor([[T - 1 + frontier.depths[i] for i in todo]], device=device)
-        logits = self._forward(ids, positions, mask)
+        if self.static is not None:
+            logits = self.static.append(ids, positions, visible, "all")[0][0]
+            self.forwards += 1
+        else:
+            mask = torch.zeros(1, 1, n, L + n, dtype=self._dtype, device=device)
+            mask.masked_fill_(~visible.view(1, 1, n, L + n), torch.finfo(self._dtype).min)
+            logits = self._forward(ids, positions, mask)
         for row, node in enumerate(todo):
             self._slots[node] = L + row
             logits_of[node] = logits[row]
@@ -438,6 +476,9 @@ class StandaloneDrafter:
         path = [self._tree_ids[int(i)] for i in result.path[0, 1 : a + 1]]
         # Path nodes that got children were forwarded; the last one may not have been.
         kept = [self._slots[node] - self._prefix for node in path if node in self._slots]
-        compact_cache(self.cache, self._prefix, kept)
+        if self.static is not None:
+            self.static.pack(self._prefix, torch.tensor(kept, dtype=torch.long) + self._prefix)
+        else:
+            compact_cache(self.cache, self._prefix, kept)
         self.cached_len = self._prefix + len(kept)
         self._slots, self._tree_ids = {}, []

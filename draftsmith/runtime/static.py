@@ -27,7 +27,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from draftsmith.runtime.drafters import DrafterError
+from draftsmith.runtime.errors import DrafterError
 from draftsmith.runtime.tree import DraftTree, ancestor_mask
 from draftsmith.runs import log
 from draftsmith.target import TargetLoadError, decoder_stack
@@ -218,6 +218,27 @@ class StaticSession:
         return out, final, {i: outputs[i % self.stack.num_layers] for i in self.layers}
 
     # ----------------------------------------------------------------------------- TargetSession's interface
+
+    @torch.no_grad()
+    def append(self, ids: Tensor, positions: Tensor, visible: Tensor, logits: str = "all") -> tuple[Optional[Tensor], Tensor, dict[int, Tensor]]:
+        """Append N entries, ids [1,N] at rotary positions [1,N], at slots length .. length+N-1;
+        visible [N, length+N] bool says which cached entries and new ones each of them sees (a
+        draft model's tree levels). Returns (logits [1,N,V] ("all"; "last": [1,1,V]; "none":
+        None), final hidden [1,N,D], layers); a graph replays where logits == "all" or N == 1."""
+        n = ids.shape[1]
+        self._room(n)
+        full = torch.zeros(n, self.cache.capacity, dtype=torch.bool, device=self.device)
+        full[:, : self.length + n] = visible
+        out = self._forward(ids, positions, full, logits)
+        self.length += n
+        return out
+
+    def pack(self, start: int, sources: Tensor) -> None:
+        """Keep the first ``start`` entries, then the entries at slots ``sources`` (ascending, each
+        >= its new place), packed after them; drop the rest."""
+        self.cache.move(start, sources.to(self.device))
+        self.length = start + int(sources.numel())
+        self._tree_base = None
 
     def _append(self, ids: Tensor, logits: str):
         m = ids.shape[1]

@@ -89,3 +89,5 @@ def test_graphed_decoding_equals_hf_greedy(target, kind):
     layers = () if drafter is None else tuple(drafter.required_layers())
     session = target._static_sessions[(layers, target.device, target.dtype)]
     assert session.graphs and session._compiled, "auto did not take the graphed static cache on CUDA"
+    if isinstance(drafter, StandaloneDrafter):  # the draft model's own forwards are graphed too
+        assert drafter.static is not None and drafter.static.graphs and drafter.static._compiled

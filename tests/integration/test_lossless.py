@@ -149,10 +149,14 @@ DRAFTERS = {
 @pytest.mark.parametrize("kind", list(DRAFTERS))
 def test_greedy_speculative_equals_hf_greedy(setup, kind, cache):
     """On transformers' DynamicCache (the reference) and on the preallocated StaticSession (what
-    a GPU replays as CUDA graphs; eager here): every drafter kind, token for token."""
+    a GPU replays as CUDA graphs; eager here): every drafter kind, token for token. A draft
+    model's own cache follows the target's."""
     target, prompts, references, other, noisy = setup
     build, all_accepted = DRAFTERS[kind]
     drafter = build(target, other, noisy)
+    if isinstance(drafter, StandaloneDrafter):
+        drafter = StandaloneDrafter(drafter.model, drafter.tree, cache=cache)
+        assert (drafter.static is not None) == (cache == "static")
     accepted = drafted_depth = 0
     for ids, reference in zip(prompts, references):
         out, stats_ = speculative_generate(target, drafter, ids, MAX_NEW, eos_token_id=EOS, cache=cache)

@@ -95,19 +95,23 @@ def test_gpu_check_runs_a_step_under_its_limit_and_reports_counts_and_failures(t
 
 
 def test_bench_gpu_times_every_drafter_kind_on_the_cpu(tmp_path):
-    """scripts/bench_gpu.py at a tiny shape on the CPU: every row is there, the target drafting for
-    itself accepts whole chains, and the table and JSON are written."""
+    """scripts/bench_gpu.py at a tiny shape on the CPU: every row is there on both caches, the
+    target drafting for itself accepts whole chains, the profile and the table and JSON are written."""
     bench = load_script("scripts/bench_gpu.py")
     out = tmp_path / "bench.md"
-    assert bench.main(["--device", "cpu", "--shapes", "tiny", "--prompts", "1", "--prompt-len", "8", "--new-tokens", "11", "--out", str(out)]) == 0
+    argv = ["--device", "cpu", "--shapes", "tiny", "--prompts", "1", "--prompt-len", "8", "--new-tokens", "11", "--out", str(out), "--profile", "eagle3"]
+    assert bench.main(argv) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     names = [r["drafter"] for r in rows]
-    assert names[:2] == ["plain: transformers generate()", "plain: draftsmith loop"]
-    assert {"eagle3, nothing accepted", "dflash, nothing accepted", "medusa, nothing accepted"} <= set(names)
-    itself = rows[-1]
-    assert itself["drafter"].startswith("target drafting for itself") and itself["tokens_per_step"] > 3.0  # chains of 4 plus the bonus
+    assert names[:3] == ["plain: transformers generate()", "plain: draftsmith loop, dynamic cache", "plain: draftsmith loop, static cache"]
+    for cache in ("dynamic cache", "static cache"):
+        assert {f"{kind}, nothing accepted, {cache}" for kind in ("eagle3", "dflash", "medusa")} <= set(names)
+    assert all(r["graphs"] is False for r in rows if r.get("cache") == "static")  # no graphs on the CPU
+    for itself in rows[-2:]:
+        assert itself["drafter"].startswith("target drafting for itself") and itself["tokens_per_step"] > 3.0  # chains of 4 plus the bonus
     assert all(r["verification"] == "torch reference" and r["ms_per_step"] > 0 for r in rows)
-    assert "| tiny | eagle3, nothing accepted |" in out.read_text()
+    assert "| tiny | eagle3, nothing accepted, static cache |" in out.read_text()
+    assert "host syncs" in (tmp_path / "bench-profile-tiny-eagle3.txt").read_text()
 
 
 # Every script under scripts/ refuses a bad command line in one line, exit 2, before it loads a

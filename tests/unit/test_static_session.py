@@ -119,3 +119,29 @@ def test_ancestor_mask_is_the_walk_to_the_root():
                 if b < 2 or i % 5:  # the third tree has padding nodes (parent -1) among real ones
                     parents[b, i] = int(torch.randint(0, i, (1,), generator=gen)) if b else i - 1  # the first one a chain
         assert torch.equal(ancestor_mask(parents), walk(parents)), n
+
+
+def test_a_draft_model_on_the_static_cache_drafts_what_it_drafts_on_the_dynamic_one(target):
+    """Output identity cannot see a drafter's cache (verification keeps any draft lossless): the
+    trees must be the same, step for step, with rollbacks of non-contiguous paths."""
+    import copy
+
+    from draftsmith.runtime.tree import DynamicTreeSpec, default_tree
+
+    noisy = copy.deepcopy(target.model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.15 * p.std().clamp_min(1e-3))
+    ids = torch.tensor([[5, 9, 14, 20, 7, 3]])
+    for tree in (default_tree(4, (3, 2, 2, 1)), DynamicTreeSpec(depth=4, topk=3, budget=10)):
+        runs = {}
+        for cache in ("dynamic", "static"):
+            drafter = StandaloneDrafter(noisy, tree, cache=cache)
+            proposed = []
+            propose = drafter.propose
+            drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
+            out, stats = speculative_generate(target, drafter, ids, 30, cache=cache)
+            runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens.tolist(), t.parents.tolist()) for t in proposed])
+        assert runs["static"] == runs["dynamic"]
+        assert 0 < sum(runs["static"][1]) < sum(len(t[0][0]) - 1 for t in runs["static"][2])  # partial acceptance: rollbacks happened
