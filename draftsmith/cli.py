@@ -299,6 +299,12 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add_device_option(p, note="on CUDA verification runs in the fused kernel")
     p.add_argument(
+        "--cache", default="auto", choices=["auto", "dynamic", "static"],
+        help="the KV caches of the target and a draft model: static (preallocated, forwards replayed as CUDA graphs on a GPU), "
+        "dynamic (transformers' DynamicCache, the reference) or auto (static on CUDA, dynamic elsewhere; an early-exit model "
+        "keeps the dynamic one). Plain decoding in eval runs on the same kind",
+    )  # fmt: skip
+    p.add_argument(
         "--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
         help="precision of decoding (default auto: bf16 where the hardware has it, fp32 elsewhere; greedy output is token-identical to the target's own only in float32)",
     )  # fmt: skip
@@ -341,12 +347,14 @@ def _load_drafter(args, exit_layer=None):
     if args.prompt_lookup_min > args.prompt_lookup_max:
         raise BadInput(f"--prompt-lookup-min {args.prompt_lookup_min} is above --prompt-lookup-max {args.prompt_lookup_max}")
     options = LookupOptions(args.prompt_lookup_min, args.prompt_lookup_max, args.suffix_cache)
-    return load_drafter(args.drafter, args.target, args.tree, args.dtype, exit_layer=exit_layer, device=args.device, hybrid=args.hybrid, lookup=options)
+    return load_drafter(
+        args.drafter, args.target, args.tree, args.dtype, exit_layer=exit_layer, device=args.device, hybrid=args.hybrid, lookup=options, cache=args.cache
+    )
 
 
 def cmd_generate(args) -> int:
     from draftsmith.eval.run import generate_one, too_long
-    from draftsmith.runtime.generate import verification_kernel
+    from draftsmith.runtime.generate import cache_in_use, verification_kernel
 
     sampling = _sampling(args)
     if not args.prompt.strip():
@@ -364,8 +372,8 @@ def cmd_generate(args) -> int:
     else:
         drafting = f"tree: {loaded.meta.get('tree', 'given')}"
     print(
-        f"\n[{loaded.kind} drafter, {drafting}; on {loaded.target.device}; verification: {sampling.describe()}, "
-        f"{verification_kernel(loaded.target.device, sampling)}] "
+        f"\n[{loaded.kind} drafter, {drafting}; on {loaded.target.device}, {cache_in_use(loaded.target, loaded.cache)}; "
+        f"verification: {sampling.describe()}, {verification_kernel(loaded.target.device, sampling)}] "
         f"{stats.new_tokens} tokens in {stats.steps} target steps: "
         f"mean accepted length {tau:.2f}, {stats.new_tokens / max(stats.wall_time, 1e-9):.1f} tokens/s",
         file=sys.stderr,
@@ -377,7 +385,7 @@ def cmd_eval(args) -> int:
     from draftsmith.atomic import check_destination
     from draftsmith.eval.report import report_folder, write_report
     from draftsmith.eval.run import evaluate, fitting_prompts, load_prompts
-    from draftsmith.runtime.generate import verification_kernel
+    from draftsmith.runtime.generate import cache_in_use, verification_kernel
 
     sampling = _sampling(args)
     check_destination(args.out, overwrite=args.overwrite, owned=report_folder)
@@ -416,6 +424,7 @@ def cmd_eval(args) -> int:
         "target_dtype": str(loaded.target.dtype).replace("torch.", ""),
         "device": str(loaded.target.device),
         "verification_kernel": verification_kernel(loaded.target.device, sampling),
+        "kv_cache": cache_in_use(loaded.target, loaded.cache),
         **extra,
     }
     report = write_report(stats, args.out, meta)

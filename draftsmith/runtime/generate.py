@@ -24,7 +24,7 @@ from draftsmith.runtime.tree import DraftTree, tree_attention_mask, tree_positio
 from draftsmith.runtime.verify import GREEDY, SamplingParams, VerifyResult, logits_to_probs, verify
 from draftsmith.target import DecoderStack, decoder_stack
 
-__all__ = ["CACHES", "GenerationStats", "TargetSession", "autoregressive_generate", "open_session", "default_verify_fn", "speculative_generate", "verification_kernel"]
+__all__ = ["CACHES", "GenerationStats", "cache_in_use", "TargetSession", "autoregressive_generate", "open_session", "default_verify_fn", "speculative_generate", "verification_kernel"]
 
 
 @dataclass
@@ -197,6 +197,17 @@ def open_session(target, layers: Sequence[int], cache: str, capacity: int, self_
     if cache == "static":
         return StaticSession.for_target(target, layers, capacity)
     return TargetSession(target, layers)
+
+
+def cache_in_use(target, cache: str = "auto") -> str:
+    """Which KV cache decoding with ``cache`` uses for ``target``, in words (reports, logs)."""
+    from draftsmith.runtime.static import static_session_supported
+
+    if cache == "auto":
+        cache = "static" if target.device.type == "cuda" and static_session_supported(target) else "dynamic"
+    if cache == "dynamic":
+        return "dynamic cache (transformers)"
+    return "static cache, CUDA graphs" if target.device.type == "cuda" else "static cache"
 
 
 def _capacity(input_ids: Tensor, max_new_tokens: int) -> int:

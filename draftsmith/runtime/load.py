@@ -27,6 +27,7 @@ import torch
 
 from draftsmith.artifacts import Artifact, ArtifactError, DraftLMArtifact, EarlyExitArtifact, HeadArtifact, open_drafter
 from draftsmith.runtime.drafters import DrafterError, HeadDrafter, StandaloneDrafter
+from draftsmith.runtime.generate import CACHES
 from draftsmith.runtime.early_exit import DEFAULT_DRAFT_LENGTH, EarlyExitDrafter, is_chain
 from draftsmith.runtime.lookup import DEFAULT_LOOKUP_TREE, LOOKUP_KINDS, HybridDrafter, LookupDrafter, make_matcher
 from draftsmith.runtime.tree import SparseTree, TreeError, TreeSpec, default_tree, parse_tree, tree_shape
@@ -47,6 +48,8 @@ class LoadedDrafter:
     # transformers generate() arguments of the assisted generation to compare with, when it is not
     # assistant_model=draft_model (early exit: assistant_early_exit=E).
     assist: dict = field(default_factory=dict)
+    # The KV caches decoding keeps: "auto", "dynamic" or "static" (runtime.generate.open_session).
+    cache: str = "auto"
 
 
 def decoding_placement(device: Optional[str] = None, dtype: Optional[str] = None) -> tuple[torch.device, str]:
@@ -81,6 +84,7 @@ def load_drafter(
     device: Optional[str] = None,
     hybrid: Optional[str] = None,
     lookup: LookupOptions = LookupOptions(),
+    cache: str = "auto",
 ) -> LoadedDrafter:
     """Open a drafter folder (draftsmith.artifacts) and load its target. `tree` is a spec for
     parse_tree; without one a head drafts the sparse tree its checkpoint or export stores (built
@@ -90,24 +94,35 @@ def load_drafter(
 
     `folder` "lookup" or "suffix" is a drafter without training (on `target`, else the built-in
     smollm2-135m). `hybrid` ("lookup" or "suffix") merges that matcher with a head's tree under
-    the tree's node budget. Everything lands on `device` (see decoding_placement)."""
+    the tree's node budget. Everything lands on `device` (see decoding_placement). `cache`: the
+    KV caches decoding keeps ("auto", "dynamic", "static": runtime.generate.open_session), the
+    target's and a draft model's alike; ``LoadedDrafter.cache`` carries it to the decoding calls."""
     spec = parse_tree(tree) if tree else None
     by_name = str(folder) in LOOKUP_KINDS
     if by_name and hybrid:
         raise DrafterError(f"--hybrid merges lookup with a trained drafter: give its folder as --drafter, not {folder!r}")
     if lookup.global_cache and "suffix" not in (str(folder), hybrid):
         raise DrafterError("--suffix-cache belongs to suffix matching: use --drafter suffix or --hybrid suffix")
+    if cache not in CACHES:
+        raise DrafterError(f"--cache {cache}: choose one of {', '.join(CACHES)}")
     where, chosen = decoding_placement(device, dtype)
     if by_name:
-        return _lookup(str(folder), target, chosen, tree, spec, lookup, where)
-    artifact = open_drafter(folder, chosen, exit_layer)
-    if isinstance(artifact, EarlyExitArtifact):
-        loaded = _early_exit(artifact, target, tree, spec, where)
-    elif isinstance(artifact, DraftLMArtifact):
-        loaded = _draft_lm(artifact, target, chosen, spec, where)
+        loaded = _lookup(str(folder), target, chosen, tree, spec, lookup, where)
     else:
-        loaded = _head(artifact, target, chosen, tree, spec, where)
-    return _hybrid(loaded, hybrid, spec, lookup) if hybrid else loaded
+        artifact = open_drafter(folder, chosen, exit_layer)
+        if isinstance(artifact, EarlyExitArtifact):
+            if cache == "static":
+                raise DrafterError("--cache static: an early-exit model drafts on slices of its own layers, which need the dynamic cache")
+            loaded = _early_exit(artifact, target, tree, spec, where)
+        elif isinstance(artifact, DraftLMArtifact):
+            loaded = _draft_lm(artifact, target, chosen, spec, where, cache)
+        else:
+            loaded = _head(artifact, target, chosen, tree, spec, where)
+        if hybrid:
+            loaded = _hybrid(loaded, hybrid, spec, lookup)
+    if loaded.kind != "early_exit":  # a self-drafter keeps the dynamic cache (its LoadedDrafter says so)
+        loaded.cache = cache
+    return loaded
 
 
 def _lookup(kind: str, target: Optional[str], dtype: str, tree: Optional[str], spec, options: LookupOptions, device: torch.device) -> LoadedDrafter:
@@ -177,7 +192,7 @@ def _head(artifact: HeadArtifact, target: Optional[str], dtype: str, tree: Optio
     return LoadedDrafter(head.cfg.kind, HeadDrafter(head, tgt, spec), tgt, artifact.folder, target_path, meta=meta)
 
 
-def _draft_lm(artifact: DraftLMArtifact, target: Optional[str], dtype: str, spec, device: torch.device) -> LoadedDrafter:
+def _draft_lm(artifact: DraftLMArtifact, target: Optional[str], dtype: str, spec, device: torch.device, cache: str) -> LoadedDrafter:
     tgt, target_path = _target_for(artifact, target, dtype, device)
     model, tokenizer = artifact.model, artifact.tokenizer
     if tokenizer is not None and tgt.tokenizer is not None and tokenizer.get_vocab() != tgt.tokenizer.get_vocab():
@@ -189,7 +204,7 @@ def _draft_lm(artifact: DraftLMArtifact, target: Optional[str], dtype: str, spec
     if rows != tgt.dims.vocab_size:
         raise DrafterError(f"drafter {artifact.folder} has a vocabulary of {rows}, target {target_path} of {tgt.dims.vocab_size}")
     model = model.to(device=tgt.device, dtype=getattr(torch, dtype)).eval()
-    drafter = StandaloneDrafter(model, spec or TreeSpec.chain(4))
+    drafter = StandaloneDrafter(model, spec or TreeSpec.chain(4), cache=cache)
     meta = {"tree": "given" if spec is not None else "chain of 4"}
     return LoadedDrafter("standalone", drafter, tgt, artifact.folder, target_path, draft_model=model, meta=meta)
 
@@ -213,7 +228,7 @@ def early_exit_loaded(target: FrozenTarget, folder, exit_layer: int, spec: TreeS
     config = target.model.generation_config
     config.num_assistant_tokens, config.num_assistant_tokens_schedule, config.assistant_confidence_threshold = k, "constant", 0.0
     meta = {"exit_layer": exit_layer, "exit_layer_chosen_by": how, "draft_length": k, "tree": f"chain of {k}"}
-    return LoadedDrafter("early_exit", drafter, target, Path(str(folder)), str(folder), meta=meta, assist={"assistant_early_exit": exit_layer})
+    return LoadedDrafter("early_exit", drafter, target, Path(str(folder)), str(folder), meta=meta, assist={"assistant_early_exit": exit_layer}, cache="dynamic")
 
 
 def early_exit_target(artifact: EarlyExitArtifact, device: torch.device) -> FrozenTarget:

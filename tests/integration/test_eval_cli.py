@@ -40,6 +40,21 @@ def test_eval_head_export_writes_report_and_is_lossless(head_export, prompts, tm
     assert len(report["per_depth_acceptance"]) == max(len(c) for c in stored["choices"])
     assert (tmp_path / "report" / "report.md").is_file() and (tmp_path / "report" / "report.png").stat().st_size > 1000
     assert "report.md" in proc.stdout
+    assert report["kv_cache"] == "dynamic cache (transformers)"  # auto on the CPU
+
+
+def test_the_static_cache_is_chosen_by_flag_and_decodes_the_same(head_export, prompts, tmp_path):
+    """--cache static on the CPU: the preallocated caches (what a GPU replays as graphs), for the
+    drafter's target and the plain baseline alike, token-identical; generate names the cache."""
+    export, tmp = head_export
+    proc = cli("eval", "--drafter", export, "--prompts", prompts, "--max-new-tokens", 24, "--cache", "static", "--out", tmp_path / "report")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["kv_cache"] == "static cache" and report["greedy_identical_to_baseline"] == "3/3"
+    proc = cli("generate", "--drafter", tmp / "run", "--prompt", "say red", "--max-new-tokens", 12, "--cache", "static")
+    assert proc.returncode == 0 and "on cpu, static cache;" in proc.stderr, proc.stderr[-2000:]
+    proc = cli("generate", "--drafter", tmp / "run", "--prompt", "say red", "--cache", "paged")
+    assert proc.returncode == 2 and "--cache" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_generate_from_run_folder(head_export):

@@ -190,6 +190,11 @@ def test_export_runs_in_transformers_assistant_early_exit_like_our_runtime(train
     config = model.generation_config
     config.num_assistant_tokens, config.num_assistant_tokens_schedule, config.assistant_confidence_threshold = 3, "constant", 0.0
     loaded = load_drafter(out, exit_layer=1, tree="1,1,1", dtype="float32", device="cpu")
+    assert loaded.cache == "dynamic"  # a self-drafter runs slices of its layers on the dynamic cache
+    from draftsmith.runtime.drafters import DrafterError
+
+    with pytest.raises(DrafterError, match="--cache static: an early-exit model drafts on slices of its own layers"):
+        load_drafter(out, exit_layer=1, dtype="float32", device="cpu", cache="static")
     counted = {"full": 0}
     model.register_forward_pre_hook(lambda m, *_: counted.__setitem__("full", counted["full"] + (m.config.num_hidden_layers == LAYERS)))
     ours_tokens = ours_steps = hf_tokens = 0
