@@ -16,8 +16,8 @@ shape it times, over --prompts prompts of --prompt-len tokens and --new-tokens n
 
 draftsmith's loops run twice: on transformers' DynamicCache with eager forwards (the reference path),
 and on the static cache whose forwards replay as CUDA graphs (runtime/static.py; eager on the CPU).
-A draft model (the standalone rows) runs on the same kind of cache as the target; the heads' own
-steps run eagerly in both. It reports ms per step, tokens per step and the step cost over the
+A draft model (the standalone rows) and an EAGLE-3 head keep their own caches the same way (their
+steps graphed too); DFlash's and Medusa's heads run eagerly in both. It reports ms per step, tokens per step and the step cost over the
 plain step, and projects the speedup a drafter would give at the accepted lengths measured on the
 CPU for trained drafters (docs/peers.md, docs/heads.md): tau tokens per step at the
 nothing-accepted step's cost. Writes a Markdown table to --out and the rows as JSON beside it;
@@ -114,7 +114,7 @@ def time_generation(fn, prompts, device) -> tuple[float, int, int]:
 
 
 def bench_shape(shape: str, device: torch.device, args) -> list[dict]:
-    from draftsmith.runtime.drafters import StandaloneDrafter
+    from draftsmith.runtime.drafters import HeadDrafter, StandaloneDrafter
     from draftsmith.runtime.generate import autoregressive_generate, speculative_generate, verification_kernel
     from draftsmith.runtime.tree import TreeSpec
 
@@ -169,8 +169,11 @@ def bench_shape(shape: str, device: torch.device, args) -> list[dict]:
         drafters["target drafting for itself (chain of 4)"] = StandaloneDrafter(target.model, TreeSpec.chain(4))
         for name, built in drafters.items():
             for cache in CACHES:
-                # A draft model keeps its own cache: the same kind as the target's in each row.
-                drafter = StandaloneDrafter(built.model, built.tree, cache=cache) if isinstance(built, StandaloneDrafter) else built
+                # A draft model and an EAGLE head keep caches of their own: the target's kind in each row.
+                if isinstance(built, StandaloneDrafter):
+                    drafter = StandaloneDrafter(built.model, built.tree, cache=cache)
+                else:
+                    drafter = HeadDrafter(built.head, target, built.tree, cache=cache)
                 accepted = "everything" if "itself" in name else "nothing"
                 record(f"{name}, {accepted} accepted, {CACHE_NAMES[cache]}", *time_generation(speculative(drafter, cache), prompts, device), cache=cache)
                 rows[-1]["cost_over_plain"] = round(rows[-1]["ms_per_step"] / plain, 3)

@@ -157,6 +157,13 @@ class HeadSession:
         """Logits [F,V] (target vocabulary) of the next token after each node of ``frontier.nodes``."""
         raise NotImplementedError
 
+    def preallocate(self, capacity: int, graphs: bool) -> bool:
+        """Keep the head's own keys and values in preallocated buffers of ``capacity`` entries, so
+        that a drafting forward's shapes depend only on how many nodes it reads, and with
+        ``graphs`` (CUDA) replay each such forward as a CUDA graph. True where the head can (EAGLE,
+        EAGLE-3); the default keeps growing caches and says False."""
+        return False
+
     def level_logits(self) -> Optional[Tensor]:
         """Logits [depth,V] when every node at depth d takes its children from row d whatever its
         path (Medusa's heads, DFlash's block slots): a static tree is then drafted on the device

@@ -233,7 +233,11 @@ class EagleSession(HeadSession):
     """The head's own KV cache over decided positions (read with the target's real features) plus
     the tree being drafted. A node's input is its parent's output and its own token, at rotary
     position decided + depth - 1, seeing the decided entries, its ancestors and itself. ``rollback``
-    drops every tree entry: the accepted path comes back with real features next step, as EAGLE does."""
+    drops every tree entry: the accepted path comes back with real features next step, as EAGLE does.
+
+    ``preallocate`` keeps the caches in buffers written at slots and read whole under a mask: a
+    tree level's forward then has the shape of its frontier alone, and on CUDA each frontier size's
+    forward replays as one CUDA graph (``draftsmith.graphs``)."""
 
     head: EagleHead
 
@@ -243,21 +247,82 @@ class EagleSession(HeadSession):
         self.outputs: dict[int, Tensor] = {}  # node id -> its output a [1,1,D]
         self.slots: dict[int, int] = {}  # node id -> cache entry
         self.forwards = 0
+        self.length = 0  # entries the caches hold: the decided positions, then this step's tree
+        self.capacity = 0  # preallocated entries (0: growing caches)
+        self.graphs = False
+        self._compiled: dict[int, Any] = {}
+
+    def preallocate(self, capacity: int, graphs: bool) -> bool:
+        device = next(self.head.parameters()).device
+        if graphs and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the head on a CUDA device; it is on {device}")
+        self.graphs = graphs
+        self._grow(capacity)
+        return True
+
+    def _grow(self, capacity: int) -> None:
+        """Buffers of ``capacity`` entries holding what the caches held; graphs recaptured."""
+        device = next(self.head.parameters()).device
+        for layer, cache in zip(self.head.layers, self.caches):
+            attn = layer.self_attn
+            shape = (1, attn.kv_heads, capacity, attn.head_dim)
+            old = cache.get("k"), cache.get("v")
+            cache["k"], cache["v"] = (torch.zeros(shape, dtype=attn.k_proj.weight.dtype, device=device) for _ in range(2))
+            if old[0] is not None and self.length:
+                cache["k"][:, :, : self.length] = old[0][:, :, : self.length]
+                cache["v"][:, :, : self.length] = old[1][:, :, : self.length]
+        self.capacity = capacity
+        self.columns = torch.arange(capacity, device=device)
+        self._compiled = {}
+
+    def _forward(self, feature: Tensor, tokens: Tensor, positions: Tensor, visible: Tensor) -> Tensor:
+        """draft_forward over P new entries after the caches' ``length``; visible [P, length+P]."""
+        if not self.capacity:
+            return self.head.draft_forward(feature, tokens, positions, self.caches, visible, self.embed)
+        P = tokens.shape[1]
+        if self.length + P > self.capacity:
+            self._grow(max(2 * self.capacity, self.length + P + 64))
+        full = torch.zeros(P, self.capacity, dtype=torch.bool, device=visible.device)
+        full[:, : self.length + P] = visible
+        inputs = (feature, tokens, positions, full, self.columns[self.length : self.length + P])
+        # Tree levels and a step's few new positions replay graphs; a prompt (its length varies) runs eagerly.
+        graph = self._graph(inputs) if self.graphs and P <= 32 else None
+        # A graph's output buffer is overwritten by its next replay: the outputs the tree keeps are copied.
+        return graph(*inputs).clone() if graph is not None else self._slotted_forward(*inputs)
+
+    def _slotted_forward(self, feature: Tensor, tokens: Tensor, positions: Tensor, visible: Tensor, slots: Tensor) -> Tensor:
+        for cache in self.caches:
+            cache["slots"] = slots
+        return self.head.draft_forward(feature, tokens, positions, self.caches, visible, self.embed)
+
+    def _graph(self, inputs: tuple[Tensor, ...]):
+        """The graph of this frontier size, captured on first use (its warm-ups write the slots the
+        forward is about to write anyway); None, and eager from then on, where capture fails."""
+        from draftsmith.graphs import CapturedForward
+
+        P = inputs[1].shape[1]
+        if P not in self._compiled:
+            try:
+                self._compiled[P] = CapturedForward(self._slotted_forward, inputs)
+            except RuntimeError:
+                self.graphs = False
+                return None
+        return self._compiled[P]
 
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
         M, start = hidden.shape[1], self.decided
         feature = self.head.feature(hidden, layers)
         positions = torch.arange(start, start + M, device=hidden.device)
         visible = torch.ones(M, start + M, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
-        out = self.head.draft_forward(feature, tokens, positions, self.caches, visible, self.embed)
+        out = self._forward(feature, tokens, positions, visible)
         self.forwards += 1
-        self.decided = start + M
+        self.decided = self.length = start + M
         self.outputs, self.slots = {0: out[:, -1:]}, {}  # the root's output comes from the last decided position
 
     def expand(self, frontier: Any) -> Tensor:
         todo = [n for n in frontier.nodes if n not in self.outputs]
         if todo:
-            cached = self.caches[0]["k"].shape[2]
+            cached = self.length
             ancestors = []
             for node in todo:
                 slots, parent = [], frontier.parents[node]
@@ -269,14 +334,17 @@ class EagleSession(HeadSession):
             feature = torch.cat([self.outputs[frontier.parents[n]] for n in todo], dim=1)
             tokens = torch.tensor([[frontier.tokens[n] for n in todo]], device=device)
             positions = torch.tensor([self.decided - 1 + frontier.depths[n] for n in todo], device=device)
-            out = self.head.draft_forward(feature, tokens, positions, self.caches, tree_visibility(self.decided, cached, ancestors, feature.device), self.embed)
+            out = self._forward(feature, tokens, positions, tree_visibility(self.decided, cached, ancestors, feature.device))
             self.forwards += 1
+            self.length = cached + len(todo)
             for row, node in enumerate(todo):
                 self.outputs[node] = out[:, row : row + 1]
                 self.slots[node] = cached + row
         return self.head.logits(torch.cat([self.outputs[n] for n in frontier.nodes], dim=1)[0], self.lm_head)
 
     def rollback(self) -> None:
-        for cache in self.caches:
-            truncate_cache(cache, self.decided)
+        if not self.capacity:
+            for cache in self.caches:
+                truncate_cache(cache, self.decided)
+        self.length = self.decided  # in preallocated buffers the tree's entries are simply written over
         self.outputs, self.slots = {}, {}

@@ -333,11 +333,18 @@ class DecoderLayer(nn.Module):
 
     def forward_cached(self, attn_in: Tensor, residual: Tensor, cos: Tensor, sin: Tensor, cache: dict, visible: Tensor) -> Tensor:
         """Drafting: P new entries [1,P,.] appended after the cache's S entries; visible [P,S+P]
-        bool says which entries each new one sees (prefix, its ancestors, itself). Updates `cache`."""
+        bool says which entries each new one sees (prefix, its ancestors, itself). Updates `cache`.
+        A preallocated cache (``{"k", "v"}`` buffers [1,Hkv,C,Dh] and ``"slots"`` [P]) is written
+        at its slots and read whole: visible is then [P,C]."""
         q, k, v = self.self_attn.qkv(attn_in, cos, sin)
-        keys = k if cache.get("k") is None else torch.cat([cache["k"], k], dim=2)
-        values = v if cache.get("v") is None else torch.cat([cache["v"], v], dim=2)
-        cache["k"], cache["v"] = keys, values
+        if "slots" in cache:
+            keys, values = cache["k"], cache["v"]
+            keys.index_copy_(2, cache["slots"], k.to(keys.dtype))
+            values.index_copy_(2, cache["slots"], v.to(values.dtype))
+        else:
+            keys = k if cache.get("k") is None else torch.cat([cache["k"], k], dim=2)
+            values = v if cache.get("v") is None else torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = keys, values
         return self.finish(residual, attend(q, keys, values, visible.view(1, 1, *visible.shape)))
 
 

@@ -290,20 +290,30 @@ class HeadDrafter:
     step.
     """
 
-    def __init__(self, head: nn.Module, target, tree: Union[TreeSpec, DynamicTreeSpec, AdaptiveTreeSpec]) -> None:
+    def __init__(self, head: nn.Module, target, tree: Union[TreeSpec, DynamicTreeSpec, AdaptiveTreeSpec], cache: str = "auto") -> None:
         depth = tree.max_depth if isinstance(tree, TreeSpec) else tree.depth  # dynamic and adaptive trees both have .depth
         if depth > head.depth:
             raise DrafterError(f"the tree is {depth} deep but the {head.cfg.kind} head drafts {head.depth} tokens")
+        if cache not in ("auto", "dynamic", "static"):
+            raise ValueError(f"cache must be one of auto, dynamic, static, got {cache!r}")
         self.head = head.eval()
         self.target = target
         self.tree = tree
+        # "static": the head's own caches preallocated, its tree levels replayed as CUDA graphs on a
+        # GPU, where the head can (HeadSession.preallocate: EAGLE, EAGLE-3); "auto" on CUDA.
+        self.cache_kind = cache
         self.reset(None)
 
     def required_layers(self) -> Sequence[int]:
         return list(self.head.required_layers())
 
     def reset(self, prompt: Optional[Tensor]) -> None:
+        from draftsmith.runtime.static import TREE_ROOM
+
         self.session = self.head.start_drafting(self.target.embed, self.target.lm_head)
+        device = next(self.head.parameters()).device
+        if self.cache_kind == "static" or (self.cache_kind == "auto" and device.type == "cuda"):
+            self.session.preallocate((0 if prompt is None else prompt.shape[1]) + 2 * TREE_ROOM, graphs=device.type == "cuda")
 
     @property
     def forwards(self) -> Optional[int]:

@@ -117,7 +117,7 @@ def load_drafter(
         elif isinstance(artifact, DraftLMArtifact):
             loaded = _draft_lm(artifact, target, chosen, spec, where, cache)
         else:
-            loaded = _head(artifact, target, chosen, tree, spec, where)
+            loaded = _head(artifact, target, chosen, tree, spec, where, cache)
         if hybrid:
             loaded = _hybrid(loaded, hybrid, spec, lookup)
     if loaded.kind != "early_exit":  # a self-drafter keeps the dynamic cache (its LoadedDrafter says so)
@@ -163,7 +163,7 @@ def _target_for(artifact: Artifact, override: Optional[str], dtype: str, device:
     return FrozenTarget.load(path, dtype, None if override else gguf, device), path
 
 
-def _head(artifact: HeadArtifact, target: Optional[str], dtype: str, tree: Optional[str], spec, device: torch.device) -> LoadedDrafter:
+def _head(artifact: HeadArtifact, target: Optional[str], dtype: str, tree: Optional[str], spec, device: torch.device, cache: str) -> LoadedDrafter:
     tgt, target_path = _target_for(artifact, target, dtype, device)
     head = artifact.head_for(tgt.dims, target_path).to(tgt.device)
     if artifact.foreign is not None and artifact.foreign.embedding is not None:
@@ -189,7 +189,7 @@ def _head(artifact: HeadArtifact, target: Optional[str], dtype: str, tree: Optio
         spec = default_tree(depth=depth)
         meta["tree"] = f"default tree of depth {depth}, {len(spec.choices)} nodes"
     # The drafter refuses, in one line, a tree deeper than the head drafts.
-    return LoadedDrafter(head.cfg.kind, HeadDrafter(head, tgt, spec), tgt, artifact.folder, target_path, meta=meta)
+    return LoadedDrafter(head.cfg.kind, HeadDrafter(head, tgt, spec, cache=cache), tgt, artifact.folder, target_path, meta=meta)
 
 
 def _draft_lm(artifact: DraftLMArtifact, target: Optional[str], dtype: str, spec, device: torch.device, cache: str) -> LoadedDrafter:

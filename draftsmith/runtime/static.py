@@ -27,6 +27,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from draftsmith.graphs import CapturedForward
 from draftsmith.runtime.errors import DrafterError
 from draftsmith.runtime.tree import DraftTree, ancestor_mask
 from draftsmith.runs import log
@@ -74,38 +75,6 @@ class StaticCache:
         m = sources.numel()
         for buffer in (self.keys, self.values):
             buffer[:, :, :, start : start + m] = buffer.index_select(3, sources)
-
-
-class _Graph:
-    """One tree size's forward captured as a CUDA graph, with its input and output buffers."""
-
-    def __init__(self, session: "StaticSession", n: int) -> None:
-        device, capacity = session.device, session.cache.capacity
-        self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(1, n, dtype=torch.long, device=device)
-        self.slots = torch.arange(n, dtype=torch.long, device=device)
-        self.mask = torch.zeros(1, 1, n, capacity, dtype=session.target.dtype, device=device)
-        # Warm up on a side stream (allocator and library workspaces), then capture. The warm-up
-        # writes garbage at slots length .. length+n-1: entries no query sees yet, which the
-        # forward about to run overwrites.
-        self.slots += session.length
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                session._eager(self.ids, self.positions, self.slots, self.mask)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=session.pool):
-            self.out = session._eager(self.ids, self.positions, self.slots, self.mask)
-
-    def __call__(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor):
-        self.ids.copy_(ids)
-        self.positions.copy_(positions)
-        self.slots.copy_(slots)
-        self.mask.copy_(mask)
-        self.graph.replay()
-        return self.out
 
 
 class StaticSession:
@@ -158,7 +127,7 @@ class StaticSession:
             self.cache.keys[:, :, :, : self.length] = old.keys[:, :, :, : self.length]
             self.cache.values[:, :, :, : self.length] = old.values[:, :, :, : self.length]
         self.columns = torch.arange(capacity, device=self.device)
-        self._compiled: dict[int, _Graph] = {}
+        self._compiled: dict[int, CapturedForward] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
     def _room(self, n: int) -> None:
@@ -185,13 +154,15 @@ class StaticSession:
         head = {"all": final, "last": final[:, -1:], "none": None}[logits]
         return (None if head is None else self.target.lm_head(head)), final, wanted
 
-    def _graph(self, n: int) -> Optional[_Graph]:
-        """N's graph, captured on first use; None (and eager from then on, said once) where the
+    def _graph(self, inputs: tuple[Tensor, ...]) -> Optional[CapturedForward]:
+        """The graph of this many tokens, captured on first use (its warm-ups write the slots the
+        forward is about to write anyway); None (and eager from then on, said once) where the
         capture fails: a model with an operation that cannot be captured still decodes."""
+        n = inputs[0].shape[1]
         graph = self._compiled.get(n)
         if graph is None:
             try:
-                graph = self._compiled[n] = _Graph(self, n)
+                graph = self._compiled[n] = CapturedForward(self._eager, inputs, self.pool)
             except RuntimeError as err:
                 self.graphs = False
                 log(f"note: CUDA graph capture failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); decoding on without graphs", sys.stderr)
@@ -206,11 +177,12 @@ class StaticSession:
         slots = self.columns[self.length : self.length + n]
         mask = torch.zeros(1, 1, n, self.cache.capacity, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-        graph = self._graph(n) if self.graphs and (logits == "all" or n == 1) else None
+        inputs = (ids, positions, slots, mask)
+        graph = self._graph(inputs) if self.graphs and (logits == "all" or n == 1) else None
         if graph is not None:
             # The graph's buffers are overwritten by its next replay: the features a drafter may
             # keep are copied (small); the logits are read before the next forward.
-            out, final, wanted = graph(ids, positions, slots, mask)
+            out, final, wanted = graph(*inputs)
             final, wanted = final.clone(), [h.clone() for h in wanted]
         else:
             out, final, wanted = self._eager(ids, positions, slots, mask, logits)

@@ -91,3 +91,19 @@ def test_graphed_decoding_equals_hf_greedy(target, kind):
     assert session.graphs and session._compiled, "auto did not take the graphed static cache on CUDA"
     if isinstance(drafter, StandaloneDrafter):  # the draft model's own forwards are graphed too
         assert drafter.static is not None and drafter.static.graphs and drafter.static._compiled
+    if kind == "eagle-dynamic":  # and an EAGLE head's tree levels
+        assert drafter.session.capacity and drafter.session.graphs and drafter.session._compiled
+
+
+def test_a_graphed_eagle_head_drafts_what_the_eager_one_drafts(target):
+    """Output identity cannot see a drafter (verification keeps any draft lossless): the trees of
+    the graphed EAGLE session are the eager growing caches' trees, step for step (fp32)."""
+    runs = {}
+    for cache in ("dynamic", "static"):
+        drafter = _drafters(target)["eagle-dynamic"]
+        drafter = HeadDrafter(drafter.head, target, drafter.tree, cache=cache)
+        proposed, propose = [], drafter.propose
+        drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
+        out, stats = speculative_generate(target, drafter, torch.tensor([[5, 9, 14, 20, 7, 3]], device=CUDA), 30, cache=cache)
+        runs[cache] = (out.tolist(), stats.accept_lens, [t.tokens.tolist() for t in proposed])
+    assert runs["static"] == runs["dynamic"]

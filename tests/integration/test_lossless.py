@@ -150,13 +150,15 @@ DRAFTERS = {
 def test_greedy_speculative_equals_hf_greedy(setup, kind, cache):
     """On transformers' DynamicCache (the reference) and on the preallocated StaticSession (what
     a GPU replays as CUDA graphs; eager here): every drafter kind, token for token. A draft
-    model's own cache follows the target's."""
+    model's and an EAGLE head's own caches follow the target's."""
     target, prompts, references, other, noisy = setup
     build, all_accepted = DRAFTERS[kind]
     drafter = build(target, other, noisy)
     if isinstance(drafter, StandaloneDrafter):
         drafter = StandaloneDrafter(drafter.model, drafter.tree, cache=cache)
         assert (drafter.static is not None) == (cache == "static")
+    elif isinstance(drafter, HeadDrafter):  # EAGLE's own caches preallocated too
+        drafter = HeadDrafter(drafter.head, target, drafter.tree, cache=cache)
     accepted = drafted_depth = 0
     for ids, reference in zip(prompts, references):
         out, stats_ = speculative_generate(target, drafter, ids, MAX_NEW, eos_token_id=EOS, cache=cache)

@@ -145,3 +145,45 @@ def test_a_draft_model_on_the_static_cache_drafts_what_it_drafts_on_the_dynamic_
             runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens.tolist(), t.parents.tolist()) for t in proposed])
         assert runs["static"] == runs["dynamic"]
         assert 0 < sum(runs["static"][1]) < sum(len(t[0][0]) - 1 for t in runs["static"][2])  # partial acceptance: rollbacks happened
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_an_eagle_head_on_preallocated_caches_drafts_what_it_drafts_on_growing_ones(target, kind):
+    """EAGLE's and EAGLE-3's own caches in buffers written at slots (what a GPU replays as graphs
+    per frontier size): the same trees step for step, dynamic and static trees, the buffers grown
+    mid-generation."""
+    from draftsmith.heads.eagle import EagleConfig, EagleHead
+    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+    from draftsmith.runtime.drafters import HeadDrafter
+    from draftsmith.runtime.tree import DynamicTreeSpec, default_tree
+
+    torch.manual_seed(3)
+    if kind == "eagle":
+        head = EagleHead(EagleConfig(depth=4), target.dims)
+    else:
+        head = Eagle3Head(Eagle3Config(depth=4, train_depth=4, draft_vocab_size=64, aux_layer_ids=[1, 2, 3]), target.dims)
+        head.init_from_target(target)
+    head.eval()
+    ids = torch.tensor([[5, 9, 14, 20, 7, 3]])
+    for tree in (default_tree(4, (3, 2, 2, 1)), DynamicTreeSpec(depth=4, topk=3, budget=10)):
+        runs = {}
+        for cache in ("dynamic", "static"):
+            drafter = HeadDrafter(head, target, tree, cache=cache)
+            proposed, sessions = [], []
+            propose = drafter.propose
+
+            def recording(state, propose=propose, proposed=proposed, sessions=sessions, drafter=drafter):
+                if cache == "static" and drafter.session.capacity and not sessions:
+                    drafter.session._grow(drafter.session.decided + 12 if drafter.session.decided else 12)  # small: it must grow
+                sessions.append(drafter.session.capacity)
+                proposed.append(propose(state))
+                return proposed[-1]
+
+            drafter.propose = recording
+            out, stats = speculative_generate(target, drafter, ids, 30, cache=cache)
+            runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens.tolist(), t.parents.tolist()) for t in proposed])
+            if cache == "static":
+                assert sessions[0] == 12 and drafter.session.capacity > 12  # grew, keeping its entries
+            else:
+                assert drafter.session.capacity == 0
+        assert runs["static"] == runs["dynamic"]

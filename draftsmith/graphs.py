@@ -1,0 +1,46 @@
+"""A forward captured once as a CUDA graph and replayed on new inputs.
+
+At batch size 1 a decoding forward on a GPU costs what launching its kernels costs. Captured as a
+CUDA graph, the whole forward is one launch. A graph replays fixed kernels on fixed memory, so the
+forward must keep its shapes: callers capture one graph per shape (a tree size, a frontier size),
+on caches that never move (runtime/static.py, heads/eagle.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["CapturedForward"]
+
+
+class CapturedForward:
+    """``fn(*inputs)`` captured as a CUDA graph on buffers made from the first ``inputs``.
+
+    Calling it copies new inputs (same shapes and dtypes) into those buffers and replays the graph.
+    What it returns are the graph's own output buffers: valid until the next replay of this graph
+    or of another graph sharing its memory ``pool``. The warm-up runs before the capture (two on a
+    side stream, as CUDA graphs ask) run ``fn`` for real: its side effects happen three times on the
+    first inputs, so ``fn`` must tolerate that (a cache write at the same slots does).
+    """
+
+    def __init__(self, fn: Callable[..., Any], inputs: Sequence[Tensor], pool=None, warmup: int = 2) -> None:
+        self.inputs = [x.clone() for x in inputs]
+        device = self.inputs[0].device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn(*self.inputs)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.outputs = fn(*self.inputs)
+
+    def __call__(self, *inputs: Tensor) -> Any:
+        for buffer, value in zip(self.inputs, inputs):
+            buffer.copy_(value)
+        self.graph.replay()
+        return self.outputs
