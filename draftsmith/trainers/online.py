@@ -114,7 +114,9 @@ class OnlineTrainer:
         from draftsmith.runtime.drafters import StandaloneDrafter
         from draftsmith.runtime.tree import TreeSpec
 
-        self.drafter = StandaloneDrafter(self.draft.eval(), TreeSpec.chain(self.recipe.online.draft_length))
+        # Serving while training keeps transformers' caches: under ZeRO-3 a model's weights are
+        # gathered during each forward, which a CUDA graph of the static cache cannot replay.
+        self.drafter = StandaloneDrafter(self.draft.eval(), TreeSpec.chain(self.recipe.online.draft_length), cache="dynamic")
 
     # ------------------------------------------------------------------ serving and updating
 
@@ -131,7 +133,8 @@ class OnlineTrainer:
         ids = torch.tensor([prompt], device=device)
         generator = torch.Generator(device=device).manual_seed(seed)
         out, stats = speculative_generate(
-            self.target, self.drafter, ids, o.max_new_tokens, SamplingParams.choose(o.temperature), eos_token_id=self.eos, generator=generator
+            self.target, self.drafter, ids, o.max_new_tokens, SamplingParams.choose(o.temperature), eos_token_id=self.eos, generator=generator,
+            cache="dynamic",
         )
         record = verified_record(prompt, out[0, len(prompt) :].tolist(), stats.accept_lens, stats.draft_depths)
         return {
