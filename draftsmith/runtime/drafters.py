@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from draftsmith.runtime.errors import DrafterError
+from draftsmith.runtime.static import check_cache
 from draftsmith.runtime.tree import (
     AdaptiveTreeSpec,
     DraftTree,
@@ -294,14 +295,12 @@ class HeadDrafter:
         depth = tree.max_depth if isinstance(tree, TreeSpec) else tree.depth  # dynamic and adaptive trees both have .depth
         if depth > head.depth:
             raise DrafterError(f"the tree is {depth} deep but the {head.cfg.kind} head drafts {head.depth} tokens")
-        if cache not in ("auto", "dynamic", "static"):
-            raise ValueError(f"cache must be one of auto, dynamic, static, got {cache!r}")
         self.head = head.eval()
         self.target = target
         self.tree = tree
         # "static": the head's own caches preallocated, its tree levels replayed as CUDA graphs on a
         # GPU, where the head can (HeadSession.preallocate: EAGLE, EAGLE-3); "auto" on CUDA.
-        self.cache_kind = cache
+        self.cache_kind = check_cache(cache)
         self.reset(None)
 
     def required_layers(self) -> Sequence[int]:
@@ -370,11 +369,9 @@ class StandaloneDrafter:
         check_attention(model, "draft")  # its tree levels attend through a custom mask too
         self.model = model.eval()
         self.tree = tree
-        if cache not in ("auto", "dynamic", "static"):
-            raise ValueError(f"cache must be one of auto, dynamic, static, got {cache!r}")
         # "static": the draft model on a preallocated cache, its forwards replayed as CUDA graphs on
         # a GPU (runtime/static.py), as the target's are; "auto" takes it on CUDA.
-        self.cache_kind = cache
+        self.cache_kind = check_cache(cache)
         self._static_model = None  # the model wrapped for StaticSession, made once: its graphs stay
         self.static = None
         self.cache = None

@@ -20,11 +20,15 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from draftsmith.runtime.drafters import Drafter, DrafterError, DraftState, compact_cache
+from draftsmith.runtime.static import CACHES, check_cache
 from draftsmith.runtime.tree import DraftTree, tree_attention_mask, tree_positions
 from draftsmith.runtime.verify import GREEDY, SamplingParams, VerifyResult, logits_to_probs, verify
 from draftsmith.target import DecoderStack, decoder_stack
 
-__all__ = ["CACHES", "GenerationStats", "cache_in_use", "TargetSession", "autoregressive_generate", "open_session", "default_verify_fn", "speculative_generate", "verification_kernel"]
+__all__ = [
+    "CACHES", "GenerationStats", "TargetSession", "autoregressive_generate", "cache_in_use", "default_verify_fn", "open_session",
+    "resolve_cache", "speculative_generate", "verification_kernel",
+]  # fmt: skip
 
 
 @dataclass
@@ -177,35 +181,33 @@ class TargetSession:
         self._tree_base = None
 
 
-CACHES = ("auto", "dynamic", "static")
-
-
 def open_session(target, layers: Sequence[int], cache: str, capacity: int, self_drafting: bool = False):
     """The target's session for one generation. ``cache``: "dynamic" (TargetSession, transformers'
     DynamicCache: the reference), "static" (StaticSession: a preallocated cache, its forwards
     replayed as CUDA graphs on a GPU, eager on the CPU) or "auto" (static on CUDA where the target
     supports it, dynamic elsewhere). A self-drafter (early exit) runs slices of the target's layers
     on the dynamic cache, so "auto" gives it that one."""
-    from draftsmith.runtime.static import StaticSession, static_session_supported
+    from draftsmith.runtime.static import StaticSession
 
-    if cache not in CACHES:
-        raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
-    if cache == "static" and self_drafting:
-        raise ValueError("cache='static' does not serve a self-drafter (early exit), which runs slices of the target's layers; use 'dynamic'")
-    if cache == "auto":
-        cache = "static" if target.device.type == "cuda" and not self_drafting and static_session_supported(target) else "dynamic"
-    if cache == "static":
+    if resolve_cache(target, cache, self_drafting) == "static":
         return StaticSession.for_target(target, layers, capacity)
     return TargetSession(target, layers)
 
 
-def cache_in_use(target, cache: str = "auto") -> str:
-    """Which KV cache decoding with ``cache`` uses for ``target``, in words (reports, logs)."""
+def resolve_cache(target, cache: str, self_drafting: bool = False) -> str:
+    """"dynamic" or "static": what ``cache`` ("auto", "dynamic", "static") means for ``target``."""
     from draftsmith.runtime.static import static_session_supported
 
+    if check_cache(cache) == "static" and self_drafting:
+        raise ValueError("cache='static' does not serve a self-drafter (early exit), which runs slices of the target's layers; use 'dynamic'")
     if cache == "auto":
-        cache = "static" if target.device.type == "cuda" and static_session_supported(target) else "dynamic"
-    if cache == "dynamic":
+        return "static" if target.device.type == "cuda" and not self_drafting and static_session_supported(target) else "dynamic"
+    return cache
+
+
+def cache_in_use(target, cache: str = "auto") -> str:
+    """Which KV cache decoding with ``cache`` uses for ``target``, in words (reports, logs)."""
+    if resolve_cache(target, cache) == "dynamic":
         return "dynamic cache (transformers)"
     return "static cache, CUDA graphs" if target.device.type == "cuda" else "static cache"
 
@@ -265,8 +267,8 @@ def speculative_generate(
     """Speculative decoding with ``drafter`` against ``target`` (a FrozenTarget), batch size 1.
 
     input_ids [1,T] (T >= 1; on any device: decoding runs on the target's). Returns (output_ids
-    [1,T+n] = prompt + n new tokens, on input_ids' device, stats). Stops after the first EOS (emitted, as in HF ``generate``) or after
-    ``max_new_tokens``; never emits past either. eos_token_id: an id, several, or None (no EOS).
+    [1,T+n] = prompt + n new tokens, on input_ids' device, stats). Stops after the first EOS
+    (emitted, as in HF ``generate``) or after ``max_new_tokens``; never emits past either. eos_token_id: an id, several, or None (no EOS).
     ``sampling`` says how tokens are chosen (SamplingParams: greedy, lossless sampling, or Medusa's
     typical acceptance, which is NOT lossless: the output does not follow the target's
     distribution). ``generator``

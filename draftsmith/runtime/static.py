@@ -33,10 +33,20 @@ from draftsmith.runtime.tree import DraftTree, ancestor_mask
 from draftsmith.runs import log
 from draftsmith.target import TargetLoadError, decoder_stack
 
-__all__ = ["StaticCache", "StaticSession", "static_session_supported"]
+__all__ = ["CACHES", "StaticCache", "StaticSession", "check_cache", "static_session_supported"]
 
 # Slots reserved past prompt + new tokens for the largest tree a step may send.
 TREE_ROOM = 256
+# What decoding's `cache=` takes: "static" (this module), "dynamic" (transformers' DynamicCache, the
+# reference) or "auto" (static on CUDA, dynamic elsewhere).
+CACHES = ("auto", "dynamic", "static")
+
+
+def check_cache(cache: str) -> str:
+    """``cache`` when it is one of CACHES, else a ValueError naming them."""
+    if cache not in CACHES:
+        raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
+    return cache
 
 
 def static_session_supported(target) -> bool:
