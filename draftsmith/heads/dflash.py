@@ -454,7 +454,11 @@ class DFlashHead(DraftHead):
 class DFlashSession(HeadSession):
     """The context's keys/values per layer over the decided positions (extended as the target
     decides more; never rolled back: a tree never enters it), and one block forward per step: the
-    root is the anchor, slot d gives the children of every node at depth d - 1."""
+    root is the anchor, slot d gives the children of every node at depth d - 1.
+
+    ``preallocate`` keeps the context's keys/values in buffers of a fixed capacity, read whole under
+    a mask: the block forward then always has the same shapes, and on CUDA it replays (with the
+    logits) as one CUDA graph (``draftsmith.graphs``)."""
 
     head: DFlashHead
 
@@ -463,21 +467,67 @@ class DFlashSession(HeadSession):
         self.kv: list[Optional[tuple[Tensor, Tensor]]] = [None for _ in head.layers]
         self.slot_logits: Optional[Tensor] = None  # [K,V] of the current step
         self.forwards = 0  # one block forward per step; the context's keys/values are projections, not a pass
+        self.capacity = 0  # preallocated context entries (0: growing)
+        self.graphs = False
+        self._graph = None
+
+    def preallocate(self, capacity: int, graphs: bool) -> bool:
+        device = next(self.head.parameters()).device
+        if graphs and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the head on a CUDA device; it is on {device}")
+        self.graphs = graphs
+        self._grow(capacity)
+        return True
+
+    def _grow(self, capacity: int) -> None:
+        """Context buffers of ``capacity`` entries holding the decided ones; the graph recaptured."""
+        device = next(self.head.parameters()).device
+        grown = []
+        for layer, old in zip(self.head.layers, self.kv):
+            attn = layer.self_attn
+            shape = (1, attn.kv_heads, capacity, attn.head_dim)
+            k, v = (torch.zeros(shape, dtype=attn.k_proj.weight.dtype, device=device) for _ in range(2))
+            if old is not None and self.decided:
+                k[:, :, : self.decided], v[:, :, : self.decided] = old[0][:, :, : self.decided], old[1][:, :, : self.decided]
+            grown.append((k, v))
+        self.kv, self.capacity = grown, capacity
+        self.columns = torch.arange(capacity, device=device)
+        self._graph = None
+
+    def _block_logits(self, block: Tensor, positions: Tensor, visible: Tensor) -> Tensor:
+        out = self.head.run_blocks(block, positions, self.kv, visible, self.embed)
+        return self.head.logits(out[0, 0, 1:], self.lm_head)
 
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
         head, M, start = self.head, hidden.shape[1], self.decided
         device = hidden.device
         new = head.context_kv(head.context(layers), torch.arange(start, start + M, device=device))
-        self.kv = [n if old is None else (torch.cat([old[0], n[0]], 2), torch.cat([old[1], n[1]], 2)) for old, n in zip(self.kv, new)]
+        if self.capacity:
+            if start + M > self.capacity:
+                self._grow(max(2 * self.capacity, start + M + 64))
+            for (k, v), (nk, nv) in zip(self.kv, new):
+                k[:, :, start : start + M], v[:, :, start : start + M] = nk, nv
+        else:
+            self.kv = [n if old is None else (torch.cat([old[0], n[0]], 2), torch.cat([old[1], n[1]], 2)) for old, n in zip(self.kv, new)]
         self.decided = start + M
         S = head.cfg.block_size
         root = tokens[:, -1:]
         block = torch.cat([root, root.new_full((1, S - 1), head.mask_id)], dim=1).view(1, 1, S)
         positions = (self.decided + torch.arange(S, device=device)).view(1, 1, S)
-        visible = torch.ones(1, 1, self.decided, dtype=torch.bool, device=device)
-        out = head.run_blocks(block, positions, self.kv, visible, self.embed)
+        if not self.capacity:
+            self.slot_logits = self._block_logits(block, positions, torch.ones(1, 1, self.decided, dtype=torch.bool, device=device))
+        else:
+            inputs = (block, positions, (self.columns < self.decided).view(1, 1, -1))
+            if self.graphs and self._graph is None:
+                from draftsmith.graphs import CapturedForward
+
+                try:
+                    self._graph = CapturedForward(self._block_logits, inputs)
+                except RuntimeError:
+                    self.graphs = False  # an operation that cannot be captured: draft on eagerly
+            # A graph's logits are overwritten by its next replay; the tree reads them before that.
+            self.slot_logits = self._graph(*inputs) if self.graphs else self._block_logits(*inputs)
         self.forwards += 1
-        self.slot_logits = head.logits(out[0, 0, 1:], self.lm_head)
 
     def expand(self, frontier: Any) -> Tensor:
         return self.slot_logits[[frontier.depths[n] for n in frontier.nodes]]

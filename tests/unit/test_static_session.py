@@ -147,11 +147,12 @@ def test_a_draft_model_on_the_static_cache_drafts_what_it_drafts_on_the_dynamic_
         assert 0 < sum(runs["static"][1]) < sum(len(t[0][0]) - 1 for t in runs["static"][2])  # partial acceptance: rollbacks happened
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_an_eagle_head_on_preallocated_caches_drafts_what_it_drafts_on_growing_ones(target, kind):
-    """EAGLE's and EAGLE-3's own caches in buffers written at slots (what a GPU replays as graphs
-    per frontier size): the same trees step for step, dynamic and static trees, the buffers grown
-    mid-generation."""
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash"])
+def test_a_head_on_preallocated_caches_drafts_what_it_drafts_on_growing_ones(target, kind):
+    """EAGLE's and EAGLE-3's own caches, DFlash's context, in buffers read whole under a mask (what
+    a GPU replays as graphs): the same trees step for step, dynamic and static trees, the buffers
+    grown mid-generation."""
+    from draftsmith.heads.dflash import DFlashConfig, DFlashHead
     from draftsmith.heads.eagle import EagleConfig, EagleHead
     from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
     from draftsmith.runtime.drafters import HeadDrafter
@@ -160,9 +161,15 @@ def test_an_eagle_head_on_preallocated_caches_drafts_what_it_drafts_on_growing_o
     torch.manual_seed(3)
     if kind == "eagle":
         head = EagleHead(EagleConfig(depth=4), target.dims)
-    else:
+    elif kind == "eagle3":
         head = Eagle3Head(Eagle3Config(depth=4, train_depth=4, draft_vocab_size=64, aux_layer_ids=[1, 2, 3]), target.dims)
         head.init_from_target(target)
+    else:
+        head = DFlashHead(DFlashConfig(aux_layer_ids=[1, 3], num_layers=1, block_size=5), target.dims)
+        head.init_from_target(target)
+        with torch.no_grad():
+            for p in head.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
     head.eval()
     ids = torch.tensor([[5, 9, 14, 20, 7, 3]])
     for tree in (default_tree(4, (3, 2, 2, 1)), DynamicTreeSpec(depth=4, topk=3, budget=10)):
