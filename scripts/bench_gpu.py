@@ -17,7 +17,7 @@ shape it times, over --prompts prompts of --prompt-len tokens and --new-tokens n
 draftsmith's loops run twice: on transformers' DynamicCache with eager forwards (the reference path),
 and on the static cache whose forwards replay as CUDA graphs (runtime/static.py; eager on the CPU).
 A draft model (the standalone rows), an EAGLE-3 head and a DFlash head keep their own caches the
-same way (their steps graphed too); Medusa's heads run eagerly in both. It reports ms per step, tokens per step and the step cost over the
+same way, and they and Medusa's heads replay their steps as graphs in the static rows. It reports ms per step, tokens per step and the step cost over the
 plain step, and projects the speedup a drafter would give at the accepted lengths measured on the
 CPU for trained drafters (docs/peers.md, docs/heads.md): tau tokens per step at the
 nothing-accepted step's cost. Writes a Markdown table to --out and the rows as JSON beside it;

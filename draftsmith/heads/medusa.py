@@ -116,8 +116,27 @@ class MedusaSession(HeadSession):
 
     head: MedusaHead
 
+    graph = None  # on CUDA: the heads' logits captured as one graph (preallocate)
+
+    def preallocate(self, capacity: int, graphs: bool) -> bool:
+        """Medusa keeps no cache; on CUDA its K heads and their logits replay as one CUDA graph."""
+        self.graphs = graphs
+        return graphs
+
+    def _logits(self, last: Tensor) -> Tensor:
+        return self.head.head_logits(last, self.lm_head)  # [K,V]
+
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
-        self.logits = self.head.head_logits(hidden[0, -1], self.lm_head)  # [K,V]
+        last = hidden[0, -1]
+        if getattr(self, "graphs", False) and self.graph is None:
+            from draftsmith.graphs import CapturedForward
+
+            try:
+                self.graph = CapturedForward(self._logits, (last,))
+            except RuntimeError:
+                self.graphs = False  # an operation that cannot be captured: draft on eagerly
+        # A graph's logits are overwritten by its next replay, at the next extend: the tree reads them before.
+        self.logits = self.graph(last) if self.graph is not None else self._logits(last)
         self.decided += hidden.shape[1]
 
     def expand(self, frontier: Any) -> Tensor:

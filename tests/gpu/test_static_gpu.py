@@ -93,6 +93,8 @@ def test_graphed_decoding_equals_hf_greedy(target, kind):
         assert drafter.static is not None and drafter.static.graphs and drafter.static._compiled
     if kind == "eagle-dynamic":  # and an EAGLE head's tree levels
         assert drafter.session.capacity and drafter.session.graphs and drafter.session._compiled
+    if kind == "medusa-tree":  # and Medusa's heads
+        assert drafter.session.graphs and drafter.session.graph is not None
     if kind == "dflash-chain":  # and DFlash's block forward
         assert drafter.session.capacity and drafter.session.graphs and drafter.session._graph is not None
 
