@@ -164,6 +164,12 @@ class HeadSession:
         EAGLE-3); the default keeps growing caches and says False."""
         return False
 
+    def restart(self, capacity: int) -> bool:
+        """Start a new generation in this session, keeping its preallocated buffers (grown to
+        ``capacity`` if smaller) and so its captured graphs. False where the session holds none:
+        the caller starts a fresh one."""
+        return False
+
     def level_logits(self) -> Optional[Tensor]:
         """Logits [depth,V] when every node at depth d takes its children from row d whatever its
         path (Medusa's heads, DFlash's block slots): a static tree is then drafted on the device

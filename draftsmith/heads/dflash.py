@@ -479,6 +479,15 @@ class DFlashSession(HeadSession):
         self._grow(capacity)
         return True
 
+    def restart(self, capacity: int) -> bool:
+        if not self.capacity:
+            return False
+        self.decided = self.forwards = 0
+        self.slot_logits = None
+        if capacity > self.capacity:
+            self._grow(capacity)
+        return True
+
     def _grow(self, capacity: int) -> None:
         """Context buffers of ``capacity`` entries holding the decided ones; the graph recaptured."""
         device = next(self.head.parameters()).device

@@ -260,6 +260,15 @@ class EagleSession(HeadSession):
         self._grow(capacity)
         return True
 
+    def restart(self, capacity: int) -> bool:
+        if not self.capacity:
+            return False
+        self.decided = self.length = self.forwards = 0
+        self.outputs, self.slots = {}, {}
+        if capacity > self.capacity:
+            self._grow(capacity)
+        return True
+
     def _grow(self, capacity: int) -> None:
         """Buffers of ``capacity`` entries holding what the caches held; graphs recaptured."""
         device = next(self.head.parameters()).device

@@ -123,6 +123,12 @@ class MedusaSession(HeadSession):
         self.graphs = graphs
         return graphs
 
+    def restart(self, capacity: int) -> bool:
+        if self.graph is None:
+            return False
+        self.decided = 0
+        return True
+
     def _logits(self, last: Tensor) -> Tensor:
         return self.head.head_logits(last, self.lm_head)  # [K,V]
 

@@ -301,6 +301,7 @@ class HeadDrafter:
         # "static": the head's own caches preallocated, its tree levels replayed as CUDA graphs on a
         # GPU, where the head can (HeadSession.preallocate: EAGLE, EAGLE-3); "auto" on CUDA.
         self.cache_kind = check_cache(cache)
+        self.session = None
         self.reset(None)
 
     def required_layers(self) -> Sequence[int]:
@@ -309,10 +310,15 @@ class HeadDrafter:
     def reset(self, prompt: Optional[Tensor]) -> None:
         from draftsmith.runtime.static import TREE_ROOM
 
-        self.session = self.head.start_drafting(self.target.embed, self.target.lm_head)
         device = next(self.head.parameters()).device
-        if self.cache_kind == "static" or (self.cache_kind == "auto" and device.type == "cuda"):
-            self.session.preallocate((0 if prompt is None else prompt.shape[1]) + 2 * TREE_ROOM, graphs=device.type == "cuda")
+        preallocated = self.cache_kind == "static" or (self.cache_kind == "auto" and device.type == "cuda")
+        capacity = (0 if prompt is None else prompt.shape[1]) + 2 * TREE_ROOM
+        # A session with preallocated buffers starts over in them: its graphs are captured once.
+        if preallocated and self.session is not None and self.session.restart(capacity):
+            return
+        self.session = self.head.start_drafting(self.target.embed, self.target.lm_head)
+        if preallocated:
+            self.session.preallocate(capacity, graphs=device.type == "cuda")
 
     @property
     def forwards(self) -> Optional[int]:

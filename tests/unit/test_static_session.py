@@ -194,3 +194,34 @@ def test_a_head_on_preallocated_caches_drafts_what_it_drafts_on_growing_ones(tar
             else:
                 assert drafter.session.capacity == 0
         assert runs["static"] == runs["dynamic"]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_a_preallocated_head_session_starts_over_in_its_own_buffers(target, kind):
+    """The next generation reuses the session (its buffers, and on CUDA its graphs) and drafts what
+    a fresh session on growing caches drafts: nothing of the last prompt shows through."""
+    from draftsmith.heads.dflash import DFlashConfig, DFlashHead
+    from draftsmith.heads.eagle import EagleConfig, EagleHead
+    from draftsmith.runtime.drafters import HeadDrafter
+    from draftsmith.runtime.tree import DynamicTreeSpec, TreeSpec
+
+    torch.manual_seed(4)
+    if kind == "eagle":
+        head, tree = EagleHead(EagleConfig(depth=4), target.dims).eval(), DynamicTreeSpec(depth=4, topk=3, budget=10)
+    else:
+        head, tree = DFlashHead(DFlashConfig(aux_layer_ids=[1, 3], num_layers=1, block_size=5), target.dims), TreeSpec.chain(4)
+        head.init_from_target(target)
+        head.eval()
+    reused = HeadDrafter(head, target, tree, cache="static")
+    session = reused.session
+    long_prompt, short_prompt = torch.tensor([[5, 9, 14, 20, 7, 3, 11, 40, 41, 42]]), torch.tensor([[8, 6, 30]])
+    speculative_generate(target, reused, long_prompt, 16, cache="static")
+    fresh = HeadDrafter(head, target, tree, cache="dynamic")
+    trees = {}
+    for name, drafter in (("reused", reused), ("fresh", fresh)):
+        trees[name], propose = [], drafter.propose
+        drafter.propose = lambda state, propose=propose, seen=trees[name]: seen.append(propose(state)) or seen[-1]
+        out, stats = speculative_generate(target, drafter, short_prompt, 16, cache="static" if drafter is reused else "dynamic")
+        trees[name] = (out.tolist(), stats.draft_forwards, [t.tokens.tolist() for t in trees[name]])
+    assert reused.session is session and session.capacity
+    assert trees["reused"] == trees["fresh"]
