@@ -15,7 +15,9 @@ goes (DIR/<step>.log) so that a machine taken away mid-run still leaves what it 
    (pytest-xdist, --workers);
 4. scripts/bench_verify.py --reps 10: fused kernel against the torch reference, full grid;
 5. scripts/bench_gpu.py: a speculative step's cost against a plain one per drafter kind, at the
-   SmolLM2-135M and Llama-3.1-8B shapes.
+   SmolLM2-135M and Llama-3.1-8B shapes, on transformers' cache and on the graphed static one;
+6. scripts/bench_gpu_train.py: EAGLE-3 and DFlash head training at the Llama-3.1-8B shape (tokens/s,
+   ms a step, peak memory; the target's features online and cached).
 
 Writes DIR/report.md and DIR/report.json (every step's command, exit code, seconds, pytest
 counts, failing tests and the tail of its output). Exit code 0 only when every step passed.
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu-check", help="report folder (default $OUT, else runs/gpu-check)")
     p.add_argument("--budget", type=float, default=540.0, help="seconds for all steps together (a device call may run 600)")
     p.add_argument("--workers", type=int, default=12, help="pytest-xdist workers for the unit and integration suites")
-    p.add_argument("--only", nargs="*", default=None, help="steps to run, in this order (gpu-tests, suite, bench-verify, bench-gpu)")
+    p.add_argument("--only", nargs="*", default=None, help="steps to run, in this order (gpu-tests, suite, bench-verify, bench-gpu, bench-train)")
     p.add_argument("--share", nargs="*", default=[], metavar="STEP=FRACTION", help="a step's share of the budget instead of its default")
     p.add_argument("--gpu-tests", nargs="*", default=["tests/gpu"], help="what the gpu-tests step runs (files or test ids)")
     p.add_argument("--suite-tests", nargs="*", default=["tests/unit", "tests/integration"], help="what the suite step runs (files or test ids; @FILE: those listed in FILE)")
@@ -141,6 +143,7 @@ def main(argv=None) -> int:
                    "-m", "not slow and not interop and not assets", *args.suite_tests], 0.35),
         ("bench-verify", [py, "scripts/bench_verify.py", "--reps", "10", "--out", str(out / "bench-verify.md")], 0.12),
         ("bench-gpu", [py, "scripts/bench_gpu.py", *args.bench_args.split(), "--out", str(out / "bench-gpu.md")], 0.18),
+        ("bench-train", [py, "scripts/bench_gpu_train.py", "--steps", "5", "--warmup", "1", "--out", str(out / "bench-train.md")], 0.12),
     ]  # fmt: skip
     unknown = sorted(set(args.only or []) - {name for name, _, _ in steps})
     if unknown:

@@ -114,9 +114,26 @@ def test_bench_gpu_times_every_drafter_kind_on_the_cpu(tmp_path):
     assert "host syncs" in (tmp_path / "bench-profile-tiny-eagle3.txt").read_text()
 
 
+def test_bench_gpu_train_times_eagle3_and_dflash_training_on_the_cpu(tmp_path):
+    """scripts/bench_gpu_train.py at a tiny shape on the CPU: a row per head and mode, the heads
+    learn (the same data and start give the same loss online and from cached features), and the
+    table and JSON are written."""
+    bench = load_script("scripts/bench_gpu_train.py")
+    out = tmp_path / "train.md"
+    assert bench.main(["--device", "cpu", "--shapes", "tiny", "--steps", "2", "--warmup", "1", "--seq-len", "32", "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["head"], r["mode"]) for r in rows] == [("eagle3", "online"), ("eagle3", "cached"), ("dflash", "online"), ("dflash", "cached")]
+    assert all(r["tokens_per_s"] > 0 and r["peak_memory_gb"] is None and r["head_parameters_m"] > 0 for r in rows)
+    assert rows[0]["final_loss"] == rows[1]["final_loss"] and rows[2]["final_loss"] == rows[3]["final_loss"]
+    assert "| tiny | dflash | cached |" in out.read_text()
+
+
 # Every script under scripts/ refuses a bad command line in one line, exit 2, before it loads a
 # model, starts an engine or writes anything (the line names the flag).
 BAD_SCRIPT_ARGS = [
+    ("scripts/bench_gpu_train.py", ["--steps", "0"], "--steps"),
+    ("scripts/bench_gpu_train.py", ["--heads", "medusa"], "--heads"),
+    ("scripts/bench_gpu_train.py", ["--device", "cuda:7"], "--device"),
     ("scripts/bench_vllm.py", ["--ngram", "abc"], "--ngram"),
     ("scripts/bench_vllm.py", ["--ngram", "3:4-2"], "--ngram"),
     ("scripts/bench_vllm.py", ["--k", "0"], "--k"),

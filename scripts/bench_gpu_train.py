@@ -1,0 +1,171 @@
+"""Head-training speed at real shapes: tokens/s, ms a step and peak memory for EAGLE-3 and DFlash heads.
+
+    python scripts/bench_gpu_train.py --out docs/bench/gpu-train.md                  # CUDA: Llama-3.1-8B shape
+    python scripts/bench_gpu_train.py --device cpu --shapes tiny --steps 3 --warmup 1  # CPU smoke run (the unit test)
+
+The heads trainer's step without its plumbing (data loading, logging, checkpoints): the target, a
+random Llama of the named shape built on the device in bf16 (fp32 on the CPU; speed does not depend
+on the weights' values), reads a batch of random token rows once without gradients, then the head
+takes its loss, its backward and an AdamW step, under bf16 autocast on CUDA (the trainer's
+``mixed_precision: bf16``). Two modes: ``online`` times the target's forward as part of each step
+(``train`` without a feature cache); ``cached`` times the head alone on features computed once (the
+feature cache's case, and what speculators' offline trainer does with its stored hidden states).
+Every position is trained, so tokens/s counts every token of the batch. Peak memory is
+torch.cuda.max_memory_allocated over the timed steps, the target's weights included.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+# The heads as their large recipes train them, with the draft vocabulary speculators uses for Llama-3.1-8B.
+HEADS = {
+    "eagle3": "{kind: eagle3, depth: 7, train_depth: 7, draft_vocab_size: 32000}",
+    "dflash": "{kind: dflash, block_size: 8, num_layers: 1, draft_vocab_size: 32000}",
+}
+
+
+def build_head(kind: str, target, device: torch.device):
+    from omegaconf import OmegaConf
+
+    from draftsmith.heads import HEADS as HEAD_CLASSES
+
+    values = OmegaConf.to_container(OmegaConf.create(HEADS[kind]))
+    values.pop("kind")
+    values["draft_vocab_size"] = min(values["draft_vocab_size"], target.dims.vocab_size)
+    if target.dims.num_layers < 6:
+        values["aux_layer_ids"] = [1, 2, 3]
+    cls = HEAD_CLASSES[kind]
+    torch.manual_seed(1)
+    with torch.device(device):
+        head = cls(cls.config_class(**values), target.dims)
+    head.init_from_target(target)
+    return head.train()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench(shape: str, kind: str, mode: str, device: torch.device, args) -> dict:
+    from bench_gpu import build_target
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = build_target(shape, device, dtype)
+    head = build_head(kind, target, device)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, target.dims.vocab_size, (args.batch, args.seq_len), generator=gen).to(device)
+    mask = torch.ones_like(ids)
+    layers = head.required_layers()
+
+    def features():
+        with torch.no_grad():
+            out = target.features(ids, attention_mask=mask, layers=layers, need_logits=False)
+        out.final_hidden = out.final_hidden.float()
+        out.hidden = {i: h.float() for i, h in out.hidden.items()}
+        return out
+
+    cached = features() if mode == "cached" else None
+
+    def step():
+        feats = cached if cached is not None else features()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss, _ = head.loss(feats, mask)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(args.warmup):
+        step()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    sync(device)
+    seconds = (time.perf_counter() - started) / args.steps
+    row = {
+        "shape": shape, "head": kind, "mode": mode, "batch": args.batch, "seq_len": args.seq_len,
+        "ms_per_step": round(1000 * seconds, 2), "tokens_per_s": round(args.batch * args.seq_len / seconds, 1),
+        "peak_memory_gb": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "final_loss": round(float(loss), 4), "head_parameters_m": round(sum(p.numel() for p in head.parameters() if p.requires_grad) / 1e6, 1),
+    }  # fmt: skip
+    del target, head, optimizer, cached
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def write(out: Path, rows: list[dict], meta: dict) -> None:
+    lines = [
+        f"# Head-training speed, {meta['date']}", "",
+        f"{meta['device_name']}; torch {meta['torch']}; batch {meta['batch']} x {meta['seq_len']} tokens, every position trained; "
+        f"{meta['steps']} timed steps after {meta['warmup']}; random weights of the named shapes.", "",
+        "| shape | head | features | ms / step | tokens / s | peak memory (GB) | trainable params (M) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['head']} | {r['mode']} | {r['ms_per_step']} | {r['tokens_per_s']} | {r['peak_memory_gb'] or '-'} | {r['head_parameters_m']} |")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+
+
+def main(argv=None) -> int:
+    from bench_gpu import SHAPES
+
+    from draftsmith.cli import OneLineParser, add_device_option, bounded
+    from draftsmith.target import choose_device, cpu_name
+
+    p = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
+    add_device_option(p)
+    p.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES), help="default: llama-3.1-8b on CUDA, tiny on the CPU")
+    p.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
+    p.add_argument("--modes", nargs="+", default=["online", "cached"], choices=["online", "cached"])
+    p.add_argument("--batch", type=bounded(int, 1), default=None, help="rows a step (default 4 on CUDA, 2 on the CPU)")
+    p.add_argument("--seq-len", type=bounded(int, 8), default=None, help="tokens a row (default 2048 on CUDA, 64 on the CPU)")
+    p.add_argument("--steps", type=bounded(int, 1), default=10)
+    p.add_argument("--warmup", type=bounded(int, 0), default=2)
+    p.add_argument("--out", type=Path, default=None, help="Markdown table (and .json beside it); default: print only")
+    args = p.parse_args(argv)
+    device = choose_device(args.device or "auto", "benchmark")
+    cuda = device.type == "cuda"
+    args.batch = args.batch or (4 if cuda else 2)
+    args.seq_len = args.seq_len or (2048 if cuda else 64)
+    shapes = args.shapes or (["llama-3.1-8b"] if cuda else ["tiny"])
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name(device) if cuda else f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})",
+        "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup,
+    }  # fmt: skip
+    rows = []
+    for shape in shapes:
+        for kind in args.heads:
+            for mode in args.modes:
+                rows.append(bench(shape, kind, mode, device, args))
+                print(json.dumps(rows[-1]), flush=True)
+                if args.out:  # after every row: a run cut short keeps what it measured
+                    write(args.out, rows, meta)
+    if args.out:
+        print(f"results: {args.out.resolve()} (and {args.out.with_suffix('.json').name})")
+    return 0
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import script_main
+
+    sys.exit(script_main(main))
