@@ -8,12 +8,13 @@ on caches that never move (runtime/static.py, heads/eagle.py).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import sys
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["CapturedForward"]
+__all__ = ["CapturedForward", "capture_or_none"]
 
 
 class CapturedForward:
@@ -44,3 +45,13 @@ class CapturedForward:
             buffer.copy_(value)
         self.graph.replay()
         return self.outputs
+
+
+def capture_or_none(fn: Callable[..., Any], inputs: Sequence[Tensor], what: str, pool=None) -> Optional[CapturedForward]:
+    """``CapturedForward(fn, inputs, pool)``, or None, with one note on stderr naming ``what``, where
+    the forward holds an operation a CUDA graph cannot capture: the caller then runs it eagerly."""
+    try:
+        return CapturedForward(fn, inputs, pool)
+    except RuntimeError as err:
+        print(f"note: {what}: CUDA graph capture failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); going on without graphs", file=sys.stderr)
+        return None

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from draftsmith.graphs import capture_or_none
 from draftsmith.heads.base import DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels
 from draftsmith.heads.eagle3 import resolve_aux_layer_ids
 from draftsmith.heads.layers import DecoderLayer, LayerShape, RMSNorm, Rotary, attend, causal_allowed
@@ -528,12 +529,8 @@ class DFlashSession(HeadSession):
         else:
             inputs = (block, positions, (self.columns < self.decided).view(1, 1, -1))
             if self.graphs and self._graph is None:
-                from draftsmith.graphs import CapturedForward
-
-                try:
-                    self._graph = CapturedForward(self._block_logits, inputs)
-                except RuntimeError:
-                    self.graphs = False  # an operation that cannot be captured: draft on eagerly
+                self._graph = capture_or_none(self._block_logits, inputs, "the dflash head's block")
+                self.graphs = self._graph is not None
             # A graph's logits are overwritten by its next replay; the tree reads them before that.
             self.slot_logits = self._graph(*inputs) if self.graphs else self._block_logits(*inputs)
         self.forwards += 1

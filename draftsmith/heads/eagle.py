@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from draftsmith.graphs import capture_or_none
 from draftsmith.heads.base import DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels, depth_loss
 from draftsmith.heads.layers import DecoderLayer, LayerShape, Rotary, causal_allowed, tree_visibility, truncate_cache
 
@@ -307,15 +308,10 @@ class EagleSession(HeadSession):
     def _graph(self, inputs: tuple[Tensor, ...]):
         """The graph of this frontier size, captured on first use (its warm-ups write the slots the
         forward is about to write anyway); None, and eager from then on, where capture fails."""
-        from draftsmith.graphs import CapturedForward
-
         P = inputs[1].shape[1]
         if P not in self._compiled:
-            try:
-                self._compiled[P] = CapturedForward(self._slotted_forward, inputs)
-            except RuntimeError:
-                self.graphs = False
-                return None
+            self._compiled[P] = capture_or_none(self._slotted_forward, inputs, f"the {self.head.cfg.kind} head's tree level")
+            self.graphs = self._compiled[P] is not None
         return self._compiled[P]
 
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor, nn
 
+from draftsmith.graphs import capture_or_none
 from draftsmith.heads.base import DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels, depth_loss
 from draftsmith.heads.layers import ResidualBlock
 from draftsmith.target import FrozenTarget
@@ -135,12 +136,8 @@ class MedusaSession(HeadSession):
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
         last = hidden[0, -1]
         if getattr(self, "graphs", False) and self.graph is None:
-            from draftsmith.graphs import CapturedForward
-
-            try:
-                self.graph = CapturedForward(self._logits, (last,))
-            except RuntimeError:
-                self.graphs = False  # an operation that cannot be captured: draft on eagerly
+            self.graph = capture_or_none(self._logits, (last,), "the medusa heads")
+            self.graphs = self.graph is not None
         # A graph's logits are overwritten by its next replay, at the next extend: the tree reads them before.
         self.logits = self.graph(last) if self.graph is not None else self._logits(last)
         self.decided += hidden.shape[1]

@@ -21,16 +21,14 @@ their kin); ``static_session_supported`` says whether a target is one.
 
 from __future__ import annotations
 
-import sys
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-from draftsmith.graphs import CapturedForward
+from draftsmith.graphs import CapturedForward, capture_or_none
 from draftsmith.runtime.errors import DrafterError
 from draftsmith.runtime.tree import DraftTree, ancestor_mask
-from draftsmith.runs import log
 from draftsmith.target import TargetLoadError, decoder_stack
 
 __all__ = ["CACHES", "StaticCache", "StaticSession", "check_cache", "static_session_supported"]
@@ -169,15 +167,10 @@ class StaticSession:
         forward is about to write anyway); None (and eager from then on, said once) where the
         capture fails: a model with an operation that cannot be captured still decodes."""
         n = inputs[0].shape[1]
-        graph = self._compiled.get(n)
-        if graph is None:
-            try:
-                graph = self._compiled[n] = CapturedForward(self._eager, inputs, self.pool)
-            except RuntimeError as err:
-                self.graphs = False
-                log(f"note: CUDA graph capture failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); decoding on without graphs", sys.stderr)
-                return None
-        return graph
+        if n not in self._compiled:
+            self._compiled[n] = capture_or_none(self._eager, inputs, "the target's forward", self.pool)
+            self.graphs = self._compiled[n] is not None
+        return self._compiled[n]
 
     def _forward(self, ids: Tensor, positions: Tensor, visible: Tensor, logits: str = "all") -> tuple[Optional[Tensor], Tensor, dict[int, Tensor]]:
         """N = ids.shape[1] new entries at slots length.., `visible` [N,capacity] bool. A tree or a

@@ -68,6 +68,7 @@ def test_graphed_forwards_match_the_dynamic_cache(target):
         for tree, path in zip(trees, ([0, 1, 4], [0, 2])):
             (g1, f1, t1), (g2, f2, t2) = ref.forward_tree(tree), static.forward_tree(tree)
             torch.testing.assert_close(g2, g1, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(f2, f1, rtol=1e-4, atol=1e-4)
             for i in t1:
                 torch.testing.assert_close(t2[i], t1[i], rtol=1e-4, atol=1e-4)
             ref.keep(path)

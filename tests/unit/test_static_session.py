@@ -225,3 +225,16 @@ def test_a_preallocated_head_session_starts_over_in_its_own_buffers(target, kind
         trees[name] = (out.tolist(), stats.draft_forwards, [t.tokens.tolist() for t in trees[name]])
     assert reused.session is session and session.capacity
     assert trees["reused"] == trees["fresh"]
+
+
+def test_a_forward_that_cannot_be_captured_is_one_note_and_none(monkeypatch, capsys):
+    """capture_or_none: the callers then run the forward eagerly (their graphs flag goes off)."""
+    from draftsmith import graphs
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing\nCUDA details")
+
+    monkeypatch.setattr(graphs, "CapturedForward", refuse)
+    assert graphs.capture_or_none(lambda x: x, [torch.ones(1)], "the target's forward") is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "note: the target's forward: CUDA graph capture failed (RuntimeError: operation not permitted" in err
