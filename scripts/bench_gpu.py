@@ -223,14 +223,25 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
     for r in rows:
         projected = f"{r['projected_speedup_at_measured_tau']}x (tau {r['measured_tau']})" if "projected_speedup_at_measured_tau" in r else "-"
         lines.append(f"| {r['shape']} | {r['drafter']} | {r['ms_per_step']} | {r['tokens_per_step']} | {r['ms_per_token']} | {r.get('cost_over_plain', '-')} | {projected} |")
+    save(out, lines, rows, meta)
+
+
+def save(out: Path, lines: list[str], rows: list[dict], meta: dict) -> None:
+    """The Markdown table at `out`, and the rows with their settings as JSON beside it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
 
 
+def device_name(device: torch.device) -> str:
+    from draftsmith.target import cpu_name
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})"
+
+
 def main(argv=None) -> int:
     from draftsmith.cli import OneLineParser, add_device_option, bounded
-    from draftsmith.target import choose_device, cpu_name
+    from draftsmith.target import choose_device
 
     p = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     add_device_option(p)
@@ -245,7 +256,7 @@ def main(argv=None) -> int:
     shapes = args.shapes or (["smollm2-135m", "llama-3.1-8b"] if device.type == "cuda" else ["tiny"])
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})",
+        "device_name": device_name(device),
         "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
     }  # fmt: skip
     rows = []

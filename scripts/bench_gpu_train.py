@@ -53,13 +53,8 @@ def build_head(kind: str, target, device: torch.device):
     return head.train()
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def bench(shape: str, kind: str, mode: str, device: torch.device, args) -> dict:
-    from bench_gpu import build_target
+    from bench_gpu import build_target, sync
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = build_target(shape, device, dtype)
@@ -86,7 +81,7 @@ def bench(shape: str, kind: str, mode: str, device: torch.device, args) -> dict:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss
+        return loss.detach()
 
     for _ in range(args.warmup):
         step()
@@ -111,6 +106,8 @@ def bench(shape: str, kind: str, mode: str, device: torch.device, args) -> dict:
 
 
 def write(out: Path, rows: list[dict], meta: dict) -> None:
+    from bench_gpu import save
+
     lines = [
         f"# Head-training speed, {meta['date']}", "",
         f"{meta['device_name']}; torch {meta['torch']}; batch {meta['batch']} x {meta['seq_len']} tokens, every position trained; "
@@ -120,16 +117,14 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
     ]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['shape']} | {r['head']} | {r['mode']} | {r['ms_per_step']} | {r['tokens_per_s']} | {r['peak_memory_gb'] or '-'} | {r['head_parameters_m']} |")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    save(out, lines, rows, meta)
 
 
 def main(argv=None) -> int:
-    from bench_gpu import SHAPES
+    from bench_gpu import SHAPES, device_name
 
     from draftsmith.cli import OneLineParser, add_device_option, bounded
-    from draftsmith.target import choose_device, cpu_name
+    from draftsmith.target import choose_device
 
     p = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     add_device_option(p)
@@ -149,7 +144,7 @@ def main(argv=None) -> int:
     shapes = args.shapes or (["llama-3.1-8b"] if cuda else ["tiny"])
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-        "device_name": torch.cuda.get_device_name(device) if cuda else f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})",
+        "device_name": device_name(device),
         "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup,
     }  # fmt: skip
     rows = []

@@ -180,6 +180,39 @@ class HeadSession:
         """Forget the tree drafted since the last extend."""
 
 
+class BufferedSession(HeadSession):
+    """A session that can keep its own keys and values in preallocated buffers (EAGLE's caches,
+    DFlash's context). Subclasses implement ``_grow(capacity)`` (buffers of that many entries
+    holding what they held; captured graphs dropped) and ``_forget()`` (what a new generation
+    resets besides the counters)."""
+
+    capacity = 0  # preallocated entries (0: growing caches)
+    graphs = False
+
+    def preallocate(self, capacity: int, graphs: bool) -> bool:
+        device = next(self.head.parameters()).device
+        if graphs and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the head on a CUDA device; it is on {device}")
+        self.graphs = graphs
+        self._grow(capacity)
+        return True
+
+    def restart(self, capacity: int) -> bool:
+        if not self.capacity:
+            return False
+        self.decided = self.forwards = 0
+        self._forget()
+        if capacity > self.capacity:
+            self._grow(capacity)
+        return True
+
+    def _grow(self, capacity: int) -> None:
+        raise NotImplementedError
+
+    def _forget(self) -> None:
+        raise NotImplementedError
+
+
 class DraftHead(nn.Module):
     """Base class of draft heads that read a frozen target's features.
 

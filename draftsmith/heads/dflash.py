@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.graphs import capture_or_none
-from draftsmith.heads.base import DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels
+from draftsmith.heads.base import BufferedSession, DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels
 from draftsmith.heads.eagle3 import resolve_aux_layer_ids
 from draftsmith.heads.layers import DecoderLayer, LayerShape, RMSNorm, Rotary, attend, causal_allowed
 from draftsmith.heads.vocab import draft_vocabulary, to_target_vocab
@@ -452,7 +452,7 @@ class DFlashHead(DraftHead):
         return DFlashSession(self, embed, lm_head)
 
 
-class DFlashSession(HeadSession):
+class DFlashSession(BufferedSession):
     """The context's keys/values per layer over the decided positions (extended as the target
     decides more; never rolled back: a tree never enters it), and one block forward per step: the
     root is the anchor, slot d gives the children of every node at depth d - 1.
@@ -468,26 +468,10 @@ class DFlashSession(HeadSession):
         self.kv: list[Optional[tuple[Tensor, Tensor]]] = [None for _ in head.layers]
         self.slot_logits: Optional[Tensor] = None  # [K,V] of the current step
         self.forwards = 0  # one block forward per step; the context's keys/values are projections, not a pass
-        self.capacity = 0  # preallocated context entries (0: growing)
-        self.graphs = False
         self._graph = None
 
-    def preallocate(self, capacity: int, graphs: bool) -> bool:
-        device = next(self.head.parameters()).device
-        if graphs and device.type != "cuda":
-            raise ValueError(f"CUDA graphs need the head on a CUDA device; it is on {device}")
-        self.graphs = graphs
-        self._grow(capacity)
-        return True
-
-    def restart(self, capacity: int) -> bool:
-        if not self.capacity:
-            return False
-        self.decided = self.forwards = 0
+    def _forget(self) -> None:
         self.slot_logits = None
-        if capacity > self.capacity:
-            self._grow(capacity)
-        return True
 
     def _grow(self, capacity: int) -> None:
         """Context buffers of ``capacity`` entries holding the decided ones; the graph recaptured."""

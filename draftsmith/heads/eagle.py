@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.graphs import capture_or_none
-from draftsmith.heads.base import DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels, depth_loss
+from draftsmith.heads.base import BufferedSession, DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels, depth_loss
 from draftsmith.heads.layers import DecoderLayer, LayerShape, Rotary, causal_allowed, tree_visibility, truncate_cache
 
 
@@ -230,7 +230,7 @@ class EagleHead(DraftHead):
         return EagleSession(self, embed, lm_head)
 
 
-class EagleSession(HeadSession):
+class EagleSession(BufferedSession):
     """The head's own KV cache over decided positions (read with the target's real features) plus
     the tree being drafted. A node's input is its parent's output and its own token, at rotary
     position decided + depth - 1, seeing the decided entries, its ancestors and itself. ``rollback``
@@ -249,26 +249,11 @@ class EagleSession(HeadSession):
         self.slots: dict[int, int] = {}  # node id -> cache entry
         self.forwards = 0
         self.length = 0  # entries the caches hold: the decided positions, then this step's tree
-        self.capacity = 0  # preallocated entries (0: growing caches)
-        self.graphs = False
         self._compiled: dict[int, Any] = {}
 
-    def preallocate(self, capacity: int, graphs: bool) -> bool:
-        device = next(self.head.parameters()).device
-        if graphs and device.type != "cuda":
-            raise ValueError(f"CUDA graphs need the head on a CUDA device; it is on {device}")
-        self.graphs = graphs
-        self._grow(capacity)
-        return True
-
-    def restart(self, capacity: int) -> bool:
-        if not self.capacity:
-            return False
-        self.decided = self.length = self.forwards = 0
+    def _forget(self) -> None:
+        self.length = 0
         self.outputs, self.slots = {}, {}
-        if capacity > self.capacity:
-            self._grow(capacity)
-        return True
 
     def _grow(self, capacity: int) -> None:
         """Buffers of ``capacity`` entries holding what the caches held; graphs recaptured."""
