@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from draftsmith.graphs import capture_or_none
 from draftsmith.heads.base import BufferedSession, DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels, depth_loss
-from draftsmith.heads.layers import DecoderLayer, LayerShape, Rotary, causal_allowed, tree_visibility, truncate_cache
+from draftsmith.heads.layers import DecoderLayer, LayerShape, Rotary, ancestor_slots, causal_allowed, tree_visibility, truncate_cache
 
 
 @dataclass
@@ -313,13 +313,7 @@ class EagleSession(BufferedSession):
         todo = [n for n in frontier.nodes if n not in self.outputs]
         if todo:
             cached = self.length
-            ancestors = []
-            for node in todo:
-                slots, parent = [], frontier.parents[node]
-                while parent > 0:
-                    slots.append(self.slots[parent])
-                    parent = frontier.parents[parent]
-                ancestors.append(slots)
+            ancestors = ancestor_slots(todo, frontier.parents, self.slots)
             device = self.outputs[0].device
             feature = torch.cat([self.outputs[frontier.parents[n]] for n in todo], dim=1)
             tokens = torch.tensor([[frontier.tokens[n] for n in todo]], device=device)

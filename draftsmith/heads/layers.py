@@ -354,6 +354,19 @@ def truncate_cache(cache: dict, length: int) -> None:
         cache["k"], cache["v"] = cache["k"][:, :, :length], cache["v"][:, :, :length]
 
 
+def ancestor_slots(nodes: Sequence[int], parents: Sequence[int], slots: dict[int, int]) -> list[list[int]]:
+    """For each of ``nodes``, the cache slots (``slots``: node id -> slot) of its ancestors below the
+    root (node 0, a decided position), nearest first: ``tree_visibility``'s ``ancestors``."""
+    out = []
+    for node in nodes:
+        found, parent = [], parents[node]
+        while parent > 0:
+            found.append(slots[parent])
+            parent = parents[parent]
+        out.append(found)
+    return out
+
+
 def tree_visibility(decided: int, cached: int, ancestors: Sequence[Sequence[int]], device: Optional[torch.device] = None) -> Tensor:
     """visible [P, cached+P] on `device` for P new tree entries on a cache holding `cached` entries,
     the first `decided` of them decided positions: each new entry sees those, the cache slots of its

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from draftsmith.runtime.errors import DrafterError
-from draftsmith.runtime.static import check_cache
+from draftsmith.runtime.static import check_cache, drafting_capacity, wants_static
 from draftsmith.runtime.tree import (
     AdaptiveTreeSpec,
     DraftTree,
@@ -308,11 +308,8 @@ class HeadDrafter:
         return list(self.head.required_layers())
 
     def reset(self, prompt: Optional[Tensor]) -> None:
-        from draftsmith.runtime.static import TREE_ROOM
-
         device = next(self.head.parameters()).device
-        preallocated = self.cache_kind == "static" or (self.cache_kind == "auto" and device.type == "cuda")
-        capacity = (0 if prompt is None else prompt.shape[1]) + 2 * TREE_ROOM
+        preallocated, capacity = wants_static(self.cache_kind, device), drafting_capacity(prompt)
         # A session with preallocated buffers starts over in them: its graphs are captured once.
         if preallocated and self.session is not None and self.session.restart(capacity):
             return
@@ -398,11 +395,10 @@ class StandaloneDrafter:
         self.forwards = 0  # draft model forwards since reset
 
     def _static_session(self, prompt: Optional[Tensor]):
-        from draftsmith.runtime.static import TREE_ROOM, StaticSession, static_session_supported
+        from draftsmith.runtime.static import StaticSession, static_session_supported
         from draftsmith.target import FrozenTarget
 
-        device = next(self.model.parameters()).device
-        if self.cache_kind == "dynamic" or (self.cache_kind == "auto" and device.type != "cuda"):
+        if not wants_static(self.cache_kind, next(self.model.parameters()).device):
             return None
         if self._static_model is None:
             self._static_model = FrozenTarget(self.model)
@@ -411,8 +407,7 @@ class StandaloneDrafter:
                     raise DrafterError(f"{type(self.model).__name__} cannot run on the static cache (its layers do not run one by one with full attention)")
                 self.cache_kind = "dynamic"
                 return None
-        capacity = (0 if prompt is None else prompt.shape[1]) + 2 * TREE_ROOM
-        return StaticSession.for_target(self._static_model, (), capacity)
+        return StaticSession.for_target(self._static_model, (), drafting_capacity(prompt))
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -456,19 +451,12 @@ class StandaloneDrafter:
 
     def _forward_nodes(self, todo: list[int], frontier: Frontier, T: int, device, logits_of: dict) -> None:
         """One draft forward over tree nodes ``todo`` on top of the cache (prefix + earlier tree nodes)."""
-        from draftsmith.heads.layers import tree_visibility
+        from draftsmith.heads.layers import ancestor_slots, tree_visibility
 
         L = self.cached_len
         n = len(todo)
-        ancestors = []
-        for node in todo:
-            slots, ancestor = [], frontier.parents[node]
-            while ancestor > 0:
-                slots.append(self._slots[ancestor])
-                ancestor = frontier.parents[ancestor]
-            ancestors.append(slots)
         # Decided tokens (root included), the cache slots of its ancestors, itself: one upload.
-        visible = tree_visibility(T, L, ancestors, device)
+        visible = tree_visibility(T, L, ancestor_slots(todo, frontier.parents, self._slots), device)
         ids = torch.tensor([[frontier.tokens[i] for i in todo]], device=device)
         positions = torch.tensor([[T - 1 + frontier.depths[i] for i in todo]], device=device)
         if self.static is not None:

@@ -196,12 +196,12 @@ def open_session(target, layers: Sequence[int], cache: str, capacity: int, self_
 
 def resolve_cache(target, cache: str, self_drafting: bool = False) -> str:
     """"dynamic" or "static": what ``cache`` ("auto", "dynamic", "static") means for ``target``."""
-    from draftsmith.runtime.static import static_session_supported
+    from draftsmith.runtime.static import static_session_supported, wants_static
 
     if check_cache(cache) == "static" and self_drafting:
         raise ValueError("cache='static' does not serve a self-drafter (early exit), which runs slices of the target's layers; use 'dynamic'")
     if cache == "auto":
-        return "static" if target.device.type == "cuda" and not self_drafting and static_session_supported(target) else "dynamic"
+        return "static" if wants_static(cache, target.device) and not self_drafting and static_session_supported(target) else "dynamic"
     return cache
 
 

@@ -31,7 +31,7 @@ from draftsmith.runtime.errors import DrafterError
 from draftsmith.runtime.tree import DraftTree, ancestor_mask
 from draftsmith.target import TargetLoadError, decoder_stack
 
-__all__ = ["CACHES", "StaticCache", "StaticSession", "check_cache", "static_session_supported"]
+__all__ = ["CACHES", "StaticCache", "StaticSession", "check_cache", "drafting_capacity", "static_session_supported", "wants_static"]
 
 # Slots reserved past prompt + new tokens for the largest tree a step may send.
 TREE_ROOM = 256
@@ -45,6 +45,17 @@ def check_cache(cache: str) -> str:
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
     return cache
+
+
+def wants_static(cache: str, device: torch.device) -> bool:
+    """Whether ``cache`` asks a model on ``device`` for preallocated buffers ("auto": on CUDA)."""
+    return cache == "static" or (cache == "auto" and device.type == "cuda")
+
+
+def drafting_capacity(prompt: Optional[Tensor]) -> int:
+    """Entries a drafter's preallocated cache starts with: the prompt and room for a few trees (it
+    grows past that, doubling)."""
+    return (0 if prompt is None else prompt.shape[1]) + 2 * TREE_ROOM
 
 
 def static_session_supported(target) -> bool:
@@ -216,13 +227,11 @@ class StaticSession:
         self._tree_base = None
 
     def _append(self, ids: Tensor, logits: str):
+        """Append ids [1,M] at positions length.., each seeing the cache and itself (causal)."""
         m = ids.shape[1]
-        self._room(m)
-        rows = torch.arange(self.length, self.length + m, device=self.device)
-        visible = self.columns.unsqueeze(0) <= rows.unsqueeze(1)  # causal over the cache
-        out = self._forward(ids, rows.unsqueeze(0), visible, logits)
-        self.length += m
-        return out
+        positions = torch.arange(self.length, self.length + m, device=self.device).unsqueeze(0)
+        visible = torch.ones(m, self.length + m, dtype=torch.bool, device=self.device).tril(diagonal=self.length)
+        return self.append(ids, positions, visible, logits)
 
     @torch.no_grad()
     def prefill(self, ids: Tensor) -> tuple[Tensor, dict[int, Tensor]]:
@@ -239,13 +248,10 @@ class StaticSession:
     @torch.no_grad()
     def forward_tree(self, tree: DraftTree) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
         """One forward over a tree's nodes. Returns (logits [1,N,V], final hidden [1,N,D], layers)."""
-        n = tree.size
-        self._room(n)
-        visible = (self.columns < self.length).unsqueeze(0).repeat(n, 1)
-        visible[:, self.length : self.length + n] = ancestor_mask(tree.parents)[0]
-        out = self._forward(tree.tokens, tree.depths + self.length, visible)
-        self._tree_base = self.length
-        self.length += n
+        n, base = tree.size, self.length
+        visible = torch.cat([torch.ones(n, base, dtype=torch.bool, device=self.device), ancestor_mask(tree.parents)[0]], dim=1)
+        out = self.append(tree.tokens, tree.depths + base, visible)
+        self._tree_base = base
         return out
 
     def keep(self, path: Union[Tensor, Sequence[int]]) -> None:
@@ -253,7 +259,4 @@ class StaticSession:
         forward_tree, drop the other nodes' entries."""
         if self._tree_base is None:
             raise DrafterError("keep() needs a forward_tree() first")
-        path = torch.as_tensor(path, dtype=torch.long, device=self.device)
-        self.cache.move(self._tree_base, path + self._tree_base)
-        self.length = self._tree_base + int(path.numel())
-        self._tree_base = None
+        self.pack(self._tree_base, torch.as_tensor(path, dtype=torch.long, device=self.device) + self._tree_base)
