@@ -117,7 +117,8 @@ class MedusaSession(HeadSession):
 
     head: MedusaHead
 
-    graph = None  # on CUDA: the heads' logits captured as one graph (preallocate)
+    graphs = False  # preallocate on CUDA: the heads' logits captured as one graph, `graph`
+    graph = None
 
     def preallocate(self, capacity: int, graphs: bool) -> bool:
         """Medusa keeps no cache; on CUDA its K heads and their logits replay as one CUDA graph."""
@@ -135,7 +136,7 @@ class MedusaSession(HeadSession):
 
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
         last = hidden[0, -1]
-        if getattr(self, "graphs", False) and self.graph is None:
+        if self.graphs and self.graph is None:
             self.graph = capture_or_none(self._logits, (last,), "the medusa heads")
             self.graphs = self.graph is not None
         # A graph's logits are overwritten by its next replay, at the next extend: the tree reads them before.

@@ -27,7 +27,7 @@ import torch
 
 from draftsmith.artifacts import Artifact, ArtifactError, DraftLMArtifact, EarlyExitArtifact, HeadArtifact, open_drafter
 from draftsmith.runtime.drafters import DrafterError, HeadDrafter, StandaloneDrafter
-from draftsmith.runtime.generate import CACHES
+from draftsmith.runtime.static import check_cache
 from draftsmith.runtime.early_exit import DEFAULT_DRAFT_LENGTH, EarlyExitDrafter, is_chain
 from draftsmith.runtime.lookup import DEFAULT_LOOKUP_TREE, LOOKUP_KINDS, HybridDrafter, LookupDrafter, make_matcher
 from draftsmith.runtime.tree import SparseTree, TreeError, TreeSpec, default_tree, parse_tree, tree_shape
@@ -103,8 +103,10 @@ def load_drafter(
         raise DrafterError(f"--hybrid merges lookup with a trained drafter: give its folder as --drafter, not {folder!r}")
     if lookup.global_cache and "suffix" not in (str(folder), hybrid):
         raise DrafterError("--suffix-cache belongs to suffix matching: use --drafter suffix or --hybrid suffix")
-    if cache not in CACHES:
-        raise DrafterError(f"--cache {cache}: choose one of {', '.join(CACHES)}")
+    try:
+        check_cache(cache)
+    except ValueError as err:
+        raise DrafterError(f"--cache: {err}") from None
     where, chosen = decoding_placement(device, dtype)
     if by_name:
         loaded = _lookup(str(folder), target, chosen, tree, spec, lookup, where)

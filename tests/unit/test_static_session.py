@@ -87,6 +87,10 @@ def test_which_session_a_generation_opens(target):
         StaticSession(target, graphs=True)
     with pytest.raises(DrafterError, match="forward_tree"):
         StaticSession(target).keep([0])
+    from draftsmith.runtime.load import load_drafter
+
+    with pytest.raises(DrafterError, match="--cache: cache must be one of auto, dynamic, static, got 'paged'"):
+        load_drafter("lookup", cache="paged")  # refused before a model loads
     assert static_session_supported(target)
 
 
