@@ -108,7 +108,7 @@ def open_run(accelerator, output_dir: Path, resume: str) -> tuple[Optional[Path]
     """Start or continue a run in `output_dir`: the main process takes the folder for this run (the
     ranks of one run write through it; another run there is refused, runs.hold_folder), drops
     half-written checkpoints; returns the checkpoint to resume from (per train.resume) and the lock
-    (None on the other ranks) that lifecycle.close releases. Writes nothing else: what an earlier
+    (None on the other ranks) that Trainer.close releases. Writes nothing else: what an earlier
     run left there stays as it was until `record_run`, so a run that fails while setting up loses
     nothing."""
     check_output_dir(output_dir)

@@ -15,8 +15,6 @@ temperature ``distill.temperature``: the acceptance of sampling at that temperat
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -26,7 +24,8 @@ from draftsmith.data.collate import Batch
 from draftsmith.distill import DIVERGENCES, distillation_loss, masked_mean, sample_draft_tokens
 from draftsmith.recipe import Recipe
 from draftsmith.target import FrozenTarget, load_draft
-from draftsmith.trainers import checkpoint, engine, lifecycle, loop
+from draftsmith.trainers import checkpoint, engine, loop
+from draftsmith.trainers.base import Trainer, trainable_parameters
 from draftsmith.trainers.data import pad_token_id, prepare_shared_data, prepare_with_target
 
 
@@ -88,24 +87,23 @@ def distill_objective(recipe: Recipe, draft_logits: Tensor, target_logits: Tenso
     return distillation_loss(d.divergence, draft_logits, target_logits, mask, d.temperature, **params)
 
 
-class DistillTrainer:
+class DistillTrainer(Trainer):
     def __init__(self, recipe: Recipe, argv: Optional[list[str]] = None) -> None:
-        self.recipe = recipe
-        self.argv = argv if argv is not None else loop.command_line()
-        self.output_dir = Path(recipe.output_dir)
+        super().__init__(recipe, argv)
         self._micro = 0
+        self.onpolicy_counts = [0, 0]  # on-policy sequences, all sequences
 
     # ------------------------------------------------------------------ setup
 
     prepare = staticmethod(prepare_with_target)
 
     def setup(self) -> "DistillTrainer":
-        from draftsmith.data import BatchStream, Collator
+        from draftsmith.data import Collator
         from draftsmith.data.chat import stop_token_ids
         from draftsmith.data.onpolicy import OnPolicySampler
 
         r = self.recipe
-        lifecycle.start(self)
+        self.start_run()
         acc = self.accelerator
         self.target = FrozenTarget.from_config(r.target, acc.device)
         tokenizer = self.target.tokenizer
@@ -113,38 +111,22 @@ class DistillTrainer:
         check_same_tokenizer(draft_tokenizer, tokenizer, r.draft.path, r.target.path)
         self.data = prepare_shared_data(r, acc, tokenizer, self.target.model)
 
-        self.step_module = DistillStep(self.draft)
-        lifecycle.prepare(self, self.step_module, self.draft.parameters(), adapter_only=r.draft.lora.enabled)
+        self.prepare_engine(DistillStep(self.draft), self.draft.parameters(), adapter_only=r.draft.lora.enabled)
         pad = pad_token_id(tokenizer)
         self.collator = Collator(pad_token_id=pad, max_length=r.data.max_length, packing=r.data.packing)
-        self.stream = BatchStream(
-            self.data.train, batch_size=r.train.micro_batch_size, collator=self.collator, seed=r.data.seed,
-            shuffle=True, rank=acc.process_index, world_size=acc.num_processes,
-        )
+        self.stream = self.batch_stream(self.data.train, self.collator)
         self.onpolicy = OnPolicySampler(
             self.draft, pad, stop_token_ids(tokenizer, self.target.model.generation_config), r.distill.onpolicy_temperature,
             r.distill.onpolicy_max_new_tokens, r.data.max_length,
         )
-        self.onpolicy_counts = [0, 0]  # on-policy sequences, all sequences
-        self.step = 0
         # strict=False: a LoRA checkpoint holds the adapter only (the base is the draft's own files).
-        state = lifecycle.resume(self, strict=False)
-        if state is not None:
-            self.step = state["step"]
-            self.stream.load_state_dict(state["data"])
-            self.onpolicy_counts = list(state.get("onpolicy_counts", [0, 0]))
-        lifecycle.record(
-            self,
-            f"target {r.target.path}, draft {r.draft.path} ({lifecycle.trainable_parameters(self.draft):,} trainable parameters"
+        self.resume(strict=False)
+        self.record(
+            f"target {r.target.path}, draft {r.draft.path} ({trainable_parameters(self.draft):,} trainable parameters"
             f"{', LoRA' if r.draft.lora.enabled else ''}); divergence {r.distill.divergence}, "
             f"on-policy fraction {r.distill.lambda_onpolicy}; {len(self.data.train)} train / {len(self.data.eval)} eval examples",
         )
         return self
-
-    @property
-    def watched(self) -> nn.Module:
-        """The frozen target: training must leave its weights as they were."""
-        return self.target.model
 
     # ------------------------------------------------------------------ steps
 
@@ -206,16 +188,9 @@ class DistillTrainer:
         name = r.distill.divergence if r.distill.divergence in DIVERGENCES else "tvd"
         params = {"beta": r.distill.beta} if name == "jsd" else {}
         sums = torch.zeros(4, dtype=torch.float64, device=acc.device)  # divergence, tvd, agree, positions
-        examples = self.data.eval[acc.process_index :: acc.num_processes]
-        mbs = r.train.micro_batch_size
-        # Every rank runs the same number of batches (ZeRO-3 gathers the draft's weights
-        # collectively); a rank short of examples runs a stand-in batch and does not count it.
-        rounds = math.ceil(math.ceil(len(self.data.eval) / acc.num_processes) / mbs)
-        for b in range(rounds):
-            chunk = examples[b * mbs : (b + 1) * mbs]
-            batch = self.collator(chunk or self.data.eval[:1])
-            draft_logits, target_logits, mask = self._logits(batch, self.step_module)
-            if not chunk:
+        for chunk, counted in self.eval_rounds(self.data.eval):
+            draft_logits, target_logits, mask = self._logits(self.collator(chunk), self.step_module)
+            if not counted:
                 continue
             n = mask.sum()
             sums[0] += masked_mean(DIVERGENCES[name](draft_logits, target_logits, r.distill.temperature, **params), mask).double() * n
@@ -240,18 +215,17 @@ class DistillTrainer:
     def describe(self, step: int, result: dict) -> str:
         return format_eval(step, result)
 
-    def save(self) -> Path:
-        state = {
-            "data": self.stream.state_dict(),
-            "draft": {"path": self.recipe.draft.path, "lora": self.recipe.draft.lora.enabled},
-            "onpolicy_counts": self.onpolicy_counts,
-            "last_eval": getattr(self, "last_eval", None),
-        }
-        acc = self.accelerator
-        weights = checkpoint.draft_checkpoint_weights(acc, self.step_module, self.recipe.draft.lora.enabled)
-        path = checkpoint.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, "standalone", weights, self.argv)
-        self.last_checkpoint = path
-        return path
+    def drafter_kind(self) -> str:
+        return "standalone"
+
+    def checkpoint_state(self) -> dict:
+        return {"draft": {"path": self.recipe.draft.path, "lora": self.recipe.draft.lora.enabled}, "onpolicy_counts": self.onpolicy_counts}
+
+    def checkpoint_weights(self) -> Optional[dict[str, Tensor]]:
+        return checkpoint.draft_checkpoint_weights(self.accelerator, self.step_module, self.recipe.draft.lora.enabled)
+
+    def restore(self, state) -> None:
+        self.onpolicy_counts = list(state.get("onpolicy_counts", [0, 0]))
 
     # ------------------------------------------------------------------ the loop
 
@@ -259,9 +233,6 @@ class DistillTrainer:
         self.draft.train()
         # The first evaluation is where the draft starts: the figure every later one compares with.
         return loop.train_from_first_eval(self, "distill")
-
-    def close(self) -> None:
-        lifecycle.close(self)
 
 
 def format_eval(step: int, result: dict) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -34,7 +33,8 @@ from draftsmith.recipe import Recipe, RecipeError
 from draftsmith.runs import log
 from draftsmith.runtime.tree import sparse_tree
 from draftsmith.target import FrozenTarget, TargetFeatures, gathered_parameters, load_causal_lm, resolve_dtype
-from draftsmith.trainers import checkpoint, engine, lifecycle, loop
+from draftsmith.trainers import engine, loop
+from draftsmith.trainers.base import Trainer, trainable_parameters
 from draftsmith.trainers.data import pad_token_id, prepare_shared_data
 from draftsmith.trainers.features import FeatureSource, build_feature_cache
 
@@ -91,11 +91,10 @@ def simulated_accept_length(top1: list[float]) -> float:
     return total
 
 
-class HeadTrainer:
+class HeadTrainer(Trainer):
     def __init__(self, recipe: Recipe, argv: Optional[list[str]] = None) -> None:
-        self.recipe = recipe
-        self.argv = argv if argv is not None else loop.command_line()
-        self.output_dir = Path(recipe.output_dir)
+        super().__init__(recipe, argv)
+        self.source: Optional[FeatureSource] = None
 
     # ------------------------------------------------------------------ setup
 
@@ -117,10 +116,10 @@ class HeadTrainer:
             engine.teardown(acc)
 
     def setup(self) -> "HeadTrainer":
-        from draftsmith.data import BatchStream, Collator
+        from draftsmith.data import Collator
 
         r = self.recipe
-        lifecycle.start(self)
+        self.start_run()
         acc = self.accelerator
         self.shard_target = bool(r.deepspeed.shard_target and engine.uses_deepspeed(acc))
         if self.shard_target and r.data.regenerate.enabled:
@@ -150,30 +149,16 @@ class HeadTrainer:
             Collator(pad_token_id=pad, max_length=r.data.max_length), next(self.head.parameters()).dtype,
         )  # fmt: skip
 
-        self.step_module = HeadTrainStep(self.head, self.target.model if self.shard_target else None)
-        lifecycle.prepare(self, self.step_module, self.head.parameters())
-        self.stream = BatchStream(
-            self.data.train, batch_size=r.train.micro_batch_size, collator=self.collator, seed=r.data.seed,
-            shuffle=True, rank=acc.process_index, world_size=acc.num_processes,
-        )  # fmt: skip
-        self.step = 0
-        state = lifecycle.resume(self)
-        if state is not None:
-            self.step = state["step"]
-            self.stream.load_state_dict(state["data"])
-            self.last_eval = state.get("last_eval")  # the tree of the next checkpoint comes from it until the next evaluation
-        lifecycle.record(
-            self,
+        self.prepare_engine(HeadTrainStep(self.head, self.target.model if self.shard_target else None), self.head.parameters())
+        self.stream = self.batch_stream(self.data.train, self.collator)
+        # The last evaluation comes back too: the tree of the next checkpoint comes from it until the next evaluation.
+        self.resume()
+        self.record(
             f"target {r.target.path}: {self.target.dims.num_layers} layers, hidden {self.target.dims.hidden_size}, "
-            f"vocab {self.target.dims.vocab_size}; head {r.head.kind} with {lifecycle.trainable_parameters(self.head):,} trainable "
+            f"vocab {self.target.dims.vocab_size}; head {r.head.kind} with {trainable_parameters(self.head):,} trainable "
             f"parameters; {len(self.data.train)} train / {len(self.data.eval)} eval examples; features {r.data.features.mode}",
         )
         return self
-
-    @property
-    def watched(self) -> nn.Module:
-        """The frozen target: training must leave its weights as they were."""
-        return self.target.model
 
     def _target_io_weights(self):
         """The target's embedding, LM head and final norm weights in full inside the block (ZeRO-3 shard_target)."""
@@ -233,23 +218,15 @@ class HeadTrainer:
     def evaluate(self) -> dict:
         """Per-depth top-1/top-5 accuracy on held-out conversations, the accuracy of each candidate
         rank per depth (the sparse tree's input) and the simulated chain length."""
-        acc, r = self.accelerator, self.recipe
+        acc = self.accelerator
         self.head.eval()
         K = self.head.depth
         hits = torch.zeros(K, EVAL_RANKS, dtype=torch.float64, device=acc.device)
         counts = torch.zeros(K, dtype=torch.float64, device=acc.device)
-        mine = list(range(len(self.data.eval)))[acc.process_index :: acc.num_processes]
-        mbs = r.train.micro_batch_size
-        # Every rank runs the same number of batches (ZeRO-3 gathers weights collectively); a rank
-        # short of examples runs a stand-in batch and does not count it.
-        rounds = math.ceil(math.ceil(len(self.data.eval) / acc.num_processes) / mbs)
-        for b in range(rounds):
-            ids = mine[b * mbs : (b + 1) * mbs]
-            stand_in = not ids
-            ids = ids or [0]
+        for ids, counted in self.eval_rounds(list(range(len(self.data.eval)))):
             batch = self.collator([self.data.eval[i] for i in ids]).to(acc.device)
             top = self.model(lambda ids=ids, batch=batch: self.source.features("eval", ids, batch))  # [B,T,K,R]
-            if stand_in:
+            if not counted:
                 continue
             labels, valid = depth_labels(batch["input_ids"], batch["loss_mask"], K, batch["segment_ids"])
             hit = (top == labels.unsqueeze(-1)) & valid.unsqueeze(-1)  # [B,T,K,R]; a vocabulary under R ranks gives fewer
@@ -271,7 +248,7 @@ class HeadTrainer:
 
     def tree(self) -> Optional[dict]:
         """The sparse tree of train.tree_nodes nodes from the last evaluation's rank accuracies, or None."""
-        last = getattr(self, "last_eval", None)
+        last = self.last_eval
         nodes = self.recipe.train.tree_nodes
         if not nodes or not last or not last.get("positions"):
             return None
@@ -280,10 +257,12 @@ class HeadTrainer:
     def describe(self, step: int, result: dict) -> str:
         return format_eval(step, result, self.recipe.train.tree_nodes)
 
-    def save(self) -> Path:
+    def drafter_kind(self) -> str:
+        return self.recipe.head.kind
+
+    def checkpoint_state(self) -> dict:
         dims = self.target.dims
-        state = {
-            "data": self.stream.state_dict(),
+        return {
             "head": asdict(self.head.cfg),
             "target": {
                 "path": self.recipe.target.path,
@@ -293,15 +272,16 @@ class HeadTrainer:
                 "model_type": dims.hf_config.get("model_type", ""),
                 "hf_config": dims.hf_config,
             },
-            "last_eval": getattr(self, "last_eval", None),
             "tree": self.tree(),
         }
+
+    def checkpoint_weights(self) -> Optional[dict[str, Tensor]]:
         acc = self.accelerator
+        return engine.full_state_dict(acc, self.head, "head.") if engine.uses_deepspeed(acc) else None
+
+    def save(self) -> Path:
         self.source.flush()  # features computed so far survive an interruption
-        weights = engine.full_state_dict(acc, self.head, "head.") if engine.uses_deepspeed(acc) else None
-        path = checkpoint.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, self.recipe.head.kind, weights, self.argv)
-        self.last_checkpoint = path
-        return path
+        return super().save()
 
     # ------------------------------------------------------------------ the loop
 
@@ -319,10 +299,9 @@ class HeadTrainer:
             write_atomic(self.output_dir / "final_metrics.json", json.dumps(summary, indent=2))
         return summary
 
-    def close(self) -> None:
-        if getattr(self, "source", None) is not None:
+    def release(self) -> None:
+        if self.source is not None:
             self.source.close()
-        lifecycle.close(self)
 
 
 def build_head(recipe: Recipe, dims) -> DraftHead:

@@ -23,8 +23,6 @@ on the held-out answers, which says what the training cost the model itself.
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -35,10 +33,11 @@ from draftsmith.distill.early_exit import (
     best_exit, dropout_curriculum, early_exit_loss, exit_agreement, exit_cross_entropy, exit_curriculum, exit_loss_scales,
     layer_drop_mask, layer_dropout_rates,
 )
-from draftsmith.recipe import Recipe, RecipeError
+from draftsmith.recipe import RecipeError
 from draftsmith.runtime.early_exit import DEFAULT_DRAFT_LENGTH
 from draftsmith.target import TargetLoadError, capture_layers, decoder_stack, load_causal_lm, resolve_dtype, with_lora
-from draftsmith.trainers import checkpoint, lifecycle, loop
+from draftsmith.trainers import checkpoint, loop
+from draftsmith.trainers.base import Trainer, trainable_parameters
 from draftsmith.trainers.data import pad_token_id, prepare_shared_data, prepare_with_target
 from draftsmith.trainers.distill import predicted_mask
 
@@ -110,19 +109,15 @@ def batch_inputs(batch: Batch, device) -> tuple[Tensor, Tensor, Optional[Tensor]
     return ids, batch["attention_mask"], batch["position_ids"], select, ids[:, 1:][keep]
 
 
-class LayerSkipTrainer:
-    def __init__(self, recipe: Recipe, argv: Optional[list[str]] = None) -> None:
-        self.recipe = recipe
-        self.argv = argv if argv is not None else loop.command_line()
-        self.output_dir = Path(recipe.output_dir)
+class LayerSkipTrainer(Trainer):
 
     # ------------------------------------------------------------------ setup
 
     def setup(self) -> "LayerSkipTrainer":
-        from draftsmith.data import BatchStream, Collator
+        from draftsmith.data import Collator
 
         r, ls = self.recipe, self.recipe.layerskip
-        lifecycle.start(self)
+        self.start_run()
         acc = self.accelerator
 
         # The weights that train are float32 whatever target.dtype says; mixed precision is train:'s.
@@ -147,24 +142,16 @@ class LayerSkipTrainer:
         del writer
 
         self.lm = with_lora(model, ls.lora)
-        self.step_module = LayerSkipStep(self.lm)
-        lifecycle.prepare(self, self.step_module, self.step_module.parameters(), adapter_only=ls.lora.enabled)
+        step_module = LayerSkipStep(self.lm)
+        self.prepare_engine(step_module, step_module.parameters(), adapter_only=ls.lora.enabled)
         self.collator = Collator(pad_token_id=pad_token_id(tokenizer), max_length=r.data.max_length, packing=r.data.packing)
-        self.stream = BatchStream(
-            self.data.train, batch_size=r.train.micro_batch_size, collator=self.collator, seed=r.data.seed,
-            shuffle=True, rank=acc.process_index, world_size=acc.num_processes,
-        )
+        self.stream = self.batch_stream(self.data.train, self.collator)
         self.drop_rates = layer_dropout_rates(L, ls.layer_dropout.max_rate, ls.layer_dropout.scale)
-        self.step = 0
         # strict=False: a LoRA checkpoint holds the adapter only (the base is the target's own files).
-        state = lifecycle.resume(self, strict=False)
-        if state is not None:
-            self.step = state["step"]
-            self.stream.load_state_dict(state["data"])
+        self.resume(strict=False)
         ee, ld = ls.early_exit, ls.layer_dropout
-        lifecycle.record(
-            self,
-            f"target {r.target.path} ({L} decoder layers; {lifecycle.trainable_parameters(self.step_module):,} trainable parameters"
+        self.record(
+            f"target {r.target.path} ({L} decoder layers; {trainable_parameters(step_module):,} trainable parameters"
             f"{', LoRA' if ls.lora.enabled else ''}); layer dropout up to {ld.max_rate} ({ld.scale}, {ld.curriculum}); early-exit loss "
             f"scale {ee.scale}, {ee.curriculum}{f' every {ee.rotation} layers' if ee.curriculum == 'rotational' else ''}; "
             f"{len(self.data.train)} train / {len(self.data.eval)} eval examples",
@@ -229,33 +216,27 @@ class LayerSkipTrainer:
         """On held-out answers, no dropout: per exit layer E (layerskip.eval_exits, default 1..L-1)
         the top-1 agreement with the full model, the expected acceptance 1 - TVD and the
         cross-entropy; the full model's cross-entropy; the exit with the best modeled speedup."""
-        acc, r, L = self.accelerator, self.recipe, self.num_layers
+        acc, L = self.accelerator, self.num_layers
         module = self.step_module
         module.eval()
         layers = [e - 1 for e in self.eval_exits] + [L - 1]
         # Rows: agreement, acceptance, cross-entropy per evaluated layer (the last: the full model).
         sums = torch.zeros(3, len(layers), dtype=torch.float64, device=acc.device)
         count = torch.zeros(1, dtype=torch.float64, device=acc.device)
-        examples = self.data.eval[acc.process_index :: acc.num_processes]
-        mbs = r.train.micro_batch_size
-        # Every rank runs the same number of batches (ZeRO-3 gathers weights collectively); a rank
-        # short of examples runs a stand-in batch and does not count it.
-        rounds = math.ceil(math.ceil(len(self.data.eval) / acc.num_processes) / mbs)
-        for b in range(rounds):
-            chunk = examples[b * mbs : (b + 1) * mbs]
-            ids, attention, positions, select, labels = batch_inputs(self.collator(chunk or self.data.eval[:1]), acc.device)
+        for chunk, counted in self.eval_rounds(self.data.eval):
+            ids, attention, positions, select, labels = batch_inputs(self.collator(chunk), acc.device)
             hidden = module(ids, attention, positions, select, layers, unembed=False)
             full = module.stack.lm_head(hidden[-1])
             for i, l in enumerate(layers):
                 logits = full if l == L - 1 else module.stack.lm_head(hidden[i])
-                if not chunk:
+                if not counted:
                     continue
                 sums[2, i] += exit_cross_entropy(logits, labels).double().sum()
                 if l < L - 1:
                     agree, accept = exit_agreement(logits, full)
                     sums[0, i] += agree.double().sum()
                     sums[1, i] += accept.double().sum()
-            if chunk:
+            if counted:
                 count += labels.numel()
         if acc.num_processes > 1:
             sums, count = acc.reduce(sums, reduction="sum"), acc.reduce(count, reduction="sum")
@@ -279,18 +260,15 @@ class LayerSkipTrainer:
     def describe(self, step: int, result: dict) -> str:
         return format_eval(step, result)
 
-    def save(self) -> Path:
+    def drafter_kind(self) -> str:
+        return "early_exit"
+
+    def checkpoint_state(self) -> dict:
         ls = self.recipe.layerskip
-        state = {
-            "data": self.stream.state_dict(),
-            "layerskip": {"num_layers": self.num_layers, "lora": ls.lora.enabled, "exit_layer": ls.exit_layer},
-            "last_eval": getattr(self, "last_eval", None),
-        }
-        acc = self.accelerator
-        weights = checkpoint.draft_checkpoint_weights(acc, self.step_module, ls.lora.enabled)
-        path = checkpoint.save_checkpoint(acc, self.output_dir, self.step, state, self.recipe, "early_exit", weights, self.argv)
-        self.last_checkpoint = path
-        return path
+        return {"layerskip": {"num_layers": self.num_layers, "lora": ls.lora.enabled, "exit_layer": ls.exit_layer}}
+
+    def checkpoint_weights(self) -> Optional[dict[str, Tensor]]:
+        return checkpoint.draft_checkpoint_weights(self.accelerator, self.step_module, self.recipe.layerskip.lora.enabled)
 
     # ------------------------------------------------------------------ the loop
 
@@ -298,9 +276,6 @@ class LayerSkipTrainer:
         self.step_module.train()
         # The first evaluation is where the model starts: the figure every later one compares with.
         return loop.train_from_first_eval(self, "layerskip")
-
-    def close(self) -> None:
-        lifecycle.close(self)
 
 
 def format_eval(step: int, result: dict) -> str:

@@ -1,8 +1,7 @@
-"""The step loop every trainer runs, with its metrics log and its Ctrl-C / SIGTERM handling, and
-the Trainer protocol: what the loop, the command line and the test helpers need of a trainer.
+"""The step loop every trainer runs, with its metrics log and its Ctrl-C / SIGTERM handling.
 
-Functions, not a base class: a trainer reads top to bottom and calls what it needs
-(trainers/lifecycle.py holds its set-up and close).
+What the loop needs of a trainer (``advance``, ``evaluate``, ``describe``, ``save`` and the run's
+accelerator, metrics log and checkpoints) is the Trainer base class of trainers/base.py.
 """
 
 from __future__ import annotations
@@ -15,13 +14,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from draftsmith.atomic import write_atomic
 from draftsmith.runs import log
 from draftsmith.trainers.engine import TrainingError, any_rank, gather_objects, world_size
+
+if TYPE_CHECKING:
+    from draftsmith.trainers.base import Trainer
 
 # ----------------------------------------------------------------------------- logging
 
@@ -86,55 +88,6 @@ class MetricsLog:
             self._tb.close()
 
 
-# ----------------------------------------------------------------------------- what a trainer is
-
-
-class Trainer(Protocol):
-    """A trainer, as ``TRAINERS[name](recipe, argv)`` builds it.
-
-    The command line calls ``setup()``, ``train()`` and, whatever happened, ``close()``;
-    ``draftsmith prepare`` calls ``prepare(recipe)`` (the data step alone, on the class). run_loop
-    drives ``advance``, ``evaluate``, ``describe`` and ``save`` and reads the attributes below.
-    The test helpers snapshot ``watched`` before training.
-    """
-
-    recipe: Any
-    argv: list[str]
-    output_dir: Path
-    accelerator: Any
-    metrics: "MetricsLog"
-    # The checkpoint resumed from (None on a fresh run), and the newest one written since.
-    resume_from: Optional[Path]
-    last_checkpoint: Optional[Path]
-    last_eval: Optional[dict]
-    step: int
-
-    @staticmethod
-    def prepare(recipe) -> dict:
-        """The data step of `recipe` on its own; returns summary counts."""
-
-    def setup(self) -> "Trainer": ...
-
-    def train(self) -> dict:
-        """Run to the end of the schedule; returns the summary written to final_metrics.json."""
-
-    def close(self) -> None: ...
-
-    def advance(self) -> tuple[int, dict]:
-        """One unit of work (an optimizer step, a round of requests): (new position, logged values)."""
-
-    def evaluate(self) -> dict: ...
-
-    def describe(self, position: int, evaluation: dict) -> str: ...
-
-    def save(self) -> Path: ...
-
-    @property
-    def watched(self) -> nn.Module:
-        """The model whose weights a test compares before and after training (the frozen target,
-        or the model itself where the target trains)."""
-
-
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -165,7 +118,7 @@ def crossed(before: int, after: int, every: int) -> bool:
     return after // every > before // every
 
 
-def run_loop(trainer: Trainer, schedule: Schedule, start: int, desc: str) -> tuple[dict, float]:
+def run_loop(trainer: "Trainer", schedule: Schedule, start: int, desc: str) -> tuple[dict, float]:
     """Advance `trainer` from position `start` to ``schedule.total``. Returns (the last evaluation
     or {}, seconds spent).
 
@@ -216,7 +169,7 @@ def run_loop(trainer: Trainer, schedule: Schedule, start: int, desc: str) -> tup
     return result, time.time() - started
 
 
-def train_from_first_eval(trainer: Trainer, desc: str) -> dict:
+def train_from_first_eval(trainer: "Trainer", desc: str) -> dict:
     """run_loop over ``train.max_steps`` for a trainer whose figures compare with where its model
     started (distill, layerskip): a fresh run evaluates before the first step (logged as step 0 and
     printed), a resumed run does not. Writes final_metrics.json and returns that summary."""

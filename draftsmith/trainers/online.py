@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from draftsmith.atomic import write_atomic
 from draftsmith.recipe import Recipe
 from draftsmith.runs import log
 from draftsmith.target import FrozenTarget, load_draft
-from draftsmith.trainers import checkpoint, engine, lifecycle, loop
+from draftsmith.trainers import checkpoint, engine, loop
+from draftsmith.trainers.base import Trainer
 from draftsmith.trainers.data import pad_token_id, prepare_with_target
 from draftsmith.trainers.distill import DistillStep, check_same_tokenizer, common_vocab, distill_objective, predicted_mask
 
@@ -58,11 +59,11 @@ def stream_prompts(recipe: Recipe) -> list[dict]:
     return stream
 
 
-class OnlineTrainer:
+class OnlineTrainer(Trainer):
     def __init__(self, recipe: Recipe, argv: Optional[list[str]] = None) -> None:
-        self.recipe = recipe
-        self.argv = argv if argv is not None else loop.command_line()
-        self.output_dir = Path(recipe.output_dir)
+        super().__init__(recipe, argv)
+        self.served = 0  # checkpoints are numbered by requests served (their "step"); self.step counts optimizer steps
+        self.window: list[tuple[int, int]] = []  # (accepted, judged) of the last online.window requests
 
     # ------------------------------------------------------------------ setup
 
@@ -74,40 +75,27 @@ class OnlineTrainer:
         from draftsmith.data.replay import ReplayBuffer
 
         r = self.recipe
-        lifecycle.start(self)
+        self.start_run()
         self.target = FrozenTarget.from_config(r.target, self.accelerator.device)
         self.tokenizer = tokenizer = self.target.tokenizer
         self.draft, draft_tokenizer = load_draft(r.draft, self.accelerator.device)
         check_same_tokenizer(draft_tokenizer, tokenizer, r.draft.path, r.target.path)
-        self.stream = stream_prompts(r)
+        self.requests = stream_prompts(r)
         self.eos = stop_token_ids(tokenizer, self.target.model.generation_config)
 
-        self.step_module = DistillStep(self.draft)
-        lifecycle.prepare(self, self.step_module, self.draft.parameters(), adapter_only=r.draft.lora.enabled)
+        self.prepare_engine(DistillStep(self.draft), self.draft.parameters(), adapter_only=r.draft.lora.enabled)
         self.collator = Collator(pad_token_id=pad_token_id(tokenizer), max_length=r.data.max_length)
         # Every rank keeps the same buffer (all verified records), so an update's batches, a
         # checkpoint and a resume at another world size do not depend on who served what.
         self.buffer = ReplayBuffer(r.online.buffer_size, seed=r.train.seed, train_on=r.online.train_on)
-        self.served = 0  # checkpoints are numbered by requests served (their "step")
-        self.step = 0  # optimizer steps
-        self.window: list[tuple[int, int]] = []  # (accepted, judged) of the last online.window requests
-        state = lifecycle.resume(self, strict=False)
-        if state is not None:
-            self.step, self.served = state["optimizer_steps"], state["step"]
-            self.buffer.load_state_dict(state["buffer"])
+        self.resume(strict=False)
         self.swap_drafter()
-        sources = ", ".join(dict.fromkeys(p["source"] for p in self.stream))
-        lifecycle.record(
-            self,
-            f"serving {len(self.stream)} requests ({sources}) with draft {r.draft.path} for target {r.target.path}; "
+        sources = ", ".join(dict.fromkeys(p["source"] for p in self.requests))
+        self.record(
+            f"serving {len(self.requests)} requests ({sources}) with draft {r.draft.path} for target {r.target.path}; "
             f"update every {r.online.update_every} requests ({r.online.steps_per_update} steps, {r.distill.divergence})",
         )
         return self
-
-    @property
-    def watched(self) -> nn.Module:
-        """The frozen target: serving and updating must leave its weights as they were."""
-        return self.target.model
 
     def swap_drafter(self) -> None:
         """Put the current draft weights into the runtime: a fresh drafter, no restart."""
@@ -190,19 +178,27 @@ class OnlineTrainer:
         mean = sum(losses) / len(losses)
         return {"loss": mean, "first_loss": losses[0], "last_loss": losses[-1], "buffer": held, "lr": self.scheduler.get_last_lr()[0]}
 
-    def save(self) -> Path:
-        state = {
+    @property
+    def position(self) -> int:
+        """Checkpoints are numbered by requests served: that is where a resumed stream picks up."""
+        return self.served
+
+    def drafter_kind(self) -> str:
+        return "standalone"
+
+    def checkpoint_state(self) -> dict:
+        return {
             "optimizer_steps": self.step,
             "draft": {"path": self.recipe.draft.path, "lora": self.recipe.draft.lora.enabled},
             "buffer": self.buffer.state_dict(),
-            "last_eval": getattr(self, "last_eval", None),
         }
-        acc = self.accelerator
-        weights = checkpoint.draft_checkpoint_weights(acc, self.step_module, self.recipe.draft.lora.enabled)
-        # Checkpoints are numbered by requests served: that is where a resumed stream picks up.
-        path = checkpoint.save_checkpoint(acc, self.output_dir, self.served, state, self.recipe, "standalone", weights, self.argv)
-        self.last_checkpoint = path
-        return path
+
+    def checkpoint_weights(self) -> Optional[dict[str, Tensor]]:
+        return checkpoint.draft_checkpoint_weights(self.accelerator, self.step_module, self.recipe.draft.lora.enabled)
+
+    def restore(self, state) -> None:
+        self.step, self.served = state["optimizer_steps"], state["step"]
+        self.buffer.load_state_dict(state["buffer"])
 
     # ------------------------------------------------------------------ the stream
 
@@ -212,7 +208,7 @@ class OnlineTrainer:
         an update falls due. Returns (requests served, the update's values or {})."""
         acc, r, o = self.accelerator, self.recipe, self.recipe.online
         index = self.served + acc.process_index
-        mine = self.serve(self.stream[index], seed=r.train.seed + index) if index < len(self.stream) else None
+        mine = self.serve(self.requests[index], seed=r.train.seed + index) if index < len(self.requests) else None
         before = self.served
         for values in engine.gather_objects(acc, mine):
             if values is None:
@@ -223,7 +219,7 @@ class OnlineTrainer:
             values["window_acceptance_rate"] = self.window_rate()
             self.metrics.write(self.served, "serve", values)
         update = {}
-        if loop.crossed(before, self.served, o.update_every) and self.served < len(self.stream):
+        if loop.crossed(before, self.served, o.update_every) and self.served < len(self.requests):
             update = self.update() or {}
         return self.served, {**update, "acceptance": self.window_rate()}
 
@@ -233,16 +229,13 @@ class OnlineTrainer:
     def train(self) -> dict:
         """Serve the stream, updating the drafter every online.update_every requests."""
         acc, r = self.accelerator, self.recipe
-        schedule = loop.Schedule(len(self.stream), "request", log_every=1, save_every=r.train.save_every, log_kind="update")
+        schedule = loop.Schedule(len(self.requests), "request", log_every=1, save_every=r.train.save_every, log_kind="update")
         _, elapsed = loop.run_loop(self, schedule, self.served, "serve")
         summary = {"served": self.served, "optimizer_steps": self.step, "seconds": round(elapsed, 1), "checkpoint": str(self.last_checkpoint)}
         if acc.is_main_process:
             summary.update(acceptance_by_source(self.output_dir))
             write_atomic(self.output_dir / "final_metrics.json", json.dumps(summary, indent=2))
         return summary
-
-    def close(self) -> None:
-        lifecycle.close(self)
 
 
 def serve_records(output_dir: str | Path) -> list[dict]:
