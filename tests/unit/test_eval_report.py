@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from draftsmith.eval import AcceptanceStats, write_report
-from draftsmith.eval.acceptance import paired_tau_difference, tau_interval
+from draftsmith.eval.acceptance import paired_ratio, paired_tau_difference, tau_interval
 
 META = {
     "target": "tiny-target",
@@ -216,3 +216,17 @@ def test_paired_tau_difference_resamples_prompts_together():
     ours, theirs = tau_interval(better), tau_interval(base)
     assert ours[0] < theirs[1]
     assert paired_tau_difference(base, base[:-1]) is None
+
+
+def test_paired_ratio_is_a_ratio_of_pooled_rates_over_prompts_resampled_together():
+    base = [(10.0 + i, 2.0 + i % 3) for i in range(8)]  # (tokens, forwards or seconds) per prompt
+    assert paired_ratio(base, base) == pytest.approx([1.0, 1.0, 1.0])
+    # 20 % more tokens on every prompt at the same cost: the ratio is 1.2 on every resample.
+    more = [(1.2 * x, y) for x, y in base]
+    assert paired_ratio(more, base) == pytest.approx([1.2, 1.2, 1.2])
+    # A gain on some prompts only: the interval spreads around the pooled ratio and holds it.
+    mixed = [(x * (1.5 if i % 2 else 1.0), y) for i, (x, y) in enumerate(base)]
+    low, mid, high = paired_ratio(mixed, base)
+    pooled = sum(x for x, _ in mixed) / sum(x for x, _ in base)
+    assert 1.0 < low < pooled < high < 1.5
+    assert paired_ratio(base[:1], base[:1]) is None and paired_ratio(base, base[:4]) is None
