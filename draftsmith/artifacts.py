@@ -22,13 +22,13 @@ Where a new drafter kind plugs in (and nothing more is needed):
 1. here: a head kind needs nothing (HEADS builds it from what the folder records); another kind of
    drafter is one entry in CHECKPOINT_LOADERS (and, for a new folder layout, one reader in
    ``_read_config_folder``);
-2. ``draftsmith/export``: its layouts, in each format's ``refusal``/``write``;
+2. ``draftsmith/layouts``: its engine layouts, one module writing and reading them, and
+   ``draftsmith/export``: what each format refuses (``refusal``);
 3. ``draftsmith/runtime/load.py``: how its artifact becomes a runtime Drafter.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -39,22 +39,17 @@ from torch import Tensor
 
 from draftsmith.atomic import MANIFEST_NAME, manifest_problem
 from draftsmith.heads import HEADS, DraftHead, TargetDims
+from draftsmith.layouts import detect_layout, head_from_foreign, read_foreign
+from draftsmith.layouts.common import CONFIG_NAME, ArtifactError, ForeignHead, read_json, read_weights
 from draftsmith.runs import (
     STATE_FILE, WEIGHTS_NAME, checkpoint_problem, is_checkpoint, list_checkpoints, log, read_state,
 )
 from draftsmith.target import BUILTIN_MODELS
 
-CONFIG_NAME = "config.json"
-# Where vLLM reads a DFlash draft's learned mask vector: {"mask_token_id": int, "embedding": [H]} (or the bare tensor).
-MASK_EMBEDDING_FILE = "mask_embedding.pt"
 # How checkpoints name the drafter's weights inside model.safetensors, per drafter kind.
 HEAD_PREFIX, DRAFT_PREFIX, MODEL_PREFIX = "head.", "draft.", "model."
 # The config.json block of an early-exit export.
 EARLY_EXIT_KEY = "layerskip"
-
-
-class ArtifactError(ValueError):
-    """A path that is not a drafter draftsmith can read, or one whose files are damaged. The message names it."""
 
 
 # ----------------------------------------------------------------------------- artifacts
@@ -120,12 +115,27 @@ class ModelArtifact(Artifact):
 
     recipe: Any = None
     loader: Optional[Callable[[], tuple[Any, Any]]] = field(default=None, repr=False)
+    # (path, gguf_file) of the model's config, which ``config`` reads without the weights.
+    config_source: tuple[str, Optional[str]] = ("", None)
     _loaded: Optional[tuple[Any, Any]] = field(default=None, repr=False)
 
     def _load(self) -> tuple[Any, Any]:
         if self._loaded is None:
             self._loaded = self.loader()
         return self._loaded
+
+    @property
+    def config(self):
+        """The model's HF config: the loaded model's once it is loaded, else read from its files
+        without the weights (a format deciding whether it can carry the model loads nothing)."""
+        if self._loaded is not None:
+            return self._loaded[0].config
+        from draftsmith.target import TargetLoadError, load_config
+
+        try:
+            return load_config(*self.config_source)
+        except TargetLoadError as err:
+            raise ArtifactError(str(err)) from None
 
     @property
     def model(self):
@@ -202,28 +212,6 @@ def verified_checkpoint(path: Path) -> Path:
         newest = newest or f"{candidate.name}: {problem}"
         log(f"warning: skipping damaged checkpoint {candidate} ({problem}); trying the one before it", sys.stderr)
     raise ArtifactError(f"every checkpoint of {path} is damaged (the newest, {newest})")
-
-
-def read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise ArtifactError(f"{path} is unreadable ({type(err).__name__}: {str(err).splitlines()[0][:120]})") from None
-    if not isinstance(value, dict):
-        raise ArtifactError(f"{path} holds a {type(value).__name__}, not a JSON object")
-    return value
-
-
-def read_weights(path: Path) -> dict[str, Tensor]:
-    """A safetensors file, one line naming it when it is truncated or not safetensors."""
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except FileNotFoundError:
-        raise ArtifactError(f"{path} is missing") from None
-    except Exception as err:  # safetensors raises its own SafetensorError, and OSError/ValueError
-        raise ArtifactError(f"{path} is not a readable safetensors file ({type(err).__name__}: {str(err).splitlines()[0][:120]})") from None
 
 
 def _text(path: Path) -> str:
@@ -315,9 +303,10 @@ def _causal_lm_folder(path: str, config: dict, dtype: str, exit_layer: Optional[
         chosen = exit_layer if exit_layer is not None else block.get("exit_layer")
         how = "--exit-layer" if exit_layer is not None else block.get("chosen_by", "the export's config")
         return EarlyExitArtifact(
-            "early_exit", folder, layout, {"path": path}, recipe_yaml, metrics, loader=load, exit_layer=chosen, exit_chosen_by=how, block=dict(block),
+            "early_exit", folder, layout, {"path": path}, recipe_yaml, metrics, loader=load, config_source=(path, None), exit_layer=chosen,
+            exit_chosen_by=how, block=dict(block),
         )  # fmt: skip
-    return DraftLMArtifact("standalone", folder, layout, recorded, recipe_yaml, metrics, loader=load)
+    return DraftLMArtifact("standalone", folder, layout, recorded, recipe_yaml, metrics, loader=load, config_source=(path, None))
 
 
 def _json_or_none(path: Path) -> Optional[dict]:
@@ -439,7 +428,10 @@ def _draft_lm_from_checkpoint(ckpt: Path, state: dict, dtype: str, exit_layer: O
         return model.to(getattr(torch, dtype)), tokenizer
 
     target = {"path": str(recipe.target.path), "gguf_file": recipe.target.gguf_file, "dtype": recipe.target.dtype}
-    return DraftLMArtifact("standalone", ckpt, "checkpoint", target, _text(ckpt / "recipe.yaml"), state.get("last_eval"), recipe=recipe, loader=load)
+    return DraftLMArtifact(
+        "standalone", ckpt, "checkpoint", target, _text(ckpt / "recipe.yaml"), state.get("last_eval"), recipe=recipe, loader=load,
+        config_source=(str(recipe.draft.path), recipe.draft.gguf_file),
+    )  # fmt: skip
 
 
 def _early_exit_from_checkpoint(ckpt: Path, state: dict, dtype: str, exit_layer: Optional[int]) -> EarlyExitArtifact:
@@ -472,7 +464,8 @@ def _early_exit_from_checkpoint(ckpt: Path, state: dict, dtype: str, exit_layer:
     target = {"path": str(recipe.target.path), "gguf_file": recipe.target.gguf_file}
     return EarlyExitArtifact(
         "early_exit", ckpt, "checkpoint", target, _text(ckpt / "recipe.yaml"), state.get("last_eval"),
-        recipe=recipe, loader=load, exit_layer=chosen, exit_chosen_by=how, state=state,
+        recipe=recipe, loader=load, config_source=(str(recipe.target.path), recipe.target.gguf_file), exit_layer=chosen, exit_chosen_by=how,
+        state=state,
     )  # fmt: skip
 
 
@@ -491,309 +484,6 @@ def hub_id(path: str) -> Optional[str]:
     return path if looks_like_hub_id else None
 
 
-# ----------------------------------------------------------------------------- third-party EAGLE / EAGLE-3 folders
-#
-# Facts these follow (vLLM 0.32, SGLang as of 2026-05, speculators 0.9; docs/export.md has the sources):
-# - EAGLE-3: ``fc.weight`` [H, 3H], ``midlayer.*`` (or ``layers.0.*``, which speculators writes),
-#   ``norm.weight``, ``lm_head.weight`` [Vd, H], ``d2t`` [Vd] (absent with the full vocabulary),
-#   ``t2d`` [V] (speculators writes it; the engines skip it); an embedding only as a copy of the target's.
-# - EAGLE-1: ``fc.weight`` (+ ``fc.bias`` in SGLang), ``layers.{i}.*`` with no
-#   ``layers.0.input_layernorm``, no final norm, no LM head.
-
-
-@dataclass
-class ForeignHead:
-    """A third-party draft head folder in our terms: the head kind, its config values (our config
-    class's keys; the target fills the rest), its tensors in our names, the target it names
-    (speculators records one) and the target embedding copy it carries, if any."""
-
-    kind: str
-    layout: str
-    config: dict
-    tensors: dict[str, Tensor]
-    target_path: Optional[str] = None
-    embedding: Optional[Tensor] = None
-
-
-def detect_layout(config: dict) -> Optional[str]:
-    """'speculators', 'dflash', 'eagle3' or 'eagle' for a third-party drafter config.json, else None
-    (our own head folders, plain causal LMs, anything else)."""
-    if "draftsmith" in config:
-        return None
-    if "speculators_model_type" in config:
-        return "speculators"
-    archs = " ".join(config.get("architectures") or [])
-    if "DFlash" in archs or isinstance(config.get("dflash_config"), dict):
-        return "dflash"
-    if "Eagle3" in archs:
-        return "eagle3"
-    if "Eagle" in archs or config.get("model_type") == "eagle":
-        return "eagle"
-    return None
-
-
-def _load_tensors(folder: Path) -> dict[str, Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    tensors: dict[str, Tensor] = {}
-    if files:
-        for path in files:
-            tensors.update(read_weights(path))
-        return tensors
-    bins = sorted(folder.glob("*.bin"))
-    if not bins:
-        raise ArtifactError(f"{folder} has no *.safetensors or *.bin weights")
-    for path in bins:
-        try:
-            tensors.update(torch.load(path, map_location="cpu", weights_only=True))
-        except Exception as err:  # pickle and zip errors alike
-            raise ArtifactError(f"{path} is unreadable ({type(err).__name__})") from None
-    return tensors
-
-
-def _shape_keys(layer_config: dict) -> dict:
-    """Our LayerShape keys from an HF-style layer config (0 / None where it is silent)."""
-    rope = layer_config.get("rope_parameters") if isinstance(layer_config.get("rope_parameters"), dict) else {}
-    scaling = layer_config.get("rope_scaling") if isinstance(layer_config.get("rope_scaling"), dict) else None
-    if scaling is None and rope.get("rope_type", "default") not in (None, "default"):
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    return {
-        "num_attention_heads": int(layer_config.get("num_attention_heads") or 0),
-        "num_key_value_heads": int(layer_config.get("num_key_value_heads") or 0),
-        "head_dim": int(layer_config.get("head_dim") or 0),
-        "intermediate_size": int(layer_config.get("intermediate_size") or 0),
-        "rms_norm_eps": float(layer_config.get("rms_norm_eps") or 0.0),
-        "rope_theta": float(layer_config.get("rope_theta") or rope.get("rope_theta") or 0.0),
-        "rope_scaling": scaling,
-        "max_position_embeddings": int(layer_config.get("max_position_embeddings") or 0),
-    }
-
-
-def read_foreign(folder: str | Path, config: Optional[dict] = None) -> ForeignHead:
-    """Read an EAGLE-3 or EAGLE folder in vLLM's, SGLang's or speculators' layout (ArtifactError,
-    one line, for a folder whose config and tensors disagree or that holds something else)."""
-    folder = Path(folder)
-    config = config if config is not None else read_json(folder / CONFIG_NAME)
-    layout = detect_layout(config)
-    if layout is None:
-        raise ArtifactError(f"{folder} is not an EAGLE, EAGLE-3 or DFlash drafter in vLLM's, SGLang's or speculators' layout (config.json architectures {config.get('architectures')})")
-    tensors = _load_tensors(folder)
-    where = f"{folder} ({layout} layout)"
-    if layout == "speculators":
-        kind = config["speculators_model_type"]
-        if kind not in ("eagle3", "dflash"):
-            raise ArtifactError(f"{where}: speculators model type {kind!r}; draftsmith reads eagle3 and dflash")
-        layer = dict(config.get("transformer_layer_config") or {})
-        verifier = (config.get("speculators_config") or {}).get("verifier") or {}
-        if kind == "dflash":
-            head = _read_dflash(where, folder, layer, config, tensors, speculators=True)
-        else:
-            head = _read_eagle3(where, {**layer, **config}, tensors)
-            # speculators' own default is True when the key is missing, as vLLM reads it on this path.
-            head.config["norm_before_residual"] = bool(config.get("norm_before_residual", True))
-        head.target_path = verifier.get("name_or_path")
-        head.layout = "speculators"
-        return head
-    if layout == "dflash":
-        return _read_dflash(where, folder, config, config, tensors, speculators=False)
-    if layout == "eagle3":
-        return _read_eagle3(where, config, tensors)
-    return _read_eagle(where, config.get("model") if config.get("model_type") == "eagle" else config, tensors)
-
-
-def head_from_foreign(foreign: ForeignHead, dims: TargetDims) -> DraftHead:
-    """Our head for a third-party folder, drafting for a target of `dims`; ArtifactError (one line)
-    when the folder's config and tensors disagree with each other or with the target."""
-    cls = HEADS[foreign.kind]
-    known = {f.name for f in fields(cls.config_class)}
-    try:
-        head = cls(cls.config_class(**{k: v for k, v in foreign.config.items() if k in known}), dims)
-    except ValueError as err:
-        raise ArtifactError(f"{foreign.layout} folder: {err}") from None
-    mine = head.state_dict()
-    missing = sorted(set(mine) - set(foreign.tensors))
-    extra = sorted(set(foreign.tensors) - set(mine))
-    if missing or extra:
-        name = (missing or extra)[0]
-        raise ArtifactError(f"{foreign.layout} folder: its config describes a {foreign.kind} head {'with' if missing else 'without'} tensor {name}, its weights {'lack' if missing else 'hold'} it")
-    for name, value in foreign.tensors.items():
-        if value.shape != mine[name].shape:
-            raise ArtifactError(f"{foreign.layout} folder: tensor {name} has shape {tuple(value.shape)}, its config implies {tuple(mine[name].shape)}")
-    head.load_state_dict({k: v.to(mine[k].dtype) for k, v in foreign.tensors.items()})
-    return head.eval()
-
-
-def _take(tensors: dict[str, Tensor], name: str, where: str) -> Tensor:
-    if name not in tensors:
-        raise ArtifactError(f"{where}: the config describes a tensor {name} that the weights do not hold")
-    return tensors.pop(name)
-
-
-def _read_eagle3(where: str, config: dict, tensors: dict[str, Tensor]) -> ForeignHead:
-    tensors = dict(tensors)
-    ours: dict[str, Tensor] = {}
-    for name in list(tensors):
-        for prefix in ("midlayer.", "layers.0.", "model.midlayer.", "model.layers.0."):
-            if name.startswith(prefix):
-                ours["layers.0." + name[len(prefix) :]] = tensors.pop(name)
-                break
-    for name in ("fc.weight", "norm.weight", "lm_head.weight"):
-        ours[name] = _take(tensors, name if name in tensors else f"model.{name}" if f"model.{name}" in tensors else name, where)
-    # EAGLE-3.1's switches (speculators' trainer turns norm_before_fc and norm_output on by default).
-    # A switch and its tensors must agree: an engine drops a tensor whose switch is off without a word.
-    eagle_config = config.get("eagle_config") or {}
-    switches = {
-        "norm_before_fc": bool(eagle_config.get("norm_before_fc", config.get("norm_before_fc", False))),
-        "fc_norm": bool(config.get("fc_norm", False)),
-        "norm_output": bool(config.get("norm_output", False)),
-    }
-    for switch, prefix in (("norm_before_fc", "input_norm."), ("fc_norm", "fc_norm.")):
-        held = [n for n in list(tensors) if n.startswith((prefix, "model." + prefix))]
-        if held and not switches[switch]:
-            raise ArtifactError(f"{where}: tensor {held[0]} is there but {switch} is off in config.json, so an engine would drop it: set {switch} to true or remove the tensor")
-        for name in held:
-            ours[name[len("model.") :] if name.startswith("model.") else name] = tensors.pop(name)
-        if switches[switch] and not held:
-            raise ArtifactError(f"{where}: config.json turns {switch} on but the weights hold no {prefix}* tensor")
-    H = ours["fc.weight"].shape[0]
-    if ours["fc.weight"].shape[1] != 3 * int(config.get("target_hidden_size") or H):
-        raise ArtifactError(
-            f"{where}: fc.weight has shape {tuple(ours['fc.weight'].shape)} but the config says three auxiliary states of "
-            f"{config.get('target_hidden_size') or H} (fc must be [{H}, {3 * int(config.get('target_hidden_size') or H)}])"
-        )
-    Vd = ours["lm_head.weight"].shape[0]
-    declared = int(config.get("draft_vocab_size") or config.get("vocab_size") or Vd)
-    if declared != Vd:
-        raise ArtifactError(f"{where}: lm_head.weight has {Vd} rows but the config says draft_vocab_size {declared}")
-    vocab = int(config.get("vocab_size") or Vd)
-    ours["d2t"], ours["t2d"] = _read_draft_vocabulary(where, tensors, Vd, vocab)
-    embedding = tensors.pop("embed_tokens.weight", tensors.pop("model.embed_tokens.weight", None))
-    extra = [n for n in tensors if not n.endswith(("rotary_emb.inv_freq",))]
-    if extra:
-        raise ArtifactError(f"{where}: tensor {extra[0]} is not part of an EAGLE-3 draft with one midlayer ({len(extra)} such tensor(s))")
-    if config.get("eagle_aux_hidden_state_layer_ids"):
-        aux = list(config["eagle_aux_hidden_state_layer_ids"])  # vLLM's key and convention
-    elif eagle_config.get("eagle_aux_hidden_state_layer_ids"):
-        aux = list(eagle_config["eagle_aux_hidden_state_layer_ids"])
-        if aux and aux[0] == 1:
-            aux = [i + 1 for i in aux]  # SGLang / SpecForge's older "output of layer L" ids, as SGLang reads them
-    else:
-        aux = []  # the engines' default, resolved against the target
-    values = {
-        **_shape_keys(config),
-        "aux_layer_ids": aux,
-        "draft_vocab_size": Vd,
-        "norm_before_residual": bool(config.get("norm_before_residual", False)),
-        **switches,
-    }
-    return ForeignHead("eagle3", "eagle3", values, ours, embedding=embedding)
-
-
-def _read_draft_vocabulary(where: str, tensors: dict[str, Tensor], Vd: int, vocab: int) -> tuple[Tensor, Tensor]:
-    """(d2t, t2d) of a draft LM head with Vd rows over a target vocabulary of `vocab`, popped from
-    `tensors` (d2t absent: the first Vd ids; t2d, where a layout keeps it, must agree)."""
-    d2t = tensors.pop("d2t", None)
-    if d2t is None:
-        d2t = torch.zeros(Vd, dtype=torch.int64)
-    elif d2t.shape != (Vd,):
-        raise ArtifactError(f"{where}: d2t has shape {tuple(d2t.shape)}, the draft vocabulary {Vd} tokens")
-    d2t = d2t.to(torch.int64)
-    ids = torch.arange(Vd) + d2t
-    if int(ids.max()) >= vocab or int(ids.min()) < 0:
-        raise ArtifactError(f"{where}: d2t maps draft ids to target ids outside the vocabulary of {vocab}")
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[ids] = True
-    given = tensors.pop("t2d", None)
-    if given is not None and not torch.equal(given.to(torch.bool), t2d):
-        raise ArtifactError(f"{where}: t2d and d2t describe different draft vocabularies")
-    return d2t, t2d
-
-
-def _read_dflash(where: str, folder: Path, layer: dict, config: dict, tensors: dict[str, Tensor], speculators: bool) -> ForeignHead:
-    """A DFlash draft in vLLM's / SGLang's / z-lab's layout (``layer`` = ``config``: a Qwen3 config
-    with ``dflash_config``) or speculators' (``layer`` = its transformer_layer_config; aux ids in
-    vLLM's capture convention at the top level). What our head cannot compute is refused in one line."""
-    tensors = {n[len("model.") :] if n.startswith("model.") else n: t for n, t in tensors.items() if not n.endswith("rotary_emb.inv_freq")}
-    dflash = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
-    unsupported = [k for k in ("use_swa", "attention_sink_bias", "attention_value_scale", "sample_from_anchor") if dflash.get(k) or (speculators and config.get(k))]
-    if layer.get("attention_bias"):
-        unsupported.append("attention_bias")
-    if unsupported:
-        raise ArtifactError(f"{where}: {unsupported[0]} is set; draftsmith's DFlash head has no such variant")
-    types = list(layer.get("layer_types") or [])
-    sliding = [t == "sliding_attention" for t in types]
-    if any(sliding) and not all(sliding):
-        raise ArtifactError(f"{where}: layers mix sliding-window and full attention; draftsmith's DFlash head has one kind of layer")
-    if speculators:
-        # speculators' training: full-attention layers see the whole block, sliding ones are causal in
-        # it unless sliding_window_non_causal (vLLM 0.32 applies that flag to every layer instead).
-        causal = all(sliding) and bool(sliding) and not config.get("sliding_window_non_causal", False)
-        aux = list(config.get("aux_hidden_state_layer_ids") or [])
-        mask = config.get("mask_token_id")
-    else:
-        causal = bool(config.get("is_causal", dflash.get("causal", all(sliding) and bool(sliding))))
-        aux = [i + 1 for i in dflash.get("target_layer_ids") or []]  # 0-based layer outputs -> vLLM's capture ids
-        mask = dflash.get("mask_token_id", config.get("mask_token_id"))
-    if mask is None:
-        hint = " (SGLang's mask_token string needs the tokenizer: write mask_token_id)" if "mask_token" in dflash else ""
-        raise ArtifactError(f"{where}: no mask_token_id{hint}")
-    if any(sliding) and int(layer.get("sliding_window") or 0) < int(layer.get("max_position_embeddings") or 0):
-        log(f"note: {where}: its layers' sliding window of {layer.get('sliding_window')} is not applied: contexts longer than it draft differently (never a wrong output)", sys.stderr)
-    block = config.get("block_size", dflash.get("block_size", 16))  # 16: z-lab's and SGLang's default
-    for name in ("fc.weight", "hidden_norm.weight", "norm.weight"):
-        _take(dict(tensors), name, where)
-    layers = sorted({int(n.split(".")[1]) for n in tensors if n.startswith("layers.")})
-    declared = int(layer.get("num_hidden_layers") or len(layers))
-    if layers != list(range(declared)):
-        raise ArtifactError(f"{where}: the config has {declared} decoder layer(s), the weights hold layers {layers}")
-    embedding = tensors.pop("embed_tokens.weight", None)
-    vocab = int(layer.get("vocab_size") or 0)
-    Vd = 0
-    if "lm_head.weight" in tensors:
-        Vd = int(tensors["lm_head.weight"].shape[0])
-        vocab = vocab or Vd
-        tensors["d2t"], tensors["t2d"] = _read_draft_vocabulary(where, tensors, Vd, vocab)
-    else:
-        for name in ("d2t", "t2d"):
-            if name in tensors:
-                raise ArtifactError(f"{where}: tensor {name} without an lm_head.weight of the draft's own")
-    mask_file = folder / MASK_EMBEDDING_FILE
-    if mask_file.is_file():
-        try:
-            saved = torch.load(mask_file, map_location="cpu", weights_only=True)
-        except Exception as err:  # pickle and zip errors alike
-            raise ArtifactError(f"{mask_file} is unreadable ({type(err).__name__})") from None
-        vector = saved.get("embedding") if isinstance(saved, dict) else saved
-        if isinstance(saved, dict) and saved.get("mask_token_id", mask) != mask:
-            raise ArtifactError(f"{mask_file} is the mask vector of token {saved['mask_token_id']}, the config's mask token is {mask}")
-        tensors["mask_embedding"] = torch.as_tensor(vector).flatten()
-    values = {
-        **_shape_keys(layer),
-        "num_layers": declared,
-        "block_size": int(block),
-        "aux_layer_ids": aux,
-        "mask_token_id": int(mask),
-        "mask_embedding": mask_file.is_file(),
-        "causal": causal,
-        "draft_vocab_size": Vd,
-    }
-    return ForeignHead("dflash", "dflash", values, tensors, embedding=embedding)
-
-
-def _read_eagle(where: str, config: dict, tensors: dict[str, Tensor]) -> ForeignHead:
-    tensors = {n[len("model.") :] if n.startswith("model.") else n: t for n, t in tensors.items()}
-    for refused in ("lm_head.weight", "norm.weight", "layers.0.input_layernorm.weight"):
-        if refused in tensors:
-            raise ArtifactError(f"{where}: an EAGLE-1 draft has no {refused} (the target's LM head and final norm serve, layer 0 reads fc's output unnormed)")
-    embedding = tensors.pop("embed_tokens.weight", None)
-    layers = sorted({int(n.split(".")[1]) for n in tensors if n.startswith("layers.")})
-    declared = int(config.get("num_hidden_layers") or len(layers))
-    if layers != list(range(declared)):
-        raise ArtifactError(f"{where}: the config has {declared} decoder layer(s), the weights hold layers {layers}")
-    _take(dict(tensors), "fc.weight", where)
-    values = {**_shape_keys(config), "num_layers": declared, "fc_bias": "fc.bias" in tensors}
-    return ForeignHead("eagle", "eagle", values, tensors, embedding=embedding)
-
-
 __all__ = [
     "Artifact",
     "ArtifactError",
@@ -801,16 +491,11 @@ __all__ = [
     "DraftLMArtifact",
     "EARLY_EXIT_KEY",
     "EarlyExitArtifact",
-    "ForeignHead",
     "HeadArtifact",
-    "MASK_EMBEDDING_FILE",
     "ModelArtifact",
     "head_from_record",
-    "detect_layout",
-    "head_from_foreign",
     "hub_id",
     "open_drafter",
-    "read_foreign",
     "recorded_target",
     "verified_checkpoint",
     "verified_folder",

@@ -2,8 +2,10 @@
 (and the exact serve command), the recipe, the metrics and a sha256 manifest; Hub upload.
 
 FORMATS maps ``draftsmith export --format`` names to converter modules: each says in one line why it
-cannot carry a drafter (``refusal``), or writes it (``write``) into a folder that appears
-atomically. What a source folder holds is draftsmith.artifacts' question, never this package's.
+cannot carry a drafter (``refusal``, from what the folder records: no weights load to refuse),
+or writes it (``write``) into a folder that appears atomically. The engines' tensor and config
+layouts themselves live in draftsmith.layouts (``WRITERS[(format, kind)]``), beside the code that
+reads them back; what a source folder holds is draftsmith.artifacts' question, never this package's.
 """
 
 from pathlib import Path

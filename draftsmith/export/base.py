@@ -72,6 +72,22 @@ def write_provenance(folder: Path, recipe_yaml: str, metrics: Optional[dict], ca
     (folder / "README.md").write_text(card)
 
 
+def write_engine_folder(drafter, folder: Path, format: str, extra: Optional[dict] = None) -> dict:
+    """The head's folder in `format`'s layout for its kind (draftsmith.layouts.WRITERS): weights,
+    then config.json with `extra` and the ``draftsmith_source`` block. Returns the config written."""
+    from safetensors.torch import save_file
+
+    from draftsmith.layouts import WRITERS
+    from draftsmith.runs import WEIGHTS_NAME
+
+    config, tensors = WRITERS[(format, drafter.kind)](drafter, folder)
+    config.update(extra or {})
+    config["draftsmith_source"] = source_record(drafter)
+    save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return config
+
+
 def source_record(artifact) -> dict:
     """The ``draftsmith_source`` block engine layouts keep in config.json: what was exported, and
     the sparse tree the head was evaluated with (``draftsmith eval`` on the folder drafts it, so a
@@ -88,4 +104,4 @@ def source_record(artifact) -> dict:
     return record
 
 
-__all__ = ["DEFAULT_SPECULATIVE_TOKENS", "ExportError", "ExportOptions", "ONE_HEAD_PER_TOKEN", "depth_refusal", "source_record", "write_provenance"]
+__all__ = ["DEFAULT_SPECULATIVE_TOKENS", "ExportError", "ExportOptions", "ONE_HEAD_PER_TOKEN", "depth_refusal", "source_record", "write_engine_folder", "write_provenance"]

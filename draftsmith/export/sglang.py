@@ -11,18 +11,14 @@ from the default, and ids starting at 1 are refused as ambiguous between SGLang 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
-from safetensors.torch import save_file
-
-from draftsmith.export.base import ExportOptions, depth_refusal, source_record, write_provenance
+from draftsmith.export.base import ExportOptions, depth_refusal, write_engine_folder, write_provenance
 from draftsmith.export.card import head_config_values, model_card
 from draftsmith.export.vllm import EARLY_EXIT_REFUSAL
-from draftsmith.export.layouts import EAGLE3_TARGETS, dflash_config, dflash_tensors, eagle3_config, eagle3_tensors, eagle_config, eagle_tensors
 from draftsmith.heads.eagle3 import default_aux_layer_ids
-from draftsmith.runs import WEIGHTS_NAME
+from draftsmith.layouts.common import EAGLE3_TARGETS
 
 NAME = "sglang"
 ALGORITHMS = {"eagle3": "EAGLE3", "eagle": "EAGLE", "dflash": "DFLASH"}
@@ -76,17 +72,7 @@ def dflash_refusal(drafter, model_type: str, options: ExportOptions) -> Optional
 
 def write(drafter, folder: Path, options: ExportOptions) -> None:
     head = drafter.head
-    if drafter.kind == "dflash":
-        tensors, config = dflash_tensors(head), dflash_config(head)
-    elif drafter.kind == "eagle3":
-        tensors, config = eagle3_tensors(head, "midlayer."), eagle3_config(head)
-        if list(head.cfg.aux_layer_ids) != default_aux_layer_ids(head.dims.num_layers):
-            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(head.cfg.aux_layer_ids)}
-    else:
-        tensors, config = eagle_tensors(head, with_fc_bias=True), eagle_config(head, "LlamaForCausalLMEagle")
-    config["draftsmith_source"] = source_record(drafter)
-    save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_engine_folder(drafter, folder, NAME)
     k = options.speculative_tokens(drafter)
     if drafter.kind == "dflash":
         flags = f"--speculative-num-draft-tokens {k + 1}"

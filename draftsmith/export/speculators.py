@@ -2,31 +2,20 @@
 dflash), which name their target (the verifier) and their proposal method, so ``vllm serve
 <folder>`` runs them with no flags.
 
-EAGLE-3: tensors as speculators writes them (``layers.0.*``, which vLLM reads like ``midlayer.*``);
-``norm_before_residual`` is always written, since vLLM's default on this path (true) differs from
-its default for a plain config (false).
-
-DFlash: speculators' ``aux_hidden_state_layer_ids`` are vLLM's capture ids (ours); its layers are
-bidirectional inside the block when full attention, and vLLM 0.32 makes every layer causal unless
-``sliding_window_non_causal`` is true, so a bidirectional head writes full-attention layers and
-``sliding_window_non_causal: true`` (both tools then run it as trained); a causal head writes
-sliding-window layers whose window spans every position and ``sliding_window_non_causal: false``.
-speculators has no learned mask vector: such a head is refused.
+The folders themselves (tensor names, the layer config, DFlash's causal and bidirectional blocks)
+are written in draftsmith.layouts (``eagle3.speculators_folder``, ``dflash.speculators_folder``);
+this module adds the proposal method and the verifier and says what speculators cannot carry.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
-from safetensors.torch import save_file
-
-from draftsmith.export.base import ExportOptions, depth_refusal, source_record, write_provenance
+from draftsmith.export.base import ExportOptions, depth_refusal, write_engine_folder, write_provenance
 from draftsmith.export.card import head_config_values, model_card
-from draftsmith.export.layouts import EAGLE3_TARGETS, dflash_tensors, eagle3_switches, eagle3_tensors, llama_layer_config, qwen3_layer_config
 from draftsmith.export.vllm import EARLY_EXIT_REFUSAL, METHODS as VLLM_METHODS
-from draftsmith.runs import WEIGHTS_NAME
+from draftsmith.layouts.common import EAGLE3_TARGETS
 
 NAME = "speculators"
 KINDS = ("eagle3", "dflash")
@@ -65,48 +54,9 @@ def proposal(drafter, options: ExportOptions) -> dict:
     }
 
 
-def eagle3_folder(head) -> tuple[dict, dict]:
-    cfg, dims = head.cfg, head.dims
-    config = {
-        "speculators_model_type": "eagle3",
-        "architectures": ["Eagle3Speculator"],
-        "transformer_layer_config": {"architectures": ["LlamaForCausalLM"], **llama_layer_config(cfg, dims.hidden_size, dims.vocab_size, 1)},
-        "draft_vocab_size": cfg.draft_vocab_size,
-        **eagle3_switches(cfg),
-        "target_hidden_size": dims.hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-    }
-    return config, eagle3_tensors(head, "layers.0.", with_t2d=True)
-
-
-def dflash_folder(head) -> tuple[dict, dict]:
-    cfg, dims = head.cfg, head.dims
-    layer = {"architectures": ["Qwen3ForCausalLM"], **qwen3_layer_config(head)}
-    if cfg.causal:
-        layer.update(layer_types=["sliding_attention"] * cfg.num_layers, use_sliding_window=True, sliding_window=cfg.max_position_embeddings)
-    config = {
-        "speculators_model_type": "dflash",
-        "architectures": ["DFlashDraftModel"],
-        "transformer_layer_config": layer,
-        # speculators' default is 32000: always written, the target's vocabulary without a draft vocabulary.
-        "draft_vocab_size": cfg.draft_vocab_size or dims.vocab_size,
-        "block_size": cfg.block_size,
-        "target_hidden_size": dims.hidden_size,
-        "aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-        "mask_token_id": cfg.mask_token_id,
-        "sample_from_anchor": False,
-        "sliding_window_non_causal": not cfg.causal,
-    }
-    return config, dflash_tensors(head, with_t2d=True)
-
-
 def write(drafter, folder: Path, options: ExportOptions) -> None:
     head = drafter.head
-    config, tensors = (eagle3_folder if drafter.kind == "eagle3" else dflash_folder)(head)
-    config["speculators_config"] = proposal(drafter, options)
-    config["draftsmith_source"] = source_record(drafter)
-    save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    config = write_engine_folder(drafter, folder, NAME, {"speculators_config": proposal(drafter, options)})
     use = "\n".join([
         "```bash",
         "vllm serve <this folder>",

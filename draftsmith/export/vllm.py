@@ -11,16 +11,10 @@ import json
 from pathlib import Path
 from typing import Optional
 
-import torch
-from safetensors.torch import save_file
-
-from draftsmith.export.base import ExportOptions, depth_refusal, source_record, write_provenance
+from draftsmith.export.base import ExportOptions, depth_refusal, write_engine_folder, write_provenance
 from draftsmith.export.card import head_config_values, model_card
-from draftsmith.export.layouts import (
-    EAGLE3_TARGETS, VLLM_CPU_HEAD_SIZES, dflash_config, dflash_tensors, eagle3_config, eagle3_tensors, eagle_config, eagle_tensors,
-    write_mask_embedding,
-)  # fmt: skip
-from draftsmith.runs import WEIGHTS_NAME
+from draftsmith.layouts.common import EAGLE3_TARGETS
+from draftsmith.layouts.dflash import VLLM_CPU_HEAD_SIZES
 
 NAME = "vllm"
 # The engines have no self-speculative method: a LayerSkip model is refused by each engine layout.
@@ -62,10 +56,10 @@ def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
     picked = _method_from_path(str(Path(out).resolve()))
     if picked and picked != METHODS[kind]:
         return f"vLLM would run a folder whose path contains '{picked}' as method {picked}, whatever its config says: choose another --out for a {kind} drafter"
-    if kind == "standalone":
+    if kind == "standalone":  # decided from the configs: no weights load to refuse a folder
         from draftsmith.target import load_config
 
-        draft_vocab = int(drafter.model.config.vocab_size)
+        draft_vocab = int(drafter.config.vocab_size)
         target_vocab = int(load_config(*drafter.target_source()).vocab_size)
         if draft_vocab != target_vocab:
             return f"vLLM's draft_model method needs the draft's config vocab_size ({draft_vocab}) to equal the target's ({target_vocab})"
@@ -124,48 +118,6 @@ def write(drafter, folder: Path, options: ExportOptions) -> None:
 
         write_lm_files(drafter, folder, lm_model_card(drafter, use))
         return
+    write_engine_folder(drafter, folder, NAME)
     head = drafter.head
-    if kind == "eagle3":
-        tensors, config = eagle3_tensors(head), eagle3_config(head)
-    elif kind == "eagle":
-        tensors, config = eagle_tensors(head, with_fc_bias=False), eagle_config(head, "EagleLlamaForCausalLM")
-    elif kind == "dflash":
-        tensors, config = dflash_tensors(head), dflash_config(head)
-        write_mask_embedding(head, folder)
-    else:
-        tensors, config = medusa_tensors(drafter), medusa_config(head)
-    config["draftsmith_source"] = source_record(drafter)
-    save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_provenance(folder, drafter.recipe_yaml, drafter.metrics, model_card(kind, head_config_values(head), drafter.target, drafter.recipe_yaml, drafter.metrics, use, NAME))
-
-
-def medusa_config(head) -> dict:
-    cfg, dims = head.cfg, head.dims
-    return {
-        "architectures": ["MedusaModel"],
-        "model_type": "medusa",
-        "hidden_size": dims.hidden_size,
-        "vocab_size": dims.vocab_size,
-        "truncated_vocab_size": dims.vocab_size,
-        "num_heads": cfg.num_heads,
-        "num_hidden_layers": cfg.num_layers,
-        "medusa_fc_bias": True,
-        "original_lm_head": cfg.lm_head == "target",
-        "torch_dtype": "float32",
-    }
-
-
-def medusa_tensors(drafter) -> dict[str, torch.Tensor]:
-    """blocks.{h}.layers.{j}.* as ours are named, and per-head LM heads; heads that share the
-    target's LM head get one copy of it (``original_lm_head``): vLLM's Medusa cannot point at the
-    target's, so this layout carries it."""
-    head = drafter.head
-    tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in head.runtime_state_dict().items()}
-    if head.cfg.lm_head == "target":
-        from draftsmith.target import load_causal_lm
-
-        path, gguf = drafter.target_source()
-        model, _ = load_causal_lm(path, "float32", gguf)
-        tensors["lm_head.weight"] = model.get_output_embeddings().weight.detach().to(torch.float32).contiguous()
-    return tensors

@@ -600,3 +600,24 @@ def test_a_speculators_folder_that_records_a_built_in_target_opens_with_it(targe
     verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
     assert verifier == (named or BUILTIN_MODELS[recorded]["hub_id"])
     assert open_drafter(out).target["path"] == opened
+
+
+def test_a_draft_model_whose_vocabulary_differs_is_refused_from_the_configs_alone(tmp_path):
+    """vLLM's draft_model method needs equal vocab_size in both configs; deciding that reads the
+    two config.json files and loads no weights (the loader here fails if it is called)."""
+    from draftsmith.artifacts import DraftLMArtifact
+    from draftsmith.export import vllm
+    from draftsmith.testing import save_tiny_model
+
+    target = save_tiny_model(tmp_path / "target", "llama")
+    draft = tmp_path / "draft"
+    tiny_causal_lm("llama", vocab_size=len(tiny_tokenizer()) + 24).save_pretrained(draft)
+
+    def no_weights():
+        raise AssertionError("a refusal must not load the draft's weights")
+
+    artifact = DraftLMArtifact("standalone", draft, "hf", {"path": str(target)}, loader=no_weights, config_source=(str(draft), None))
+    reason = vllm.refusal(artifact, tmp_path / "out", ExportOptions())
+    assert reason and f"({len(tiny_tokenizer()) + 24}) to equal the target's ({len(tiny_tokenizer())})" in reason
+    same = DraftLMArtifact("standalone", target, "hf", {"path": str(target)}, loader=no_weights, config_source=(str(target), None))
+    assert vllm.refusal(same, tmp_path / "out", ExportOptions()) is None
