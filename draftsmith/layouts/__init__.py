@@ -37,17 +37,9 @@ WRITERS: dict[tuple[str, str], Callable] = {
 }
 
 # Layouts by what detect_layout names: (where, folder, config, tensors) -> ForeignHead.
-READERS: dict[str, Callable[..., ForeignHead]] = {
-    "eagle3": lambda where, folder, config, tensors: eagle3.read(where, config, tensors),
-    "dflash": lambda where, folder, config, tensors: dflash.read(where, folder, config, config, tensors, speculators=False),
-    # vLLM's older EAGLE configs nest the layer config under "model".
-    "eagle": lambda where, folder, config, tensors: eagle.read(where, config.get("model") if config.get("model_type") == "eagle" else config, tensors),
-}
+READERS: dict[str, Callable[..., ForeignHead]] = {"eagle3": eagle3.read, "dflash": dflash.read, "eagle": eagle.read}
 # speculators' self-describing folders by their speculators_model_type.
-SPECULATORS_READERS: dict[str, Callable[..., ForeignHead]] = {
-    "eagle3": lambda where, folder, config, tensors: eagle3.read_speculators(where, config, tensors),
-    "dflash": lambda where, folder, config, tensors: dflash.read(where, folder, dict(config.get("transformer_layer_config") or {}), config, tensors, speculators=True),
-}
+SPECULATORS_READERS: dict[str, Callable[..., ForeignHead]] = {"eagle3": eagle3.read_speculators, "dflash": dflash.read_speculators}
 
 
 def detect_layout(config: dict) -> Optional[str]:

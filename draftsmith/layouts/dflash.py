@@ -118,7 +118,17 @@ def speculators_folder(drafter, folder) -> tuple[dict, dict[str, Tensor]]:
     return config, layout_tensors(head, with_t2d=True)
 
 
-def read(where: str, folder: Path, layer: dict, config: dict, tensors: dict[str, Tensor], speculators: bool) -> ForeignHead:
+def read(where: str, folder: Path, config: dict, tensors: dict[str, Tensor]) -> ForeignHead:
+    """A DFlash folder in vLLM's, SGLang's or z-lab's layout as our head."""
+    return _read(where, folder, config, config, tensors, speculators=False)
+
+
+def read_speculators(where: str, folder: Path, config: dict, tensors: dict[str, Tensor]) -> ForeignHead:
+    """speculators' dflash folder as our head (its layer config nested)."""
+    return _read(where, folder, dict(config.get("transformer_layer_config") or {}), config, tensors, speculators=True)
+
+
+def _read(where: str, folder: Path, layer: dict, config: dict, tensors: dict[str, Tensor], speculators: bool) -> ForeignHead:
     """A DFlash draft in vLLM's / SGLang's / z-lab's layout (``layer`` = ``config``: a Qwen3 config
     with ``dflash_config``) or speculators' (``layer`` = its transformer_layer_config; aux ids in
     vLLM's capture convention at the top level). What our head cannot compute is refused in one line."""

@@ -41,7 +41,10 @@ def sglang_folder(drafter, folder) -> tuple[dict, dict[str, Tensor]]:
     return layout_config(head, "LlamaForCausalLMEagle"), layout_tensors(head, with_fc_bias=True)
 
 
-def read(where: str, config: dict, tensors: dict[str, Tensor]) -> ForeignHead:
+def read(where: str, folder, config: dict, tensors: dict[str, Tensor]) -> ForeignHead:
+    """An EAGLE-1 folder in vLLM's or SGLang's layout as our head (vLLM's older configs nest the
+    layer config under "model")."""
+    config = config.get("model") if config.get("model_type") == "eagle" else config
     tensors = {n[len("model.") :] if n.startswith("model.") else n: t for n, t in tensors.items()}
     for refused in ("lm_head.weight", "norm.weight", "layers.0.input_layernorm.weight"):
         if refused in tensors:

@@ -92,7 +92,8 @@ def speculators_folder(drafter, folder) -> tuple[dict, dict[str, Tensor]]:
     return config, layout_tensors(head, "layers.0.", with_t2d=True)
 
 
-def read(where: str, config: dict, tensors: dict[str, Tensor]) -> ForeignHead:
+def read(where: str, folder, config: dict, tensors: dict[str, Tensor]) -> ForeignHead:
+    """An EAGLE-3 folder in vLLM's or SGLang's layout (SpecForge writes it too) as our head."""
     tensors = dict(tensors)
     ours: dict[str, Tensor] = {}
     for name in list(tensors):
@@ -152,10 +153,10 @@ def read(where: str, config: dict, tensors: dict[str, Tensor]) -> ForeignHead:
     return ForeignHead("eagle3", "eagle3", values, ours, embedding=embedding)
 
 
-def read_speculators(where: str, config: dict, tensors: dict[str, Tensor]) -> ForeignHead:
+def read_speculators(where: str, folder, config: dict, tensors: dict[str, Tensor]) -> ForeignHead:
     """speculators' eagle3 folder: its layer config nested, ``norm_before_residual`` true when the
     key is missing (speculators' own default, and how vLLM reads it on this path)."""
     layer = dict(config.get("transformer_layer_config") or {})
-    head = read(where, {**layer, **config}, tensors)
+    head = read(where, folder, {**layer, **config}, tensors)
     head.config["norm_before_residual"] = bool(config.get("norm_before_residual", True))
     return head

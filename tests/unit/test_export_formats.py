@@ -621,3 +621,19 @@ def test_a_draft_model_whose_vocabulary_differs_is_refused_from_the_configs_alon
     assert reason and f"({len(tiny_tokenizer()) + 24}) to equal the target's ({len(tiny_tokenizer())})" in reason
     same = DraftLMArtifact("standalone", target, "hf", {"path": str(target)}, loader=no_weights, config_source=(str(target), None))
     assert vllm.refusal(same, tmp_path / "out", ExportOptions()) is None
+
+
+def test_each_format_writes_exactly_the_head_kinds_the_layout_table_holds():
+    """What a format says it carries (its refusal's list) and what draftsmith.layouts can write
+    for it are one set: a kind added to one and not the other fails here, not in a user's export."""
+    from draftsmith.export import sglang, speculators, vllm
+    from draftsmith.layouts import WRITERS
+
+    carried = {
+        "vllm": set(vllm.METHODS) - {"standalone"},  # a draft LM is an HF folder, not a head layout
+        "sglang": set(sglang.ALGORITHMS),
+        "speculators": set(speculators.KINDS),
+    }
+    for fmt, kinds in carried.items():
+        assert {k for f, k in WRITERS if f == fmt} == kinds, fmt
+    assert {f for f, _ in WRITERS} == set(carried)
