@@ -7,8 +7,9 @@ Speed does not depend on the weights' values, and the GPU machines hold no model
 is a random Llama of the named shape built on the device (bf16 on CUDA, fp32 on the CPU). For each
 shape it times, over --prompts prompts of --prompt-len tokens and --new-tokens new tokens:
 
-- plain decoding: transformers' greedy generate() and draftsmith's own autoregressive loop (the fastest
-  is the baseline);
+- plain decoding: transformers' greedy generate() (on its dynamic cache, and on its static cache,
+  which on CUDA it compiles itself) and draftsmith's own autoregressive loop (the fastest is the
+  baseline);
 - a speculative step with nothing accepted: untrained (random) EAGLE-3 (EAGLE-2 dynamic tree, depth
   5, top-4, 26 nodes), DFlash (one block of 4), Medusa (sparse tree 4,2,2,1) heads and a one-layer
   standalone draft model (chain of 4), so each step is all overhead;
@@ -136,9 +137,16 @@ def bench_shape(shape: str, device: torch.device, args) -> list[dict]:
             rows[-1]["graphs"] = all(session.graphs for session in target.__dict__.get("_static_sessions", {}).values())
         print(json.dumps(rows[-1]), flush=True)
 
-    def hf_greedy(ids):
-        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
-        return out.shape[1] - ids.shape[1], out.shape[1] - ids.shape[1]
+    def hf_greedy(cache_implementation=None):
+        # "static": transformers' StaticCache, and on CUDA generate() compiles the decoding forward
+        # itself (its auto-compile, torch.compile "reduce-overhead"); the warm-up pays the compile.
+        extra = {"cache_implementation": cache_implementation} if cache_implementation else {}
+
+        def run(ids):
+            out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0, **extra)
+            return out.shape[1] - ids.shape[1], out.shape[1] - ids.shape[1]
+
+        return run
 
     def own_plain(cache):
         def run(ids):
@@ -148,7 +156,9 @@ def bench_shape(shape: str, device: torch.device, args) -> list[dict]:
         return run
 
     with torch.no_grad():
-        record("plain: transformers generate()", *time_generation(hf_greedy, prompts, device), cache="transformers dynamic")
+        record("plain: transformers generate()", *time_generation(hf_greedy(), prompts, device), cache="transformers dynamic")
+        hf_static = "transformers generate(), static cache" + (" + its torch.compile" if device.type == "cuda" else "")
+        record(f"plain: {hf_static}", *time_generation(hf_greedy("static"), prompts, device), cache="transformers static")
         for cache in CACHES:
             record(f"plain: draftsmith loop, {CACHE_NAMES[cache]}", *time_generation(own_plain(cache), prompts, device), cache=cache)
         plain = min(r["ms_per_step"] for r in rows)
