@@ -159,6 +159,11 @@ def _dequantized_cache_dir(folder: str, gguf_file: str) -> Path:
     return cache_root() / "models" / f"{src.stem}-{key}"
 
 
+def cpu_machine() -> dict:
+    """The CPU a benchmark ran on, as its results record it: model, torch's capability, threads."""
+    return {"cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+
+
 def cpu_name() -> str:
     """This machine's CPU model, as benchmarks name it beside their figures."""
     try:

@@ -22,7 +22,6 @@ target is 1.15x.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -126,24 +125,25 @@ def table(rows: list[str], summary: dict) -> list[str]:
 def main() -> int:
     from tqdm import tqdm
 
-    from draftsmith.cli import BadInput
+    from draftsmith.cli import BadInput, OneLineParser, bounded
     from draftsmith.data.chat import encode_prompt, stop_token_ids
     from draftsmith.eval.run import fitting_prompts, load_prompts
     from draftsmith.runtime.drafters import HeadDrafter
     from draftsmith.runtime.generate import autoregressive_generate, speculative_generate
     from draftsmith.runtime.load import LookupOptions, load_drafter
     from draftsmith.runtime.lookup import LOOKUP_KINDS
-    from draftsmith.target import cpu_name
+    from draftsmith.eval.report import write_bench_results
+    from draftsmith.target import cpu_machine
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", required=True, help="a trained head's run, checkpoint or export folder")
     ap.add_argument("--prompts", default="mtbench")
-    ap.add_argument("--limit", type=int, default=80)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--limit", type=bounded(int, 1), default=80)
+    ap.add_argument("--max-new-tokens", type=bounded(int, 1), default=128)
     ap.add_argument("--tree", default="dynamic:5,3,10", help="the tree (node budget) of rows that name none")
     ap.add_argument("--row", action="append", help=f"KIND[@TREE], repeated (default: {' '.join(ROWS)})")
-    ap.add_argument("--prompt-lookup-min", type=int, default=1)
-    ap.add_argument("--prompt-lookup-max", type=int, default=3)
+    ap.add_argument("--prompt-lookup-min", type=bounded(int, 1), default=1)
+    ap.add_argument("--prompt-lookup-max", type=bounded(int, 1), default=3)
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", action="store_true", help="keep the prompts per_prompt.jsonl in --out already holds")
     args = ap.parse_args()
@@ -193,16 +193,14 @@ def main() -> int:
             done.append(record)
 
     summary = summarize(rows, done)
-    machine = {"cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
-    (out / "results.json").write_text(json.dumps({"settings": settings, "rows": rows, "machine": machine, "summary": summary, "command": sys.argv}, indent=2))
+    machine = cpu_machine()
     head_line = (
         f"{loaded.target_path} target, drafter {args.drafter} ({loaded.kind}); {args.prompts} x {len(done)}, {args.max_new_tokens} new tokens, "
         f"greedy fp32; lookup n-grams {args.prompt_lookup_min}-{args.prompt_lookup_max}; {machine['cpu']} ({machine['capability']}), {machine['threads']} threads"
     )
-    lines = [head_line, "", *table(rows, summary)]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"results: {out / 'results.md'}, {out / 'results.json'}, per prompt {log_path}", file=sys.stderr)
+    payload = {"settings": settings, "rows": rows, "machine": machine, "summary": summary, "command": sys.argv}
+    write_bench_results(out, payload, [head_line, "", *table(rows, summary)])
+    print(f"per prompt: {log_path}", file=sys.stderr)
     return 0
 
 

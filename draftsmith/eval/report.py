@@ -56,6 +56,20 @@ def write_report(stats: AcceptanceStats, out_dir: str | os.PathLike, meta: dict[
     return report
 
 
+def write_bench_results(out: str | os.PathLike, payload: dict[str, Any], lines: list[str]) -> Path:
+    """A benchmark script's results: ``results.json`` (`payload`) and ``results.md`` (`lines`) in
+    `out`, the table printed and where they went said on stderr. Returns the Markdown file."""
+    import sys
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(payload, indent=2))
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"results: {out / 'results.md'} and {out / 'results.json'}", file=sys.stderr)
+    return out / "results.md"
+
+
 def write_acceptance_csv(path: str | os.PathLike, rows: list[dict]) -> Path:
     """Rows in the RedHatAI speculator-benchmark columns (AcceptanceStats.speculator_row, or vLLM's
     counters put the same way), the position columns as wide as the deepest row."""

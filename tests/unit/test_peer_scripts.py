@@ -154,6 +154,9 @@ BAD_SCRIPT_ARGS = [
     ("scripts/learning_curve.py", [], "run"),
     ("scripts/check_speculators_dflash.py", [], "out"),
     ("scripts/peers/speculators_eagle3.py", ["recipe.yaml", "--setting", "best"], "--setting"),
+    ("scripts/bench_hybrid.py", ["--drafter", "run", "--limit", "0"], "--limit"),
+    ("scripts/bench_tree_forward.py", ["--reps", "0"], "--reps"),
+    ("scripts/bench_tree_forward.py", ["--nodes", "4", "0"], "--nodes"),
 ]
 
 
@@ -186,3 +189,17 @@ def test_bench_script_names_its_real_options_for_an_out_it_will_not_replace(benc
         assert script_main(bench.main) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "--overwrite" not in err and all(w in err for w in words), err
+
+
+def test_bench_tree_forward_times_each_tree_size_against_a_plain_step(tiny_llama_dir, tmp_path):
+    bench = load_script("scripts/bench_tree_forward.py")
+    out = tmp_path / "tree"
+    sys_argv = ["bench_tree_forward.py", "--target", str(tiny_llama_dir), "--context", "12", "--nodes", "1", "5", "--reps", "2", "--out", str(out)]
+    import unittest.mock
+
+    with unittest.mock.patch.object(sys, "argv", sys_argv):
+        assert bench.main() == 0
+    result = json.loads((out / "results.json").read_text())
+    assert [r["nodes"] for r in result["rows"]] == [1, 5] and result["plain_ms"] > 0
+    assert all(r["verify_ms"] > 0 and r["lm_head_ms"] > 0 and r["ratio_to_plain"] == pytest.approx(r["verify_ms"] / result["plain_ms"]) for r in result["rows"])
+    assert "| 5 |" in (out / "results.md").read_text()
