@@ -3,8 +3,9 @@
     python scripts/bench_hybrid.py --drafter runs/eagle3-smollm2-135m-fp32 --prompts mtbench --limit 80 \\
         --max-new-tokens 128 --tree dynamic:5,3,10 --out runs/bench-hybrid-mtbench
 
-Every row drafts for the drafter's own target in fp32, greedy, and is checked token for token
-against plain decoding of the same prompt. A row is ``KIND[@TREE]``: ``head`` (the trained head
+Every row drafts for the drafter's own target, greedy, in fp32 (``--dtype``; in bf16 a tree
+forward and a one-token forward round differently, so output identity is counted, not assumed),
+and is checked token for token against plain decoding of the same prompt. A row is ``KIND[@TREE]``: ``head`` (the trained head
 alone), ``lookup`` (prompt lookup), ``suffix`` (suffix matching), ``head+lookup`` or
 ``head+suffix`` (the hybrid: both in one tree under one node budget); ``TREE`` defaults to
 ``--tree``, so the rows share one node budget unless told otherwise.
@@ -144,6 +145,7 @@ def main() -> int:
     ap.add_argument("--row", action="append", help=f"KIND[@TREE], repeated (default: {' '.join(ROWS)})")
     ap.add_argument("--prompt-lookup-min", type=bounded(int, 1), default=1)
     ap.add_argument("--prompt-lookup-max", type=bounded(int, 1), default=3)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", action="store_true", help="keep the prompts per_prompt.jsonl in --out already holds")
     args = ap.parse_args()
@@ -153,7 +155,7 @@ def main() -> int:
         raise BadInput(f"--row: a row is given twice ({' '.join(rows)})")
     out = Path(args.out)
     log_path = out / "per_prompt.jsonl"
-    settings = {k: getattr(args, k) for k in ("drafter", "prompts", "limit", "max_new_tokens", "prompt_lookup_min", "prompt_lookup_max")}
+    settings = {k: getattr(args, k) for k in ("drafter", "prompts", "limit", "max_new_tokens", "prompt_lookup_min", "prompt_lookup_max", "dtype")}
     done: list[dict] = []
     if log_path.exists():
         if not args.resume:
@@ -167,7 +169,7 @@ def main() -> int:
         raise BadInput(f"--drafter {args.drafter}: a trained head is needed (lookup rows are --row lookup / suffix)")
     torch.manual_seed(0)
     options = LookupOptions(args.prompt_lookup_min, args.prompt_lookup_max)
-    loaded = load_drafter(args.drafter, dtype="float32", device="cpu", cache="dynamic")
+    loaded = load_drafter(args.drafter, dtype=args.dtype, device="cpu", cache="dynamic")
     if not isinstance(loaded.drafter, HeadDrafter):
         raise BadInput(f"--drafter {args.drafter}: a trained head is needed (this is a {loaded.kind} drafter)")
     target, head = loaded.target, loaded.drafter.head
@@ -196,7 +198,7 @@ def main() -> int:
     machine = cpu_machine()
     head_line = (
         f"{loaded.target_path} target, drafter {args.drafter} ({loaded.kind}); {args.prompts} x {len(done)}, {args.max_new_tokens} new tokens, "
-        f"greedy fp32; lookup n-grams {args.prompt_lookup_min}-{args.prompt_lookup_max}; {machine['cpu']} ({machine['capability']}), {machine['threads']} threads"
+        f"greedy {args.dtype}; lookup n-grams {args.prompt_lookup_min}-{args.prompt_lookup_max}; {machine['cpu']} ({machine['capability']}), {machine['threads']} threads"
     )
     payload = {"settings": settings, "rows": rows, "machine": machine, "summary": summary, "command": sys.argv}
     write_bench_results(out, payload, [head_line, "", *table(rows, summary)])

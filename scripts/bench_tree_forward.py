@@ -44,10 +44,11 @@ def main() -> int:
     ap.add_argument("--context", type=bounded(int, 1), default=200, help="tokens in the cache before the step")
     ap.add_argument("--nodes", type=bounded(int, 1), nargs="*", default=[1, 2, 4, 6, 8, 11, 16])
     ap.add_argument("--reps", type=bounded(int, 1), default=30)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    target = FrozenTarget.load(args.target, "float32")
+    target = FrozenTarget.load(args.target, args.dtype)
     vocab = target.dims.vocab_size
     session = TargetSession(target)
     session.prefill(torch.randint(3, min(vocab, 20000), (1, args.context), generator=torch.Generator().manual_seed(0)))
@@ -67,7 +68,7 @@ def main() -> int:
     rows = []
     for n in args.nodes:
         tree = DraftTree.from_lists([3 + i % (vocab - 3) for i in range(n)], [-1] + list(range(n - 1)))
-        hidden = torch.randn(1, n, target.dims.hidden_size)
+        hidden = torch.randn(1, n, target.dims.hidden_size, dtype=target.dtype)
 
         def verify(tree=tree) -> None:
             session.forward_tree(tree)
@@ -81,7 +82,7 @@ def main() -> int:
 
     machine = cpu_machine()
     lines = [
-        f"{args.target}, fp32, {args.context} tokens cached; {machine['cpu']} ({machine['capability']}), {machine['threads']} threads; "
+        f"{args.target}, {args.dtype}, {args.context} tokens cached; {machine['cpu']} ({machine['capability']}), {machine['threads']} threads; "
         f"plain step {plain_ms:.1f} ms (median of {args.reps})",
         "",
         "| tree nodes, the root included | ms (LM head on every node, path kept) | of which the LM head alone | x a plain step |",
