@@ -20,8 +20,8 @@ one line names the file.
 
 Where a new drafter kind plugs in (and nothing more is needed):
 1. here: a head kind needs nothing (HEADS builds it from what the folder records); another kind of
-   drafter is one entry in CHECKPOINT_LOADERS (and, for a new folder layout, one reader in
-   ``_read_config_folder``);
+   drafter is one entry in CHECKPOINT_LOADERS (and, for a new third-party folder layout, its
+   name in ``layouts.detect_layout`` and one reader in ``layouts.READERS``);
 2. ``draftsmith/layouts``: its engine layouts, one module writing and reading them, and
    ``draftsmith/export``: what each format refuses (``refusal``);
 3. ``draftsmith/runtime/load.py``: how its artifact becomes a runtime Drafter.
@@ -115,8 +115,9 @@ class ModelArtifact(Artifact):
 
     recipe: Any = None
     loader: Optional[Callable[[], tuple[Any, Any]]] = field(default=None, repr=False)
-    # (path, gguf_file) of the model's config, which ``config`` reads without the weights.
-    config_source: tuple[str, Optional[str]] = ("", None)
+    # (path, gguf_file) of the model's config, which ``config`` reads without the weights (None:
+    # ``config`` loads the model).
+    config_source: Optional[tuple[str, Optional[str]]] = None
     _loaded: Optional[tuple[Any, Any]] = field(default=None, repr=False)
 
     def _load(self) -> tuple[Any, Any]:
@@ -128,8 +129,8 @@ class ModelArtifact(Artifact):
     def config(self):
         """The model's HF config: the loaded model's once it is loaded, else read from its files
         without the weights (a format deciding whether it can carry the model loads nothing)."""
-        if self._loaded is not None:
-            return self._loaded[0].config
+        if self._loaded is not None or self.config_source is None:
+            return self.model.config
         from draftsmith.target import TargetLoadError, load_config
 
         try:

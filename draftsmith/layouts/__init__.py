@@ -36,7 +36,8 @@ WRITERS: dict[tuple[str, str], Callable] = {
     ("speculators", "dflash"): dflash.speculators_folder,
 }
 
-# Layouts by what detect_layout names: (where, folder, config, tensors) -> ForeignHead.
+# Layouts by what detect_layout names: (where, folder, config, tensors) -> ForeignHead (one signature:
+# only DFlash reads a file beside the weights, its mask vector, from folder).
 READERS: dict[str, Callable[..., ForeignHead]] = {"eagle3": eagle3.read, "dflash": dflash.read, "eagle": eagle.read}
 # speculators' self-describing folders by their speculators_model_type.
 SPECULATORS_READERS: dict[str, Callable[..., ForeignHead]] = {"eagle3": eagle3.read_speculators, "dflash": dflash.read_speculators}
@@ -71,7 +72,7 @@ def read_foreign(folder: str | Path, config: Optional[dict] = None) -> ForeignHe
     where = f"{folder} ({layout} layout)"
     if layout == "speculators":
         kind = config["speculators_model_type"]
-        if kind not in SPECULATORS_READERS:
+        if not isinstance(kind, str) or kind not in SPECULATORS_READERS:
             raise ArtifactError(f"{where}: speculators model type {kind!r}; draftsmith reads {' and '.join(SPECULATORS_READERS)}")
         head = SPECULATORS_READERS[kind](where, folder, config, tensors)
         head.target_path = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
