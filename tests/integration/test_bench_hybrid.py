@@ -45,6 +45,9 @@ def test_rows_decode_the_plain_output_and_a_run_resumes(head_run, tmp_path):
     assert hybrid["ratio_to_better_part"] == pytest.approx(hybrid["tokens_per_target_forward"] / part)
     # No lookup row was measured: the adaptive head+lookup hybrid is held against the head alone.
     assert summary["head+lookup@adaptive:3,2,6"]["better_part"] == "head@dynamic:3,2,6"
+    singles = ("head@dynamic:3,2,6", "suffix@dynamic:3,2,6")
+    best = max(singles, key=lambda r: summary[r]["tokens_per_target_forward"])
+    assert all(summary[h]["best_single"] == best for h in ("head+suffix@dynamic:3,2,6", "head+lookup@adaptive:3,2,6"))
 
     # The same --out without --resume is refused; with it, only the missing prompt is decoded.
     again = bench(*common, "--limit", 3, *[a for r in rows for a in ("--row", r)])
