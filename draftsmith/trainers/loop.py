@@ -1,7 +1,8 @@
 """The step loop every trainer runs, with its metrics log and its Ctrl-C / SIGTERM handling.
 
 What the loop needs of a trainer (``advance``, ``evaluate``, ``describe``, ``save`` and the run's
-accelerator, metrics log and checkpoints) is the Trainer base class of trainers/base.py.
+accelerator, metrics log and checkpoints) is the Trainer base class of trainers/base.py, which
+imports this module (so ``trainer`` is not annotated here).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from torch import Tensor
 
@@ -22,8 +23,6 @@ from draftsmith.atomic import write_atomic
 from draftsmith.runs import log
 from draftsmith.trainers.engine import TrainingError, any_rank, gather_objects, world_size
 
-if TYPE_CHECKING:
-    from draftsmith.trainers.base import Trainer
 
 # ----------------------------------------------------------------------------- logging
 
@@ -118,7 +117,7 @@ def crossed(before: int, after: int, every: int) -> bool:
     return after // every > before // every
 
 
-def run_loop(trainer: "Trainer", schedule: Schedule, start: int, desc: str) -> tuple[dict, float]:
+def run_loop(trainer, schedule: Schedule, start: int, desc: str) -> tuple[dict, float]:
     """Advance `trainer` from position `start` to ``schedule.total``. Returns (the last evaluation
     or {}, seconds spent).
 
@@ -169,7 +168,7 @@ def run_loop(trainer: "Trainer", schedule: Schedule, start: int, desc: str) -> t
     return result, time.time() - started
 
 
-def train_from_first_eval(trainer: "Trainer", desc: str) -> dict:
+def train_from_first_eval(trainer, desc: str) -> dict:
     """run_loop over ``train.max_steps`` for a trainer whose figures compare with where its model
     started (distill, layerskip): a fresh run evaluates before the first step (logged as step 0 and
     printed), a resumed run does not. Writes final_metrics.json and returns that summary."""

@@ -2,8 +2,9 @@
 
 atomic (all-or-nothing writes), runs (a run folder read back) and graphs (a forward replayed as a
 CUDA graph) are the floor everyone may stand on; target and heads build on them; recipe checks head configs against HEADS; distill is pure
-tensors; data uses recipe and target; trainers use all of those; runtime drafts with heads; export
-and eval use the runtime and read checkpoints through runs, never a trainer; cli uses everything.
+tensors; data uses recipe and target; layouts (the engines' folder layouts) build on heads and
+artifacts reads through them; trainers use all of those; runtime drafts with heads; export and eval
+use the runtime and read checkpoints through runs, never a trainer; cli uses everything.
 Checked on the source: every draftsmith import of every module, at module level or inside a
 function.
 """
@@ -25,7 +26,8 @@ ALLOWED = {
     "recipe": FLOOR | {"heads"},
     "distill": set(),
     "data": FLOOR | {"recipe", "target"},
-    "artifacts": FLOOR | {"target", "heads", "recipe"},
+    "layouts": FLOOR | {"target", "heads"},
+    "artifacts": FLOOR | {"target", "heads", "recipe", "layouts"},
     "runtime": FLOOR | {"target", "heads", "artifacts"},
 }
 # What may never be imported, lazily or not, by a part.
