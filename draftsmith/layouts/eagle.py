@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from draftsmith.layouts.common import ArtifactError, ForeignHead, llama_layer_config, shape_keys, take
+from draftsmith.layouts.common import ArtifactError, ForeignHead, floats, llama_layer_config, shape_keys, take
 
 
 def layout_tensors(head, with_fc_bias: bool) -> dict[str, Tensor]:
     """An EAGLE-1 head's tensors in the engines' names (ours already are); `with_fc_bias` writes
     ``fc.bias`` (zeros when the head has none: SGLang's fc always has one)."""
-    out = {k: v.detach().to(torch.float32).contiguous() for k, v in head.runtime_state_dict().items()}
+    out = floats(head.runtime_state_dict())
     if with_fc_bias and "fc.bias" not in out:
         out["fc.bias"] = torch.zeros(head.dims.hidden_size)
     if not with_fc_bias:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.layouts.common import floats
+
 
 def layout_config(head) -> dict:
     cfg, dims = head.cfg, head.dims
@@ -29,7 +31,7 @@ def layout_tensors(head, target_source) -> dict[str, torch.Tensor]:
     """blocks.{h}.layers.{j}.* as ours are named, and per-head LM heads; heads that share the
     target's LM head get one copy of it (``original_lm_head``): vLLM's Medusa cannot point at the
     target's, so this layout carries it."""
-    tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in head.runtime_state_dict().items()}
+    tensors = floats(head.runtime_state_dict())
     if head.cfg.lm_head == "target":
         from draftsmith.target import load_causal_lm
 
