@@ -169,7 +169,6 @@ def main() -> int:
         # Runs written before --dtype existed decoded in fp32.
         if done and ({"dtype": "float32", **done[0]["settings"]} != settings or set(done[0]["rows"]) != set(rows)):
             raise BadInput(f"{log_path} was written with other settings or rows: {done[0]['settings']}, {sorted(done[0]['rows'])}")
-    out.mkdir(parents=True, exist_ok=True)
 
     if args.drafter in LOOKUP_KINDS:
         raise BadInput(f"--drafter {args.drafter}: a trained head is needed (lookup rows are --row lookup / suffix)")
@@ -179,6 +178,7 @@ def main() -> int:
     if not isinstance(loaded.drafter, HeadDrafter):
         raise BadInput(f"--drafter {args.drafter}: a trained head is needed (this is a {loaded.kind} drafter)")
     target, head = loaded.target, loaded.drafter.head
+    out.mkdir(parents=True, exist_ok=True)  # once the drafter has loaded: a bad --drafter leaves no folder
     drafters = {name: build(*name.split("@", 1), head, target, options) for name in rows}
     tok = target.tokenizer
     eos = stop_token_ids(tok, target.model.generation_config)
