@@ -66,7 +66,8 @@ def build(kind: str, tree: str, head, target, options):
 
 def summarize(rows: list[str], records: list[dict]) -> dict:
     """Per row: totals, tokens per target forward with its interval, speedup with a paired
-    interval; per hybrid row its ratio to the better of its two parts."""
+    interval; per hybrid row its paired ratio to the better of its two parts and to the best row
+    that drafts alone."""
     from draftsmith.eval.acceptance import paired_ratio, tau_interval
 
     plain = [(r["plain"]["new"], r["plain"]["seconds"]) for r in records]
@@ -94,9 +95,9 @@ def summarize(rows: list[str], records: list[dict]) -> dict:
         if not parts:
             continue
         singles = [p for p in rows if "+" not in p.partition("@")[0]]
+        pairs = [(r["rows"][name]["new"], r["rows"][name]["steps"]) for r in records]
         for key, among in (("better_part", parts), ("best_single", singles)):
             best = max(among, key=lambda p: out[p]["tokens_per_target_forward"])
-            pairs = [(r["rows"][name]["new"], r["rows"][name]["steps"]) for r in records]
             against = [(r["rows"][best]["new"], r["rows"][best]["steps"]) for r in records]
             out[name][key] = best
             out[name][f"ratio_to_{key}"] = out[name]["tokens_per_target_forward"] / out[best]["tokens_per_target_forward"]
