@@ -43,6 +43,7 @@ class Trainer:
         self.stream = None  # a BatchStream: its position travels with every checkpoint
         self.accelerator: Any = None
         self.model = self.optimizer = self.scheduler = self.step_module = None
+        self.adapter_only = False  # checkpoints keep a LoRA adapter, not the frozen base (prepare_engine)
         self.metrics: Optional[loop.MetricsLog] = None
         # The checkpoint resumed from (None on a fresh run), the newest one written since, and the
         # checkpoint folder the engine loads (converted for another world size or ZeRO stage).
@@ -96,9 +97,10 @@ class Trainer:
         return {}
 
     def checkpoint_weights(self) -> Optional[dict[str, torch.Tensor]]:
-        """The drafter's full weights where the engine's own files do not hold them (DeepSpeed,
-        a LoRA adapter), else None."""
-        return None
+        """The drafter's full weights where the engine's own files do not hold them (under
+        DeepSpeed: the trained module's trainable weights, only the adapter when ``prepare_engine``
+        was told ``adapter_only``), else None. A collective: every rank calls it."""
+        return checkpoint.draft_checkpoint_weights(self.accelerator, self.step_module, self.adapter_only)
 
     def restore(self, state: CheckpointState) -> None:
         """Take back what ``checkpoint_state`` wrote (the step, the stream's position and the last
@@ -133,7 +135,7 @@ class Trainer:
         the engine is built, as DeepSpeed needs. ``adapter_only``: checkpoints keep the LoRA
         adapter, not the frozen base weights."""
         acc, r = self.accelerator, self.recipe
-        self.step_module = module
+        self.step_module, self.adapter_only = module, adapter_only
         optimizer = engine.build_optimizer(params, r.train)
         self.scheduler = engine.build_scheduler(optimizer, r.train)
         self.load_from = checkpoint.prepare_resume(acc, self.resume_from) if self.resume_from is not None else None

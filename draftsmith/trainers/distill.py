@@ -24,7 +24,7 @@ from draftsmith.data.collate import Batch
 from draftsmith.distill import DIVERGENCES, distillation_loss, masked_mean, sample_draft_tokens
 from draftsmith.recipe import Recipe
 from draftsmith.target import FrozenTarget, load_draft
-from draftsmith.trainers import checkpoint, engine, loop
+from draftsmith.trainers import engine, loop
 from draftsmith.trainers.base import Trainer, trainable_parameters
 from draftsmith.trainers.data import pad_token_id, prepare_shared_data, prepare_with_target
 
@@ -221,8 +221,6 @@ class DistillTrainer(Trainer):
     def checkpoint_state(self) -> dict:
         return {"draft": {"path": self.recipe.draft.path, "lora": self.recipe.draft.lora.enabled}, "onpolicy_counts": self.onpolicy_counts}
 
-    def checkpoint_weights(self) -> Optional[dict[str, Tensor]]:
-        return checkpoint.draft_checkpoint_weights(self.accelerator, self.step_module, self.recipe.draft.lora.enabled)
 
     def restore(self, state) -> None:
         self.onpolicy_counts = list(state.get("onpolicy_counts", [0, 0]))

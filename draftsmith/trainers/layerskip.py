@@ -36,7 +36,7 @@ from draftsmith.distill.early_exit import (
 from draftsmith.recipe import RecipeError
 from draftsmith.runtime.early_exit import DEFAULT_DRAFT_LENGTH
 from draftsmith.target import TargetLoadError, capture_layers, decoder_stack, load_causal_lm, resolve_dtype, with_lora
-from draftsmith.trainers import checkpoint, loop
+from draftsmith.trainers import loop
 from draftsmith.trainers.base import Trainer, trainable_parameters
 from draftsmith.trainers.data import pad_token_id, prepare_shared_data, prepare_with_target
 from draftsmith.trainers.distill import predicted_mask
@@ -267,8 +267,6 @@ class LayerSkipTrainer(Trainer):
         ls = self.recipe.layerskip
         return {"layerskip": {"num_layers": self.num_layers, "lora": ls.lora.enabled, "exit_layer": ls.exit_layer}}
 
-    def checkpoint_weights(self) -> Optional[dict[str, Tensor]]:
-        return checkpoint.draft_checkpoint_weights(self.accelerator, self.step_module, self.recipe.layerskip.lora.enabled)
 
     # ------------------------------------------------------------------ the loop
 

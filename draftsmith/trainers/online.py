@@ -28,7 +28,7 @@ from draftsmith.atomic import write_atomic
 from draftsmith.recipe import Recipe
 from draftsmith.runs import log
 from draftsmith.target import FrozenTarget, load_draft
-from draftsmith.trainers import checkpoint, engine, loop
+from draftsmith.trainers import engine, loop
 from draftsmith.trainers.base import Trainer
 from draftsmith.trainers.data import pad_token_id, prepare_with_target
 from draftsmith.trainers.distill import DistillStep, check_same_tokenizer, common_vocab, distill_objective, predicted_mask
@@ -193,8 +193,6 @@ class OnlineTrainer(Trainer):
             "buffer": self.buffer.state_dict(),
         }
 
-    def checkpoint_weights(self) -> Optional[dict[str, Tensor]]:
-        return checkpoint.draft_checkpoint_weights(self.accelerator, self.step_module, self.recipe.draft.lora.enabled)
 
     def restore(self, state) -> None:
         self.step, self.served = state["optimizer_steps"], state["step"]
