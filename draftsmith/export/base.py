@@ -65,6 +65,19 @@ def depth_refusal(drafter, options: ExportOptions) -> Optional[str]:
     return None
 
 
+def aux_state_refusal(drafter, engine: str = "") -> Optional[str]:
+    """EAGLE-3 and DFlash read the target's auxiliary hidden states, which the engines expose only
+    for some model families (layouts.common.EAGLE3_TARGETS); None for other kinds, or a target that
+    records no family. `engine` prefixes the drafter's name ("vLLM's ")."""
+    from draftsmith.layouts.common import EAGLE3_TARGETS
+
+    model_type = drafter.target.get("model_type") or ""
+    if drafter.kind not in ("eagle3", "dflash") or not model_type or model_type in EAGLE3_TARGETS:
+        return None
+    name = "EAGLE-3" if drafter.kind == "eagle3" else "DFlash"
+    return f"{engine}{name} reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
+
+
 def write_provenance(folder: Path, recipe_yaml: str, metrics: Optional[dict], card: str) -> None:
     """What every export carries beside its weights: the recipe, the last metrics, the model card."""
     (folder / "recipe.yaml").write_text(recipe_yaml)
@@ -104,4 +117,4 @@ def source_record(artifact) -> dict:
     return record
 
 
-__all__ = ["DEFAULT_SPECULATIVE_TOKENS", "ExportError", "ExportOptions", "ONE_HEAD_PER_TOKEN", "depth_refusal", "source_record", "write_engine_folder", "write_provenance"]
+__all__ = ["DEFAULT_SPECULATIVE_TOKENS", "ExportError", "ExportOptions", "ONE_HEAD_PER_TOKEN", "aux_state_refusal", "depth_refusal", "source_record", "write_engine_folder", "write_provenance"]

@@ -14,11 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from draftsmith.export.base import ExportOptions, depth_refusal, write_engine_folder, write_provenance
+from draftsmith.export.base import ExportOptions, aux_state_refusal, depth_refusal, write_engine_folder, write_provenance
 from draftsmith.export.card import head_config_values, model_card
 from draftsmith.export.vllm import EARLY_EXIT_REFUSAL
 from draftsmith.heads.eagle3 import default_aux_layer_ids
-from draftsmith.layouts.common import EAGLE3_TARGETS
 
 NAME = "sglang"
 ALGORITHMS = {"eagle3": "EAGLE3", "eagle": "EAGLE", "dflash": "DFLASH"}
@@ -29,12 +28,12 @@ def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
         return EARLY_EXIT_REFUSAL.format(format=NAME)
     if drafter.kind not in ALGORITHMS:
         return f"SGLang runs EAGLE-3, EAGLE and DFlash drafters (as draft heads), not {drafter.kind}"
-    model_type = drafter.target.get("model_type") or ""
+    family = aux_state_refusal(drafter)
+    if family:
+        return family
     if drafter.kind == "dflash":
-        return dflash_refusal(drafter, model_type, options)
+        return dflash_refusal(drafter, options)
     if drafter.kind == "eagle3":
-        if model_type and model_type not in EAGLE3_TARGETS:
-            return f"EAGLE-3 reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
         on = [name for name in ("norm_before_fc", "fc_norm", "norm_output") if getattr(drafter.head.cfg, name)]
         if on:
             return f"draftsmith's SGLang layout does not carry the EAGLE-3.1 switch(es) {', '.join(on)} (SGLang's reading of them is unverified): use --format vllm or speculators"
@@ -54,13 +53,11 @@ def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
     return None
 
 
-def dflash_refusal(drafter, model_type: str, options: ExportOptions) -> Optional[str]:
+def dflash_refusal(drafter, options: ExportOptions) -> Optional[str]:
     """SGLang's DFlash draft reads the same names and dflash_config as vLLM's, but always drafts
     through the target's embedding and LM head, ignores what it does not know without a word, and
     makes a layer causal only as a sliding-window layer."""
     cfg = drafter.head.cfg
-    if model_type and model_type not in EAGLE3_TARGETS:
-        return f"DFlash reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
     if cfg.draft_vocab_size:
         return "SGLang's DFlash draft has no LM head of its own (head.draft_vocab_size must be 0): --format vllm carries it"
     if cfg.mask_embedding:

@@ -12,10 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from draftsmith.export.base import ExportOptions, depth_refusal, write_engine_folder, write_provenance
+from draftsmith.export.base import ExportOptions, aux_state_refusal, depth_refusal, write_engine_folder, write_provenance
 from draftsmith.export.card import head_config_values, model_card
 from draftsmith.export.vllm import EARLY_EXIT_REFUSAL, METHODS as VLLM_METHODS
-from draftsmith.layouts.common import EAGLE3_TARGETS
 
 NAME = "speculators"
 KINDS = ("eagle3", "dflash")
@@ -28,9 +27,9 @@ def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
         # Point at vLLM's own layout only for the kinds vLLM runs (not Hydra or Clover).
         hint = " (try --format vllm)" if drafter.kind in VLLM_METHODS else ""
         return f"draftsmith writes speculators' eagle3 and dflash types; a {drafter.kind} drafter has no speculators layout here{hint}"
-    model_type = drafter.target.get("model_type") or ""
-    if model_type and model_type not in EAGLE3_TARGETS:
-        return f"{'EAGLE-3' if drafter.kind == 'eagle3' else 'DFlash'} reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
+    family = aux_state_refusal(drafter)
+    if family:
+        return family
     if drafter.kind == "eagle3" and drafter.head.cfg.norm_before_fc and drafter.head.cfg.fc_norm:
         # speculators 0.9.0's Eagle3SpeculatorConfig rejects the pair ("mutually exclusive").
         return "speculators refuses head.norm_before_fc together with head.fc_norm (one or the other); --format vllm carries both"

@@ -11,9 +11,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from draftsmith.export.base import ExportOptions, depth_refusal, write_engine_folder, write_provenance
+from draftsmith.export.base import ExportOptions, aux_state_refusal, depth_refusal, write_engine_folder, write_provenance
 from draftsmith.export.card import head_config_values, model_card
-from draftsmith.layouts.common import EAGLE3_TARGETS
 from draftsmith.layouts.dflash import VLLM_CPU_HEAD_SIZES
 
 NAME = "vllm"
@@ -42,11 +41,7 @@ def refusal(drafter, out: Path, options: ExportOptions) -> Optional[str]:
         return EARLY_EXIT_REFUSAL.format(format=NAME)
     if kind not in METHODS:
         return f"vLLM has no drafter of kind {kind} (it runs {', '.join(METHODS)})"
-    model_type = drafter.target.get("model_type") or ""
-    if kind in ("eagle3", "dflash") and model_type and model_type not in EAGLE3_TARGETS:
-        name = "EAGLE-3" if kind == "eagle3" else "DFlash"
-        return f"vLLM's {name} reads auxiliary hidden states from {', '.join(sorted(EAGLE3_TARGETS))} targets; this target is {model_type}"
-    block = depth_refusal(drafter, options)
+    block = aux_state_refusal(drafter, "vLLM's ") or depth_refusal(drafter, options)
     if block:
         return block
     if kind == "eagle" and drafter.head.cfg.fc_bias:

@@ -637,3 +637,17 @@ def test_each_format_writes_exactly_the_head_kinds_the_layout_table_holds():
     for fmt, kinds in carried.items():
         assert {k for f, k in WRITERS if f == fmt} == kinds, fmt
     assert {f for f, _ in WRITERS} == set(carried)
+
+
+@pytest.mark.parametrize("kind, name", [("eagle3", "EAGLE-3"), ("dflash", "DFlash")])
+def test_every_engine_format_refuses_a_target_family_without_auxiliary_states(kind, name, tmp_path):
+    """EAGLE-3 and DFlash read auxiliary hidden states the engines expose for some families only;
+    each format says so in one line, before it looks at the head."""
+    from types import SimpleNamespace
+
+    from draftsmith.export import sglang, speculators, vllm
+
+    drafter = SimpleNamespace(kind=kind, target={"model_type": "gpt2"})
+    for module, prefix in ((vllm, "vLLM's "), (sglang, ""), (speculators, "")):
+        reason = module.refusal(drafter, tmp_path / "out", ExportOptions())
+        assert reason.startswith(f"{prefix}{name} reads auxiliary hidden states from llama, ") and reason.endswith("this target is gpt2"), module.NAME
