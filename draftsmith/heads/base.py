@@ -170,6 +170,17 @@ class HeadSession:
         the caller starts a fresh one."""
         return False
 
+    @property
+    def levels_on_device(self) -> bool:
+        """Whether ``expand_level`` serves: an EAGLE-2 tree can then grow on the device
+        (``runtime.tree.build_dynamic_tree_on_device``) without a host read per level."""
+        return False
+
+    def expand_level(self, frontier: Any) -> Tensor:
+        """``expand`` for a frontier held on the device (``runtime.tree.LevelFrontier``: one tree
+        level, its nodes' parents in the level before), where ``levels_on_device``."""
+        raise NotImplementedError
+
     def level_logits(self) -> Optional[Tensor]:
         """Logits [depth,V] when every node at depth d takes its children from row d whatever its
         path (Medusa's heads, DFlash's block slots): a static tree is then drafted on the device

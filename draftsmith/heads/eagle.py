@@ -326,6 +326,33 @@ class EagleSession(BufferedSession):
                 self.slots[node] = cached + row
         return self.head.logits(torch.cat([self.outputs[n] for n in frontier.nodes], dim=1)[0], self.lm_head)
 
+    @property
+    def levels_on_device(self) -> bool:
+        return bool(self.capacity)  # the tree's entries go to preallocated slots, written over each step
+
+    def expand_level(self, frontier: Any) -> Tensor:
+        """``expand`` with everything on the device: level 1 reads the root's output; level L
+        forwards its F nodes at once, each from its parent's output (a node of level L-1), at
+        rotary position decided + L - 2, seeing the decided entries, its ancestors' entries and
+        its own. The tree's entries follow the decided ones level by level, as ``expand`` writes
+        them, and what a node sees is its parent's row of the last level plus its own column."""
+        device = self.outputs[0].device
+        if frontier.level == 1:
+            self._level = (frontier.nodes, self.outputs[0][0], torch.zeros(1, 0, dtype=torch.bool, device=device))
+            return self.head.logits(self.outputs[0][0], self.lm_head)
+        nodes, outputs, seen = self._level  # the level before: its node ids, outputs [F',D], visibility [F',W]
+        width = frontier.nodes.shape[0]
+        # Each node's parent is one of the last level's nodes: its row there.
+        rows = (frontier.parents.unsqueeze(1) == nodes.unsqueeze(0)).int().argmax(dim=1)
+        seen = torch.cat([seen[rows], torch.eye(width, dtype=torch.bool, device=device)], dim=1)
+        visible = torch.cat([torch.ones(width, self.decided, dtype=torch.bool, device=device), seen], dim=1)
+        positions = torch.full((width,), self.decided + frontier.level - 2, dtype=torch.long, device=device)
+        out = self._forward(outputs[rows].unsqueeze(0), frontier.tokens.unsqueeze(0), positions, visible)
+        self.forwards += 1
+        self.length += width
+        self._level = (frontier.nodes, out[0], seen)
+        return self.head.logits(out[0], self.lm_head)
+
     def rollback(self) -> None:
         if not self.capacity:
             for cache in self.caches:

@@ -38,8 +38,10 @@ from draftsmith.runtime.tree import (
     DraftTree,
     DynamicTreeSpec,
     Frontier,
+    LevelFrontier,
     TreeSpec,
     build_dynamic_tree,
+    build_dynamic_tree_on_device,
     build_scored_tree,
 )
 from draftsmith.runtime.verify import SamplingParams, VerifyResult, logits_to_probs
@@ -51,6 +53,7 @@ __all__ = [
     "Drafter",
     "HeadDrafter",
     "StandaloneDrafter",
+    "grow_dynamic_tree_on_device",
     "grow_static_tree",
     "grow_tree",
     "sample_without_replacement",
@@ -237,16 +240,33 @@ def grow_tree(
         return tree, ids
     if isinstance(spec, DynamicTreeSpec):
         sampling = state.sampling
-
-        def expand(frontier: Frontier) -> Tensor:
-            logits = node_logits(frontier)
-            if not sampling.sampled:
-                return torch.log_softmax(logits.float(), dim=-1)
-            return logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p).log()
-
-        return build_dynamic_tree(expand, state.root, spec.depth, spec.topk, spec.budget, device, deterministic=sampling.sampled)
+        logp = _ranking(sampling)
+        return build_dynamic_tree(lambda f: logp(node_logits(f)), state.root, spec.depth, spec.topk, spec.budget, device, deterministic=sampling.sampled)
     tree, _ = grow_static_tree(spec, state.root, node_logits, state.sampling, state.generator, device)
     return tree, list(range(tree.size))  # grow_static_tree's frontier ids are tree indices
+
+
+def _ranking(sampling: SamplingParams) -> Callable[[Tensor], Tensor]:
+    """What an EAGLE-2 tree ranks candidates by: the draft's log-probs (greedy), or the log of its
+    processed distribution when sampling (tokens the settings filter out get -inf, never proposed)."""
+
+    def logp(logits: Tensor) -> Tensor:
+        if not sampling.sampled:
+            return torch.log_softmax(logits.float(), dim=-1)
+        return logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p).log()
+
+    return logp
+
+
+def grow_dynamic_tree_on_device(spec: DynamicTreeSpec, state: "DraftState", level_logits: Callable[[LevelFrontier], Tensor], device) -> DraftTree:
+    """``grow_tree`` of a DynamicTreeSpec for a drafter that expands a level held on the device
+    (``HeadSession.expand_level``): the same tree (``build_dynamic_tree_on_device``), no host read."""
+    sampling = state.sampling
+    logp = _ranking(sampling)
+    tree, _ = build_dynamic_tree_on_device(
+        lambda f: logp(level_logits(f)), state.root, spec.depth, spec.topk, spec.budget, device, deterministic=sampling.sampled
+    )
+    return tree
 
 
 def compact_cache(cache, prefix_len: int, keep: Sequence[int] | Tensor) -> None:
@@ -347,6 +367,8 @@ class HeadDrafter:
             return _root_only(state.root, device)
         levels = self.session.level_logits() if isinstance(self.tree, TreeSpec) and not state.sampling.sampled else None
         tree = None if levels is None else static_tree_on_device(self.tree, state.root, levels)
+        if tree is None and isinstance(self.tree, DynamicTreeSpec) and self.session.levels_on_device:
+            tree = grow_dynamic_tree_on_device(self.tree, state, self.session.expand_level, device)
         if tree is None:
             tree, _ = grow_tree(self.tree, state, self.session.expand, device)
         return tree

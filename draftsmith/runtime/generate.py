@@ -26,8 +26,8 @@ from draftsmith.runtime.verify import GREEDY, SamplingParams, VerifyResult, logi
 from draftsmith.target import DecoderStack, decoder_stack
 
 __all__ = [
-    "CACHES", "GenerationStats", "TargetSession", "autoregressive_generate", "cache_in_use", "default_verify_fn", "open_session",
-    "resolve_cache", "speculative_generate", "verification_kernel",
+    "CACHES", "GenerationStats", "TargetSession", "Verdict", "autoregressive_generate", "cache_in_use", "default_verify_fn", "open_session",
+    "read_verdict", "resolve_cache", "speculative_generate", "verification_kernel",
 ]  # fmt: skip
 
 
@@ -67,14 +67,10 @@ class GenerationStats:
         """Mean accepted drafted tokens per step (tau - 1 in the papers' notation)."""
         return sum(self.accept_lens) / len(self.accept_lens) if self.accept_lens else 0.0
 
-    def record_step(self, tree: DraftTree, result: VerifyResult) -> None:
-        a = int(result.accept_len[0])
+    def record_step(self, verdict: "Verdict") -> None:
+        a, attempted = verdict.accept_len, verdict.attempted
         self.accept_lens.append(a)
-        self.draft_depths.append(tree.max_depth)
-        has_children = set(tree.parents[0, 1 : int(tree.num_nodes[0])].tolist())
-        # Depth d is judged when the node reached at depth d-1 had children: depths 1..a always
-        # (the path continued), depth a+1 when the best node has children.
-        attempted = a + int(int(result.best_node[0]) in has_children)
+        self.draft_depths.append(verdict.draft_depth)
         self.attempted_depths.append(attempted)
         for counts, n in ((self.depth_attempts, attempted), (self.depth_accepts, a)):
             counts.extend([0] * max(0, n - len(counts)))
@@ -85,6 +81,35 @@ class GenerationStats:
         out = asdict(self)
         out.update(steps=self.steps, mean_accept_len=self.mean_accept_len)
         return out
+
+
+@dataclass
+class Verdict:
+    """One step's outcome on the host, read from the device at once (``read_verdict``).
+
+    accept_len: drafted tokens accepted; emitted: those tokens, then the bonus; attempted: depths
+    judged (``GenerationStats``: accept_len, plus one when the node it stopped at had children);
+    draft_depth: the tree's deepest node; rooted: whether the tree's root was the decided token.
+    """
+
+    accept_len: int
+    emitted: list[int]
+    attempted: int
+    draft_depth: int
+    rooted: bool
+
+
+def read_verdict(tree: DraftTree, result: VerifyResult, root: int) -> Verdict:
+    """Everything the loop and its statistics need of a verified step, in one device read (the one
+    sync a step needs). B = 1."""
+    best = result.best_node[:1]
+    # Padding and the root have parent -1, so only a real child of the best node matches.
+    judged_deeper = (tree.parents[0] == best).any().view(1)
+    depth = tree.depths[0].max().view(1) if tree.known_max_depth is None else tree.depths.new_full((1,), tree.known_max_depth)
+    rooted = (tree.tokens[0, :1] == root).view(1)
+    head = torch.cat([result.accept_len[:1], judged_deeper.long(), depth, rooted.long(), result.bonus[:1], result.accepted_tokens[0]])
+    a, deeper, draft_depth, rooted_flag, bonus, *accepted = head.tolist()
+    return Verdict(accept_len=a, emitted=accepted[:a] + [bonus], attempted=a + deeper, draft_depth=draft_depth, rooted=bool(rooted_flag))
 
 
 class TargetSession:
@@ -309,27 +334,27 @@ def speculative_generate(
         stats.draft_time += time.perf_counter() - t0
         if tree.batch_size != 1:
             raise DrafterError(f"{type(drafter).__name__} proposed {tree.batch_size} trees for one sequence")
-        rooted = tree.tokens[0, 0] == root  # checked with the verdict, not before the forward
         logits, tree_hidden, tree_layers = drafter.verify_forward(tree) if shares_cache else session.forward_tree(tree)
         stats.target_forwards += 1
         result = verify_fn(tree, logits, sampling, generator=generator)
-        if not bool(rooted):
+        verdict = read_verdict(tree, result, root)  # the step's one read from the device
+        if not verdict.rooted:
             raise DrafterError(f"{type(drafter).__name__} proposed a tree whose root is not the last decided token")
         t0 = time.perf_counter()
         drafter.accept(result)
         stats.draft_time += time.perf_counter() - t0
-        stats.record_step(tree, result)
+        stats.record_step(verdict)
 
-        a = int(result.accept_len[0])
+        a, emitted = verdict.accept_len, verdict.emitted
         path = result.path[0, : a + 1]
         session.keep(path)
-        emitted = result.accepted_tokens[0, :a].tolist() + [int(result.bonus[0])]
         for token in emitted:
             new.append(token)
             if token in eos or len(new) >= max_new_tokens:
                 finished = True
                 break
-        tokens = torch.cat([tokens, torch.tensor([emitted], dtype=tokens.dtype, device=tokens.device)], dim=1)
+        # The decided tokens grow on the device from the verdict's own tensors (no upload).
+        tokens = torch.cat([tokens, result.accepted_tokens[:, :a].to(tokens.dtype), result.bonus[:1].view(1, 1).to(tokens.dtype)], dim=1)
         root = emitted[-1]
         # The next drafter sees the target's features of the positions just cached: the path.
         path = path.to(tree_hidden.device)

@@ -39,7 +39,9 @@ __all__ = [
     "ancestor_mask",
     "tree_positions",
     "tree_attention_mask",
+    "LevelFrontier",
     "build_dynamic_tree",
+    "build_dynamic_tree_on_device",
     "build_scored_tree",
     "tree_shape",
     "sparse_tree",
@@ -357,6 +359,9 @@ class DraftTree:
     deterministic: bool = False
     # The deepest node, when the tree was built on the host (from_lists): max_depth without a sync.
     known_max_depth: Optional[int] = field(default=None, repr=False, compare=False)
+    # A depth no node exceeds, when the builder knows one but not the deepest node (a tree grown
+    # on the device: its spec's depth).
+    known_depth_bound: Optional[int] = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_lists(
@@ -399,6 +404,14 @@ class DraftTree:
         if self.known_max_depth is not None:
             return self.known_max_depth
         return int(self.depths.max().item()) if self.depths.numel() else 0
+
+    @property
+    def depth_bound(self) -> int:
+        """A depth no node exceeds, without a device sync where the builder knew one: what sizes
+        verification's paths (they are -1 past the accepted node anyway). ``max_depth`` otherwise."""
+        if self.known_max_depth is not None:
+            return self.known_max_depth
+        return self.known_depth_bound if self.known_depth_bound is not None else self.max_depth
 
     def validate(self) -> None:
         """Raise TreeError unless shapes agree and every real node's parent precedes it."""
@@ -542,6 +555,89 @@ def build_dynamic_tree(
     new_index = {old: new for new, old in enumerate(kept)}
     tree = DraftTree.from_lists(
         [tokens[i] for i in kept], [-1] + [new_index[parents[i]] for i in kept[1:]], device=device, deterministic=deterministic
+    )
+    return tree, kept
+
+
+@dataclass
+class LevelFrontier:
+    """What build_dynamic_tree_on_device asks ``expand`` about: the nodes of one level, on the device.
+
+    ``level``: 1 expands the root, L expands nodes of depth L-1. ``nodes`` [F]: their creation ids
+    (ascending); ``parents`` [F]: their parents' ids (-1 for the root); ``tokens`` [F]. From level 2
+    on F is always ``topk``: where fewer nodes are worth expanding, the rest are nodes of score
+    -inf, whose children are never kept.
+    """
+
+    level: int
+    nodes: Tensor
+    parents: Tensor
+    tokens: Tensor
+
+
+def build_dynamic_tree_on_device(
+    expand: Callable[[LevelFrontier], Tensor], root_token: int, depth: int, topk: int, budget: int, device, deterministic: bool = False
+) -> tuple[DraftTree, Tensor]:
+    """``build_dynamic_tree`` without reading anything back: the same tree, grown and pruned on
+    the device, so that a step's only host read is its verdict.
+
+    Every level has a fixed shape (``topk`` frontier nodes, ``topk`` children each), so the
+    drafter's level forwards replay as CUDA graphs. Where the host version skips a candidate of
+    log-prob -inf, this one keeps it with score -inf: never chosen while a finite one is left, and
+    its children -inf too. Ties break as there (stable sorts over creation order), scores add in
+    float64 as Python floats do, so the kept nodes are the same. Kept nodes of score -inf (fewer
+    finite candidates than the budget) become padding after the real nodes (``num_nodes``).
+
+    Returns (tree, ids [N] on the device: the creation id ``expand`` saw for each tree node,
+    padding included). The tree's depth is not read: ``known_depth_bound`` is ``depth``.
+    """
+    long = dict(dtype=torch.long, device=device)
+    tokens = [torch.full((1,), int(root_token), **long)]
+    parents = [torch.full((1,), -1, **long)]
+    depths = [torch.zeros(1, **long)]
+    scores = [torch.zeros(1, dtype=torch.float64, device=device)]
+    frontier = LevelFrontier(1, torch.zeros(1, **long), parents[0], tokens[0])
+    frontier_scores, created = scores[0], 1
+    for level in range(1, depth + 1):
+        logp = expand(frontier)
+        F = frontier.nodes.shape[0]
+        if logp.shape[0] != F:
+            raise ValueError(f"expand returned {logp.shape[0]} rows for {F} frontier nodes")
+        values, candidates = torch.topk(logp.float(), min(topk, logp.shape[-1]), dim=-1)
+        k = values.shape[-1]
+        level_scores = (frontier_scores.unsqueeze(1) + values.double().clamp_max(0.0)).flatten()  # -inf stays -inf
+        ids = torch.arange(created, created + F * k, **long)
+        level_parents = frontier.nodes.repeat_interleave(k)
+        tokens.append(candidates.flatten())
+        parents.append(level_parents)
+        depths.append(torch.full((F * k,), level, **long))
+        scores.append(level_scores)
+        created += F * k
+        if level < depth:
+            best = torch.sort(level_scores, descending=True, stable=True).indices[:topk].sort().values
+            frontier = LevelFrontier(level + 1, ids[best], level_parents[best], candidates.flatten()[best])
+            frontier_scores = level_scores[best]
+    tokens_all, parents_all, depths_all, scores_all = (torch.cat(x) for x in (tokens, parents, depths, scores))
+    keep = min(budget, created - 1)
+    chosen = torch.sort(scores_all[1:], descending=True, stable=True).indices[:keep] + 1
+    real = torch.isfinite(scores_all[chosen])
+    # Real nodes first in creation order (topological), padding after them.
+    chosen = chosen[torch.sort(chosen + (~real).long() * created).indices]
+    real = torch.isfinite(scores_all[chosen])
+    kept = torch.cat([torch.zeros(1, **long), chosen])
+    new_index = torch.full((created,), -1, **long)
+    new_index[kept] = torch.arange(keep + 1, **long)
+    real = torch.cat([torch.ones(1, dtype=torch.bool, device=device), real])
+    old_parents = parents_all[kept]
+    tree_parents = torch.where(real & (old_parents >= 0), new_index[old_parents.clamp_min(0)], torch.full_like(old_parents, -1))
+    zeros = torch.zeros_like(old_parents)
+    tree = DraftTree(
+        tokens=torch.where(real, tokens_all[kept], zeros).unsqueeze(0),
+        parents=tree_parents.unsqueeze(0),
+        depths=torch.where(real, depths_all[kept], zeros).unsqueeze(0),
+        num_nodes=real.sum().view(1),
+        deterministic=deterministic,
+        known_depth_bound=depth,
     )
     return tree, kept
 

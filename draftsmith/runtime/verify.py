@@ -158,6 +158,8 @@ class VerifyResult:
         positions whose KV entries the cache keeps (cache slot prefix_len + path[b, d]).
     accepted_tokens [B,D] long: tokens of path[1..accept_len], -1 past accept_len.
     bonus [B] long: the target's token after the accepted path (next step's root).
+
+    D is ``tree.depth_bound``: the deepest node, or for a tree grown on the device its spec's depth.
     """
 
     accept_len: Tensor
@@ -199,7 +201,7 @@ def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int = 0, to
 def _result(tree: DraftTree, best: Tensor, bonus: Tensor, anc: Optional[Tensor] = None) -> VerifyResult:
     """Assemble a VerifyResult from the best node [B] and bonus [B]."""
     B, N = tree.tokens.shape
-    D = tree.max_depth
+    D = tree.depth_bound
     rows = torch.arange(B, device=best.device)
     if anc is None:
         anc = ancestor_mask(tree.parents)
@@ -325,7 +327,7 @@ def verify_sample(
     p, q = P[:, 0].clone(), Q[:, 0].clone()
     done = torch.zeros(B, dtype=torch.bool, device=device)
     # Each pass moves every live row one level down or finishes it, so depth + 1 passes suffice.
-    for _ in range(tree.max_depth + 1):
+    for _ in range(tree.depth_bound + 1):
         if bool(done.all()):
             break
         moved = torch.zeros(B, dtype=torch.bool, device=device)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from draftsmith.runtime.drafters import DrafterError, StandaloneDrafter
-from draftsmith.runtime.generate import GenerationStats, TargetSession, autoregressive_generate, speculative_generate
+from draftsmith.runtime.generate import GenerationStats, TargetSession, Verdict, autoregressive_generate, read_verdict, speculative_generate
 from draftsmith.runtime.tree import DraftTree, TreeSpec, default_tree
 from draftsmith.runtime.verify import SamplingParams, verify_greedy
 from draftsmith.target import FrozenTarget
@@ -60,13 +60,32 @@ def test_stats_count_attempts_and_accepts_per_depth():
     tree = DraftTree.from_lists([0, 1, 2, 3, 4], [-1, 0, 0, 1, 3])  # depth 3 along 0-1-3-4; node 2 a leaf
     logits = torch.zeros(1, 5, 8)
     logits[0, 0, 2] = 1  # accept node 2 (a leaf): depth 1 accepted, depth 2 never judged
-    stats.record_step(tree, verify_greedy(tree, logits))
+    stats.record_step(read_verdict(tree, verify_greedy(tree, logits), root=0))
     logits = torch.zeros(1, 5, 8)
     logits[0, 0, 1] = logits[0, 1, 3] = 1  # accept 1, 3; reject 4
-    stats.record_step(tree, verify_greedy(tree, logits))
+    stats.record_step(read_verdict(tree, verify_greedy(tree, logits), root=0))
     assert stats.accept_lens == [1, 2] and stats.draft_depths == [3, 3]
     assert stats.depth_attempts == [2, 1, 1] and stats.depth_accepts == [2, 1]
     assert stats.mean_accept_len == 1.5 and stats.to_dict()["steps"] == 2
+
+
+def test_one_read_says_the_whole_verdict():
+    """read_verdict on a tree grown on the device (depth not known on the host, padding at the
+    end): the emitted tokens, the depths judged, the deepest real node, whether it was rooted."""
+    tree = DraftTree(
+        tokens=torch.tensor([[7, 1, 2, 3, 0]]), parents=torch.tensor([[-1, 0, 0, 1, -1]]),
+        depths=torch.tensor([[0, 1, 1, 2, 0]]), num_nodes=torch.tensor([4]), known_depth_bound=4,
+    )  # fmt: skip
+    logits = torch.zeros(1, 5, 8)
+    logits[0, 0, 1] = logits[0, 1, 3] = logits[0, 3, 5] = 1  # accept 1 then 3 (a leaf); the bonus is 5
+    result = verify_greedy(tree, logits)
+    assert result.accepted_tokens.shape == (1, 4)  # sized by the bound, -1 past the path
+    verdict = read_verdict(tree, result, root=7)
+    assert verdict == Verdict(accept_len=2, emitted=[1, 3, 5], attempted=2, draft_depth=2, rooted=True)
+    logits[0, 3, 5], logits[0, 1, 3] = 0, 0
+    logits[0, 1, 6] = 1  # accept 1 only; node 3 (its child) was judged and rejected
+    assert read_verdict(tree, verify_greedy(tree, logits), root=7) == Verdict(1, [1, 6], 2, 2, True)
+    assert not read_verdict(tree, result, root=8).rooted
 
 
 def test_never_emits_past_max_new_tokens_or_eos():

@@ -155,7 +155,7 @@ def test_a_draft_model_on_the_static_cache_drafts_what_it_drafts_on_the_dynamic_
 def test_a_head_on_preallocated_caches_drafts_what_it_drafts_on_growing_ones(target, kind):
     """EAGLE's and EAGLE-3's own caches, DFlash's context, in buffers read whole under a mask (what
     a GPU replays as graphs): the same trees step for step, dynamic and static trees, the buffers
-    grown mid-generation."""
+    grown mid-generation. EAGLE's dynamic trees grow on the device there, on the host here."""
     from draftsmith.heads.dflash import DFlashConfig, DFlashHead
     from draftsmith.heads.eagle import EagleConfig, EagleHead
     from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
@@ -188,6 +188,8 @@ def test_a_head_on_preallocated_caches_drafts_what_it_drafts_on_growing_ones(tar
                     drafter.session._grow(drafter.session.decided + 12 if drafter.session.decided else 12)  # small: it must grow
                 sessions.append(drafter.session.capacity)
                 proposed.append(propose(state))
+                if cache == "static" and kind != "dflash" and isinstance(tree, DynamicTreeSpec) and proposed[-1].size > 1:
+                    assert proposed[-1].known_depth_bound == tree.depth  # grown on the device (build_dynamic_tree_on_device)
                 return proposed[-1]
 
             drafter.propose = recording
@@ -242,3 +244,31 @@ def test_a_forward_that_cannot_be_captured_is_one_note_and_none(monkeypatch, cap
     assert graphs.capture_or_none(lambda x: x, [torch.ones(1)], "the target's forward") is None
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "note: the target's forward: CUDA graph capture failed (RuntimeError: operation not permitted" in err
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_tree_grown_on_the_device_stays_there(kind):
+    """The static-cache path an EAGLE head takes on CUDA (its dynamic tree grown on the device,
+    the step's one read its verdict) under SimulatedDevice: no operation mixes a host tensor
+    with a device one, and the output is the dynamic cache's."""
+    from draftsmith.heads.eagle import EagleConfig, EagleHead
+    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+    from draftsmith.runtime.drafters import HeadDrafter
+    from draftsmith.runtime.tree import DynamicTreeSpec
+    from draftsmith.testing import SimulatedDevice
+
+    device, outputs = torch.device("cpu"), {}
+    for cache in ("dynamic", "static"):
+        with SimulatedDevice() as guard:
+            torch.manual_seed(5)
+            target = FrozenTarget(tiny_causal_lm("llama", seed=0).to(device))
+            if kind == "eagle":
+                head = EagleHead(EagleConfig(depth=4), target.dims)
+            else:
+                head = Eagle3Head(Eagle3Config(depth=4, train_depth=4, draft_vocab_size=64, aux_layer_ids=[1, 2, 3]), target.dims)
+                head.init_from_target(target)
+            drafter = HeadDrafter(head.to(device).eval(), target, DynamicTreeSpec(depth=4, topk=3, budget=10), cache=cache)
+            out, stats = speculative_generate(target, drafter, torch.tensor([[5, 9, 14, 20, 7, 3]]), 24, cache=cache)
+        assert guard.checked > 200
+        outputs[cache] = (out.tolist(), stats.accept_lens)
+    assert outputs["static"] == outputs["dynamic"]

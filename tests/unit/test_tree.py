@@ -13,7 +13,9 @@ from draftsmith.runtime.tree import (
     TreeError,
     TreeSpec,
     ancestor_mask,
+    LevelFrontier,
     build_dynamic_tree,
+    build_dynamic_tree_on_device,
     default_tree,
     parse_tree,
     tree_attention_mask,
@@ -229,6 +231,72 @@ def test_dynamic_tree_budget_larger_than_the_tree():
     assert tree.size == 1 + 2 + 4 and ids == list(range(7))
     # Every node appears once with a parent before it: build_dynamic_tree validated the tree.
     assert all(p < i for i, p in itertools.islice(enumerate(tree.parents[0].tolist()), 1, None))
+
+
+
+def _level_expand(table, calls):
+    """build_dynamic_tree_on_device's twin of _table_expand: records the live frontier nodes."""
+
+    def expand(frontier: LevelFrontier):
+        calls.append(frontier)
+        return table[frontier.tokens]
+
+    return expand
+
+
+def _same_tree_on_device(table, depth, topk, budget):
+    """Grow the tree both ways; assert the device one keeps the host one's nodes, in the same
+    order, the -inf candidates the host skips becoming padding at the end. Returns the device tree."""
+    V = table.shape[-1]
+    host_calls, device_calls = [], []
+    host, ids = build_dynamic_tree(_table_expand(table, host_calls), root_token=1, depth=depth, topk=topk, budget=budget)
+    tree, device_ids = build_dynamic_tree_on_device(_level_expand(table, device_calls), 1, depth, topk, budget, torch.device("cpu"))
+    n = int(tree.num_nodes[0])
+    assert n == host.size
+    assert tree.tokens[0, :n].tolist() == host.tokens[0].tolist()
+    assert tree.parents[0, :n].tolist() == host.parents[0].tolist()
+    assert tree.depths[0, :n].tolist() == host.depths[0].tolist()
+    assert tree.parents[0, n:].tolist() == [-1] * (tree.size - n) and tree.tokens[0, n:].eq(0).all()
+    tree.validate()
+    assert tree.depth_bound == depth and tree.max_depth == host.max_depth
+    assert len(device_calls) == depth and host_calls[0] == device_calls[0].nodes.tolist() == [0]
+    # ids name each kept node's creation: the token expand's top-k gave it.
+    created = torch.cat([torch.tensor([1])] + [table[c.tokens].topk(min(topk, V), dim=-1).indices.flatten() for c in device_calls])
+    assert created[device_ids[:n]].tolist() == host.tokens[0].tolist()
+    return tree
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dynamic_tree_on_device_is_the_host_tree(seed):
+    """Random tables, with ties (log-probs rounded to a few values) and tokens of probability zero."""
+    g = torch.Generator().manual_seed(seed)
+    V = 6 + seed % 5
+    table = torch.log_softmax(torch.randn(V, V, generator=g) * 2, dim=-1)
+    if seed % 2:
+        table = (table * 2).round() / 2
+    if seed % 3 == 0:
+        table[torch.rand(V, V, generator=g) < 0.6] = float("-inf")
+        table[:, 0] = 0.0  # one live candidate in every row
+    _same_tree_on_device(table, depth=1 + seed % 4, topk=2 + seed % 3, budget=3 + 2 * (seed % 6))
+
+
+def test_dynamic_tree_on_device_pads_when_few_candidates_live():
+    """One live token a row (the rest -inf): fewer real nodes than the budget, the rest padding."""
+    table = torch.full((4, 4), float("-inf"))
+    table[:, 1] = 0.0
+    tree = _same_tree_on_device(table, depth=4, topk=3, budget=10)
+    assert int(tree.num_nodes[0]) == 5 and tree.size == 11
+
+
+def test_dynamic_tree_on_device_level_shapes_are_fixed():
+    """Every level past the first expands exactly topk nodes (CUDA graphs replay one shape)."""
+    table = torch.log_softmax(torch.randn(9, 9), dim=-1)
+    calls = []
+    build_dynamic_tree_on_device(_level_expand(table, calls), 0, 5, 3, 10, torch.device("cpu"))
+    assert [c.nodes.numel() for c in calls] == [1, 3, 3, 3, 3]
+    assert [c.level for c in calls] == [1, 2, 3, 4, 5]
+    for c in calls[1:]:
+        assert c.nodes.tolist() == sorted(c.nodes.tolist())
 
 
 # ---------------------------------------------------------------- sparse trees from measured accuracies

@@ -165,7 +165,7 @@ def fused_verify(
             + "; use draftsmith.runtime.verify.verify"
         )
     vk = _kernels()
-    path_len = tree.max_depth + 1
+    path_len = tree.depth_bound + 1
     args = (tree.tokens, tree.parents, tree.num_nodes)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         if sampling.greedy:
