@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from draftsmith.target import FrozenTarget, TargetDims, TargetFeatures
 
-__all__ = ["DraftHead", "HeadSession", "TargetDims", "TargetFeatures", "depth_labels", "depth_loss", "path_tokens"]
+__all__ = ["DraftHead", "HeadSession", "TargetDims", "TargetFeatures", "depth_label_weights", "depth_labels", "depth_loss", "path_tokens"]
 
 
 def depth_labels(
@@ -59,6 +59,18 @@ def depth_labels(
     return labels, valid
 
 
+def depth_label_weights(token_weights: Tensor, depth: int) -> Tensor:
+    """weights [B,T,K]: the weight of each position's label at each depth, shifted as
+    ``depth_labels`` shifts the tokens (depth k's label at t is token t+1+k); 0 out of range."""
+    B, T = token_weights.shape
+    out = token_weights.new_zeros(B, T, depth)
+    for k in range(1, depth + 1):
+        if 1 + k >= T:
+            break
+        out[:, : T - 1 - k, k - 1] = token_weights[:, 1 + k :]
+    return out
+
+
 def depth_loss(
     labels: Tensor,
     valid: Tensor,
@@ -69,6 +81,7 @@ def depth_loss(
     ce_weight: float = 1.0,
     predicted: Optional[Callable[[Tensor], Tensor]] = None,
     label_weight: float = 0.0,
+    label_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The weighted per-depth loss every head trains with, over trained positions only.
 
@@ -80,8 +93,10 @@ def depth_loss(
     ``label_weight`` x the cross-entropy against the labels when soft targets replace them (both
     objectives at once, Hydra++'s), plus ``extra(k, rows)`` (e.g. a feature regression).
     ``predicted(logits) -> ids`` maps a draft's argmax to the labels' vocabulary (default: argmax
-    itself). A depth without positions adds 0 x
-    its logits, which keeps every parameter in the graph (DDP expects a gradient for each).
+    itself). ``label_weights`` [B,T,K] (``depth_label_weights``) turns each depth's mean over its
+    positions into a weighted mean (cross-entropies only; None: every position counts 1). A depth
+    without positions adds 0 x its logits, which keeps every parameter in the graph (DDP expects a
+    gradient for each).
 
     Returns (sum_k w_k term_k / sum_k w_k, stats: ce, top1, count per depth [K]).
     """
@@ -100,14 +115,22 @@ def depth_loss(
             top1.append(zero.detach())
         else:
             target = labels[..., k - 1][rows]
+            w = None if label_weights is None else label_weights[..., k - 1][rows].to(dtype)
+
+            def hard_ce() -> Tensor:
+                if w is None:
+                    return F.cross_entropy(logits, target)
+                return (F.cross_entropy(logits, target, reduction="none") * w).sum() / w.sum().clamp_min(torch.finfo(dtype).tiny)
+
             if soft_targets is not None:
                 probs = soft_targets(k, rows, logits).to(dtype)
-                depth_ce = -(probs * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+                each = -(probs * torch.log_softmax(logits, dim=-1)).sum(-1)
+                depth_ce = each.mean() if w is None else (each * w).sum() / w.sum().clamp_min(torch.finfo(dtype).tiny)
             else:
-                depth_ce = F.cross_entropy(logits, target)
+                depth_ce = hard_ce()
             term = ce_weight * depth_ce
             if soft_targets is not None and label_weight:
-                term = term + label_weight * F.cross_entropy(logits, target)
+                term = term + label_weight * hard_ce()
             if extra is not None:
                 term = term + extra(k, rows)
             terms.append(term)

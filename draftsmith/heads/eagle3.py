@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from draftsmith.heads.base import TargetDims, TargetFeatures, depth_labels, depth_loss
+from draftsmith.heads.base import TargetDims, TargetFeatures, depth_label_weights, depth_labels, depth_loss
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.layers import DecoderLayer, LayerShape, RMSNorm
 from draftsmith.heads.vocab import draft_vocabulary, to_target_vocab
@@ -78,6 +78,12 @@ class Eagle3Config(LayerShape):
     # (they can never be drafted); "keep" trains them against the target's distribution
     # renormalised over the draft vocabulary, as speculators does.
     out_of_vocab: str = "skip"
+    # Train for what lookup misses (issue 33, an experiment): an answer token that the lookup
+    # drafter `lookup_matcher` ("suffix" or "lookup") would have proposed from the text before it
+    # counts lookup_hit_weight as a label instead of 1 (runtime.lookup.lookup_token_weights), so
+    # the head spends itself where a hybrid's lookup half cannot help. 1 is off.
+    lookup_hit_weight: float = 1.0
+    lookup_matcher: str = "suffix"
 
     def check(self) -> None:
         if self.depth < 1 or not 1 <= self.train_depth <= self.depth:
@@ -88,6 +94,10 @@ class Eagle3Config(LayerShape):
             raise ValueError(f"recipe key 'head.loss_decay' must be positive, got {self.loss_decay}")
         if self.out_of_vocab not in ("skip", "keep"):
             raise ValueError(f"recipe key 'head.out_of_vocab' must be 'skip' or 'keep', got {self.out_of_vocab!r}")
+        if not 0 <= self.lookup_hit_weight <= 1:
+            raise ValueError(f"recipe key 'head.lookup_hit_weight' must be in [0, 1] (1 is off), got {self.lookup_hit_weight}")
+        if self.lookup_matcher not in ("suffix", "lookup"):
+            raise ValueError(f"recipe key 'head.lookup_matcher' must be 'suffix' or 'lookup', got {self.lookup_matcher!r}")
         self.check_shape("head")
 
     def resolve_draft(self, dims: TargetDims) -> None:
@@ -223,11 +233,12 @@ class Eagle3Head(EagleHead):
     # ------------------------------------------------------------------ training
 
     def loss(
-        self, features: TargetFeatures, loss_mask: Optional[Tensor], segment_ids: Optional[Tensor] = None
+        self, features: TargetFeatures, loss_mask: Optional[Tensor], segment_ids: Optional[Tensor] = None, token_weights: Optional[Tensor] = None
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Per unrolled step s: soft cross-entropy of the draft-vocabulary logits against the target's
         distribution over x_{t+1+s} restricted to the draft vocabulary, at positions whose label is
-        trained and inside the draft vocabulary; steps weighted loss_decay ** (s - 1).
+        trained and inside the draft vocabulary; steps weighted loss_decay ** (s - 1). With
+        ``token_weights`` [B,T] each position's term is weighted by its label token's weight.
         Stats: ce/top1/count per step [S] (top-1 compares target ids)."""
         S = self.cfg.train_depth
         outputs, _ = self.unroll(features, S, segment_ids)
@@ -255,4 +266,5 @@ class Eagle3Head(EagleHead):
             logits_at=lambda s, rows: self.draft_logits(outputs[s - 1][rows]),
             soft_targets=teacher,
             predicted=lambda logits: draft_ids[logits.argmax(-1)],
+            label_weights=None if token_weights is None else depth_label_weights(token_weights, S),
         )  # fmt: skip

@@ -33,7 +33,7 @@ from draftsmith.runtime.drafters import DrafterError, DraftState, HeadDrafter, _
 from draftsmith.runtime.tree import AdaptiveTreeSpec, Candidates, DraftTree, DynamicTreeSpec, TreeSpec, build_scored_tree, tree_shape
 from draftsmith.runtime.verify import VerifyResult, logits_to_probs
 
-__all__ = ["LOOKUP_KINDS", "HybridDrafter", "LookupDrafter", "PromptLookup", "SuffixMatcher", "Reliability", "make_matcher"]
+__all__ = ["LOOKUP_KINDS", "HybridDrafter", "LookupDrafter", "PromptLookup", "SuffixMatcher", "Reliability", "lookup_hits", "make_matcher"]
 
 LOOKUP_KINDS = ("lookup", "suffix")
 # Earlier occurrences read per match: the most recent ones, enough for the counts to mean something.
@@ -215,6 +215,18 @@ class SuffixMatcher(_Matcher):
             _continuation(text, p, depth, text is self.text) for length, ends, text in found if length == best for p in ends
         ]
         return _trie(continuations[: MAX_OCCURRENCES * 4], depth, budget, reliability, self.min_prob)
+
+
+def lookup_hits(tokens: Sequence[int], matcher: _Matcher) -> list[bool]:
+    """hits[j]: whether ``matcher``, having read tokens[:j], proposes tokens[j] among its first
+    candidates (a lookup drafter's depth 1 at that point of the text). hits[0] is False."""
+    hits = [False] * len(tokens)
+    matcher.reset(list(tokens[:1]))
+    for j in range(1, len(tokens)):
+        found = matcher.candidates(1, MAX_OCCURRENCES, 1.0)
+        hits[j] = int(tokens[j]) in found.tokens[1:]
+        matcher.extend([tokens[j]])
+    return hits
 
 
 def make_matcher(kind: str, prompt_lookup_min: int = 1, prompt_lookup_max: int = 3, global_cache: bool = False) -> _Matcher:

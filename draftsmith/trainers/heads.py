@@ -64,12 +64,35 @@ class HeadTrainStep(nn.Module):
         features: Union[TargetFeatures, Callable[[], TargetFeatures]],
         loss_mask: Optional[Tensor] = None,
         segment_ids: Optional[Tensor] = None,
+        token_weights: Optional[Tensor] = None,
     ):
         if callable(features):
             features = features()
         if loss_mask is None:
             return self.head.top_tokens(features, EVAL_RANKS)
+        if token_weights is not None:  # only heads that take it (EAGLE-3's lookup weighting)
+            return self.head.loss(features, loss_mask, segment_ids, token_weights=token_weights)
         return self.head.loss(features, loss_mask, segment_ids)
+
+
+def lookup_token_weights(input_ids: Tensor, segment_ids: Tensor, matcher: str, hit_weight: float) -> Tensor:
+    """weights [B,T] float (host): ``hit_weight`` where the lookup drafter ``matcher`` ("suffix",
+    "lookup"), reading each packed example from its start, would have proposed the token from the
+    text before it (runtime.lookup.lookup_hits), 1 elsewhere. Every row of every example is read."""
+    from draftsmith.runtime.lookup import lookup_hits, make_matcher
+
+    weights = torch.ones(input_ids.shape, dtype=torch.float32)
+    for b, (row, segments) in enumerate(zip(input_ids.tolist(), segment_ids.tolist())):
+        start = 0
+        while start < len(row):
+            end = start
+            while end < len(row) and segments[end] == segments[start]:
+                end += 1
+            if segments[start] > 0:
+                hits = lookup_hits(row[start:end], make_matcher(matcher))
+                weights[b, start:end] = torch.tensor([hit_weight if hit else 1.0 for hit in hits])
+            start = end
+    return weights
 
 
 def trained_positions(batch: dict) -> int:
@@ -183,6 +206,9 @@ class HeadTrainer(Trainer):
         for _ in range(r.train.grad_accum_steps):
             ids = self.stream.next_indices()
             batch = self.collator([self.data.train[i] for i in ids])
+            hit_weight = getattr(self.head.cfg, "lookup_hit_weight", 1.0)
+            if hit_weight != 1.0:
+                batch["token_weights"] = lookup_token_weights(batch["input_ids"], batch["segment_ids"], self.head.cfg.lookup_matcher, hit_weight)
             # Counted on the host batch (no device sync); the model gets the batch moved once.
             micro.append((ids, batch.to(acc.device), trained_positions(batch), int((batch["segment_ids"] > 0).sum())))
         self.source.after_epoch(self.stream.epoch)
@@ -197,7 +223,9 @@ class HeadTrainer(Trainer):
         def micro_loss(ids: list[int], batch: Batch, count: int) -> Callable[[], Tensor]:
             def compute() -> Tensor:
                 nonlocal weighted
-                loss, _stats = self.model(lambda: self.source.features("train", ids, batch), batch["loss_mask"], batch["segment_ids"])
+                loss, _stats = self.model(
+                    lambda: self.source.features("train", ids, batch), batch["loss_mask"], batch["segment_ids"], batch.get("token_weights")
+                )
                 weighted += loss.detach().double() * count
                 return loss * (count * unit)
 

@@ -170,3 +170,16 @@ def test_dflash_golden_run_from_the_feature_cache_on_packed_rows(tmp_path, tiny_
         want = loaded.target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24, pad_token_id=0, eos_token_id=None)
         out, _ = speculative_generate(loaded.target, loaded.drafter, ids, 24)
         assert out.tolist() == want.tolist()
+
+
+def test_lookup_hit_weighting_reaches_the_eagle3_loss(tmp_path, tiny_llama_dir):
+    """head.lookup_hit_weight: the trainer weights the tokens a suffix matcher would have drafted,
+    so the first step's loss (same weights, same batch) differs from the unweighted run's."""
+    head = "{kind: eagle3, depth: 2, train_depth: 2, draft_vocab_size: 64, aux_layer_ids: [1, 2, 3]}"
+    losses = {}
+    for name, weight in (("plain", 1.0), ("weighted", 0.2)):
+        recipe = heads_recipe(tmp_path, tiny_llama_dir, name, "train.max_steps=2", "train.save_every=100", f"head.lookup_hit_weight={weight}", head=head)
+        _, summary, _ = run_trainer(recipe)
+        assert summary["step"] == 2
+        losses[name] = logged(tmp_path / name)[1]
+    assert losses["plain"] != losses["weighted"]

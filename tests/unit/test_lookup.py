@@ -194,3 +194,24 @@ def test_parse_and_shape_of_adaptive_trees():
             parse_tree(bad)
     assert tree_shape(parse_tree("4,2,2,1")) == AdaptiveTreeSpec(4, 4, 9)
     assert tree_shape(DynamicTreeSpec(5, 3, 10)) == AdaptiveTreeSpec(5, 3, 10)
+
+
+def test_lookup_hits_say_where_a_lookup_drafter_would_have_drafted_the_token():
+    from draftsmith.runtime.lookup import lookup_hits
+
+    text = [1, 2, 3, 1, 2, 3, 4, 1, 2]
+    # Position 3 (token 1 after "3", never seen): miss; 4 (2 after "1", as at 0-1): hit; 5 (3 after
+    # "1 2"): hit; 6 (4 after "1 2 3", which went on with 1): miss; 8 (2 after "1"): hit.
+    assert lookup_hits(text, SuffixMatcher()) == [False, False, False, False, True, True, False, False, True]
+    # Token 1 at 7 follows "4", new: a miss for both; prompt lookup agrees on this text.
+    assert lookup_hits(text, PromptLookup(1, 3)) == lookup_hits(text, SuffixMatcher())
+    assert lookup_hits([], SuffixMatcher()) == [] and lookup_hits([5], SuffixMatcher()) == [False]
+
+
+def test_lookup_token_weights_read_each_packed_example_on_its_own():
+    from draftsmith.trainers.heads import lookup_token_weights
+
+    row = [1, 2, 1, 2, 1, 2, 0, 0]
+    segments = [1, 1, 1, 1, 2, 2, 0, 0]  # the second example starts over at 4: "1 2" there is new to it
+    weights = lookup_token_weights(torch.tensor([row]), torch.tensor([segments]), "suffix", 0.25)
+    assert weights[0].tolist() == [1.0, 1.0, 1.0, 0.25, 1.0, 1.0, 1.0, 1.0]
