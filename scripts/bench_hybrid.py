@@ -18,7 +18,10 @@ paired interval; output identity. Each hybrid row is also divided by the better 
 and its matcher alone (the best row of each, whatever its tree), paired over prompts: the issue's
 target is 1.15x; and by the best row that drafts alone (head, lookup or suffix).
 
-``--resume`` continues an interrupted run from ``per_prompt.jsonl`` in ``--out``.
+``--resume`` continues an interrupted run from ``per_prompt.jsonl`` in ``--out``. ``--against
+DIR`` divides each row's tokens per target forward by the same row of an earlier run in DIR
+(another drafter on the same prompts and settings), paired over prompts: two heads compared without
+decoding the older one again (tokens per forward do not depend on the machine's load).
 """
 
 from __future__ import annotations
@@ -105,6 +108,34 @@ def summarize(rows: list[str], records: list[dict]) -> dict:
     return out
 
 
+def against(rows: list[str], records: list[dict], other: Path, settings: dict) -> tuple[dict, list[str]]:
+    """Each row's tokens per target forward over the same row of the run in ``other``, paired over
+    prompts (prompt index for prompt index); the Markdown lines that say it."""
+    from draftsmith.cli import BadInput
+    from draftsmith.eval.acceptance import paired_ratio
+
+    path = other / "per_prompt.jsonl"
+    if not path.exists():
+        raise BadInput(f"--against {other}: no per_prompt.jsonl there (a folder scripts/bench_hybrid.py wrote)")
+    theirs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    same = ("prompts", "limit", "max_new_tokens", "prompt_lookup_min", "prompt_lookup_max")
+    mismatch = [k for k in same if {"dtype": "float32", **theirs[0]["settings"]}.get(k) != settings[k]] if theirs else ["prompts"]
+    if mismatch or len(theirs) != len(records):
+        raise BadInput(f"--against {other}: another prompt set or settings ({', '.join(mismatch) or f'{len(theirs)} prompts, not {len(records)}'})")
+    drafter = theirs[0]["settings"]["drafter"]
+    out, lines = {}, [f"Against `{drafter}` (the same rows of {other}, paired over the {len(records)} prompts):", "",
+                      "| row | tokens per target forward here / there [95% CI] |", "| --- | --- |"]  # fmt: skip
+    for name in rows:
+        if name not in theirs[0]["rows"]:
+            continue
+        here = [(r["rows"][name]["new"], r["rows"][name]["steps"]) for r in records]
+        there = [(r["rows"][name]["new"], r["rows"][name]["steps"]) for r in theirs]
+        ratio = (sum(n for n, _ in here) / sum(s for _, s in here)) / (sum(n for n, _ in there) / sum(s for _, s in there))
+        out[name] = {"drafter": drafter, "ratio": ratio, "ratio_ci95": paired_ratio(here, there)}
+        lines.append(f"| `{name}` | {ratio:.3f} {_ci(out[name]['ratio_ci95'])} |")
+    return out, lines
+
+
 def _ci(values) -> str:
     return f"[{values[0]:.3f}, {values[-1]:.3f}]" if values else ""
 
@@ -154,6 +185,7 @@ def main() -> int:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", action="store_true", help="keep the prompts per_prompt.jsonl in --out already holds")
+    ap.add_argument("--against", type=Path, default=None, help="an earlier run's --out on the same prompts: each row's paired ratio to it")
     args = ap.parse_args()
 
     rows = [f"{k}@{t}" for k, t in (parse_row(r, args.tree) for r in (args.row or ROWS))]
@@ -202,13 +234,16 @@ def main() -> int:
             done.append(record)
 
     summary = summarize(rows, done)
+    extra: list[str] = []
+    if args.against is not None:
+        summary["against"], extra = against(rows, done, args.against, settings)
     machine = cpu_machine()
     head_line = (
         f"{loaded.target_path} target, drafter {args.drafter} ({loaded.kind}); {args.prompts} x {len(done)}, {args.max_new_tokens} new tokens, "
         f"greedy {args.dtype}; lookup n-grams {args.prompt_lookup_min}-{args.prompt_lookup_max}; {machine['cpu']} ({machine['capability']}), {machine['threads']} threads"
     )
     payload = {"settings": settings, "rows": rows, "machine": machine, "summary": summary, "command": sys.argv}
-    write_bench_results(out, payload, [head_line, "", *table(rows, summary)])
+    write_bench_results(out, payload, [head_line, "", *table(rows, summary), *([""] + extra if extra else [])])
     print(f"per prompt: {log_path}", file=sys.stderr)
     return 0
 

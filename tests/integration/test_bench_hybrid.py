@@ -60,6 +60,17 @@ def test_rows_decode_the_plain_output_and_a_run_resumes(head_run, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "b" / "per_prompt.jsonl").read_text().splitlines()]
     assert [r["index"] for r in records] == [0, 1]
 
+    # Against an earlier run of the same rows (here itself): every paired ratio is exactly 1.
+    common[-1] = tmp_path / "c"
+    proc = bench(*common, "--limit", 2, "--against", tmp_path / "b", "--row", "head", "--row", "suffix")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    versus = json.loads((tmp_path / "c" / "results.json").read_text())["summary"]["against"]
+    assert set(versus) == {"head@dynamic:3,2,6", "suffix@dynamic:3,2,6"}
+    assert all(v["ratio"] == 1.0 and v["ratio_ci95"] == [1.0, 1.0, 1.0] for v in versus.values())
+    assert "tokens per target forward here / there" in (tmp_path / "c" / "results.md").read_text()
+    wrong = bench(*common[:-1], tmp_path / "d", "--limit", 1, "--against", tmp_path / "b", "--row", "head")
+    assert wrong.returncode == 2 and "another prompt set or settings" in wrong.stderr
+
 
 def test_bad_rows_are_one_line(head_run, tmp_path):
     run, prompts = head_run
