@@ -622,8 +622,8 @@ def build_dynamic_tree_on_device(
     chosen = torch.sort(scores_all[1:], descending=True, stable=True).indices[:keep] + 1
     real = torch.isfinite(scores_all[chosen])
     # Real nodes first in creation order (topological), padding after them.
-    chosen = chosen[torch.sort(chosen + (~real).long() * created).indices]
-    real = torch.isfinite(scores_all[chosen])
+    order = torch.sort(chosen + (~real).long() * created).indices
+    chosen, real = chosen[order], real[order]
     kept = torch.cat([torch.zeros(1, **long), chosen])
     new_index = torch.full((created,), -1, **long)
     new_index[kept] = torch.arange(keep + 1, **long)
