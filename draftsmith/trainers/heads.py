@@ -17,6 +17,7 @@ gradient accumulation all give the loss (and gradient) of one big batch.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -84,11 +85,9 @@ def lookup_token_weights(input_ids: Tensor, segment_ids: Tensor, matcher: str, h
     weights = torch.ones(input_ids.shape, dtype=torch.float32)
     for b, (row, segments) in enumerate(zip(input_ids.tolist(), segment_ids.tolist())):
         start = 0
-        while start < len(row):
-            end = start
-            while end < len(row) and segments[end] == segments[start]:
-                end += 1
-            if segments[start] > 0:
+        for segment, run in itertools.groupby(segments):  # an example's tokens, or padding (0)
+            end = start + len(list(run))
+            if segment > 0:
                 hits = lookup_hits(row[start:end], make_matcher(matcher))
                 weights[b, start:end] = torch.tensor([hit_weight if hit else 1.0 for hit in hits])
             start = end
