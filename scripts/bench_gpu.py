@@ -159,7 +159,7 @@ def bench_shape(shape: str, device: torch.device, args) -> list[dict]:
         record("plain: transformers generate()", *time_generation(hf_greedy(), prompts, device), cache="transformers dynamic")
         hf_static = "transformers generate(), static cache" + (" + its torch.compile" if device.type == "cuda" else "")
         record(f"plain: {hf_static}", *time_generation(hf_greedy("static"), prompts, device), cache="transformers static")
-        for cache in CACHES:
+        for cache in args.caches:
             record(f"plain: draftsmith loop, {CACHE_NAMES[cache]}", *time_generation(own_plain(cache), prompts, device), cache=cache)
         plain = min(r["ms_per_step"] for r in rows)
 
@@ -178,7 +178,7 @@ def bench_shape(shape: str, device: torch.device, args) -> list[dict]:
         drafters["standalone (1-layer draft, chain of 4)"] = StandaloneDrafter(small, TreeSpec.chain(4))
         drafters["target drafting for itself (chain of 4)"] = StandaloneDrafter(target.model, TreeSpec.chain(4))
         for name, built in drafters.items():
-            for cache in CACHES:
+            for cache in args.caches:
                 # A draft model and an EAGLE head keep caches of their own: the target's kind in each row.
                 if isinstance(built, StandaloneDrafter):
                     drafter = StandaloneDrafter(built.model, built.tree, cache=cache)
@@ -260,6 +260,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=bounded(int, 1), default=128)
     p.add_argument("--new-tokens", type=bounded(int, 1), default=96)
     p.add_argument("--out", type=Path, default=None, help="Markdown table (and .json beside it); default: print only")
+    p.add_argument("--caches", nargs="+", choices=list(CACHES), default=list(CACHES), help="our rows on these caches (default both; static alone halves a GPU check's time)")
     p.add_argument("--profile", choices=list(DRAFTERS), default=None, help="also profile one generation with this head on the static cache (a table beside --out)")
     args = p.parse_args(argv)
     device = choose_device(args.device or "auto", "benchmark")

@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     p.add_argument("--share", nargs="*", default=[], metavar="STEP=FRACTION", help="a step's share of the budget instead of its default")
     p.add_argument("--gpu-tests", nargs="*", default=["tests/gpu"], help="what the gpu-tests step runs (files or test ids)")
     p.add_argument("--suite-tests", nargs="*", default=["tests/unit", "tests/integration"], help="what the suite step runs (files or test ids; @FILE: those listed in FILE)")
-    p.add_argument("--bench-args", default="--prompts 2 --new-tokens 48", help="arguments for scripts/bench_gpu.py (besides --out)")
+    p.add_argument("--bench-args", default="--prompts 1 --new-tokens 32 --caches static", help="arguments for scripts/bench_gpu.py (besides --out)")
     args = p.parse_args(argv)
     args.suite_tests = [t for item in args.suite_tests for t in (Path(item[1:]).read_text().split() if item.startswith("@") else [item])]
     out = Path(args.out)

@@ -115,6 +115,11 @@ def test_bench_gpu_times_every_drafter_kind_on_the_cpu(tmp_path):
     assert all(r["verification"] == "torch reference" and r["ms_per_step"] > 0 for r in rows)
     assert "| tiny | eagle3, nothing accepted, static cache |" in out.read_text()
     assert "host syncs" in (tmp_path / "bench-profile-tiny-eagle3.txt").read_text()
+    # --caches static: our rows on the static cache only (transformers' two plain rows stay).
+    argv = ["--device", "cpu", "--shapes", "tiny", "--prompts", "1", "--prompt-len", "8", "--new-tokens", "5", "--out", str(tmp_path / "s.md"), "--caches", "static"]
+    assert bench.main(argv) == 0
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert {r["cache"] for r in rows} == {"transformers dynamic", "transformers static", "static"} and len(rows) == 2 + 1 + 5
 
 
 def test_bench_gpu_train_times_eagle3_and_dflash_training_on_the_cpu(tmp_path):
