@@ -55,6 +55,7 @@ __all__ = [
     "StandaloneDrafter",
     "grow_dynamic_tree_on_device",
     "grow_static_tree",
+    "grow_static_tree_on_device",
     "grow_tree",
     "sample_without_replacement",
     "compact_cache",
@@ -212,6 +213,41 @@ def static_tree_on_device(spec: TreeSpec, root: int, levels: Tensor) -> Optional
     return DraftTree(tokens, parents, depths, num_nodes, known_max_depth=depth)
 
 
+# Per (spec, device): each level's frontier, its parents, the children it drafts with their rows and
+# ranks, and its widest rank, as device tensors; then the tree's parents, depths and size.
+_STATIC_LEVELS: dict = {}
+
+
+def grow_static_tree_on_device(spec: TreeSpec, root: int, level_logits: Callable[[LevelFrontier], Tensor], device) -> Optional[DraftTree]:
+    """Greedy drafting of the static tree ``spec`` by a drafter whose nodes condition on their
+    path and that expands a level held on the device (``HeadSession.expand_level``): the tree
+    ``grow_static_tree`` makes, node for node (spec order), with no host read; each level's
+    frontier is the spec's nodes of that depth that have children. None, before anything is
+    forwarded, where a rank is not below the vocabulary (grow_static_tree then leaves nodes out)."""
+    key = (spec, device)
+    plan = _STATIC_LEVELS.get(key)
+    if plan is None:
+        long = dict(dtype=torch.long, device=device)
+        levels = []
+        for depth in range(spec.max_depth):
+            frontier = [n for n in range(spec.num_nodes) if spec.depths[n] == depth and spec.children(n)]
+            kids = [(row, k) for row, n in enumerate(frontier) for k in spec.children(n)]
+            levels.append(tuple(torch.tensor(x, **long) for x in (
+                frontier, [spec.parents[n] for n in frontier], [k for _, k in kids], [row for row, _ in kids], [spec.ranks[k] for _, k in kids],
+            )) + (max(spec.ranks[k] for _, k in kids) + 1,))  # fmt: skip
+        shape = (torch.tensor([spec.parents], **long), torch.tensor([spec.depths], **long), torch.tensor([spec.num_nodes], **long))
+        plan = _STATIC_LEVELS[key] = (levels, *shape)
+    levels, parents, depths, num_nodes = plan
+    tokens = torch.full((spec.num_nodes,), int(root), dtype=torch.long, device=device)
+    for level, (nodes, node_parents, kids, rows, ranks, widest) in enumerate(levels, start=1):
+        logits = level_logits(LevelFrontier(level, nodes, node_parents, tokens[nodes]))
+        if level == 1 and max(spec.ranks) >= logits.shape[-1]:
+            return None
+        top = torch.topk(logits, widest, dim=-1).indices  # one top-k a level, as grow_static_tree
+        tokens = tokens.index_copy(0, kids, top[rows, ranks])
+    return DraftTree(tokens.unsqueeze(0), parents, depths, num_nodes, known_max_depth=spec.max_depth)
+
+
 def grow_tree(
     spec: Union[TreeSpec, DynamicTreeSpec, AdaptiveTreeSpec], state: "DraftState", node_logits: Callable[[Frontier], Tensor], device
 ) -> tuple[DraftTree, list[int]]:
@@ -367,8 +403,12 @@ class HeadDrafter:
             return _root_only(state.root, device)
         levels = self.session.level_logits() if isinstance(self.tree, TreeSpec) and not state.sampling.sampled else None
         tree = None if levels is None else static_tree_on_device(self.tree, state.root, levels)
-        if tree is None and isinstance(self.tree, DynamicTreeSpec) and self.session.levels_on_device:
-            tree = grow_dynamic_tree_on_device(self.tree, state, self.session.expand_level, device)
+        if tree is None and self.session.levels_on_device:
+            # A path-conditioned head on preallocated caches (EAGLE, EAGLE-3): the tree grows on the device.
+            if isinstance(self.tree, DynamicTreeSpec):
+                tree = grow_dynamic_tree_on_device(self.tree, state, self.session.expand_level, device)
+            elif isinstance(self.tree, TreeSpec) and not state.sampling.sampled:
+                tree = grow_static_tree_on_device(self.tree, state.root, self.session.expand_level, device)
         if tree is None:
             tree, _ = grow_tree(self.tree, state, self.session.expand, device)
         return tree

@@ -176,6 +176,10 @@ def test_a_head_on_preallocated_caches_drafts_what_it_drafts_on_growing_ones(tar
                 p.add_(torch.randn_like(p) * 0.05)
     head.eval()
     ids = torch.tensor([[5, 9, 14, 20, 7, 3]])
+
+    def no_host_expand(frontier):
+        raise AssertionError("a tree level was expanded on the host")
+
     for tree in (default_tree(4, (3, 2, 2, 1)), DynamicTreeSpec(depth=4, topk=3, budget=10)):
         runs = {}
         for cache in ("dynamic", "static"):
@@ -187,9 +191,9 @@ def test_a_head_on_preallocated_caches_drafts_what_it_drafts_on_growing_ones(tar
                 if cache == "static" and drafter.session.capacity and not sessions:
                     drafter.session._grow(drafter.session.decided + 12 if drafter.session.decided else 12)  # small: it must grow
                 sessions.append(drafter.session.capacity)
+                if cache == "static" and kind != "dflash":
+                    drafter.session.expand = no_host_expand  # EAGLE's trees, static and dynamic, grow on the device
                 proposed.append(propose(state))
-                if cache == "static" and kind != "dflash" and isinstance(tree, DynamicTreeSpec) and proposed[-1].size > 1:
-                    assert proposed[-1].known_depth_bound == tree.depth  # grown on the device (build_dynamic_tree_on_device)
                 return proposed[-1]
 
             drafter.propose = recording
@@ -246,16 +250,18 @@ def test_a_forward_that_cannot_be_captured_is_one_note_and_none(monkeypatch, cap
     assert err.count("\n") == 1 and "note: the target's forward: CUDA graph capture failed (RuntimeError: operation not permitted" in err
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_a_tree_grown_on_the_device_stays_there(kind):
-    """The static-cache path an EAGLE head takes on CUDA (its dynamic tree grown on the device,
-    the step's one read its verdict) under SimulatedDevice: no operation mixes a host tensor
-    with a device one, and the output is the dynamic cache's."""
+@pytest.mark.parametrize("kind,shape", [("eagle", "dynamic"), ("eagle3", "dynamic"), ("eagle3", "static")])
+def test_a_tree_grown_on_the_device_stays_there(kind, shape):
+    """The static-cache path an EAGLE head takes on CUDA (its dynamic or static tree grown on the
+    device, the step's one read its verdict) under SimulatedDevice: no operation mixes a host
+    tensor with a device one, and the output is the dynamic cache's."""
     from draftsmith.heads.eagle import EagleConfig, EagleHead
     from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
     from draftsmith.runtime.drafters import HeadDrafter
-    from draftsmith.runtime.tree import DynamicTreeSpec
+    from draftsmith.runtime.tree import DynamicTreeSpec, default_tree
     from draftsmith.testing import SimulatedDevice
+
+    spec = DynamicTreeSpec(depth=4, topk=3, budget=10) if shape == "dynamic" else default_tree(4, (3, 2, 2, 1))
 
     device, outputs = torch.device("cpu"), {}
     for cache in ("dynamic", "static"):
@@ -267,7 +273,7 @@ def test_a_tree_grown_on_the_device_stays_there(kind):
             else:
                 head = Eagle3Head(Eagle3Config(depth=4, train_depth=4, draft_vocab_size=64, aux_layer_ids=[1, 2, 3]), target.dims)
                 head.init_from_target(target)
-            drafter = HeadDrafter(head.to(device).eval(), target, DynamicTreeSpec(depth=4, topk=3, budget=10), cache=cache)
+            drafter = HeadDrafter(head.to(device).eval(), target, spec, cache=cache)
             out, stats = speculative_generate(target, drafter, torch.tensor([[5, 9, 14, 20, 7, 3]]), 24, cache=cache)
         assert guard.checked > 200
         outputs[cache] = (out.tolist(), stats.accept_lens)

@@ -288,6 +288,49 @@ def test_dynamic_tree_on_device_pads_when_few_candidates_live():
     assert int(tree.num_nodes[0]) == 5 and tree.size == 11
 
 
+def test_a_static_tree_grown_on_the_device_is_the_host_tree():
+    """grow_static_tree_on_device against grow_static_tree (greedy), with logits that depend on
+    each node's whole path: the same tokens node for node; None, before any expansion, when a
+    rank is not below the vocabulary."""
+    from draftsmith.runtime.drafters import grow_static_tree, grow_static_tree_on_device
+    from draftsmith.runtime.verify import GREEDY
+
+    V = 9
+    table = torch.randn(V, V, generator=torch.Generator().manual_seed(3))
+    spec = default_tree(4, (3, 2, 2, 1))
+
+    def host_logits(frontier: Frontier):
+        rows = []
+        for n in frontier.nodes:
+            path, m = [], n
+            while m >= 0:
+                path.append(frontier.tokens[m])
+                m = frontier.parents[m]
+            rows.append(table[path[0]] + 0.1 * len(path) * table[sum(path) % V])  # depends on the path, not the token alone
+        return torch.stack(rows)
+
+    tokens_of = {}  # the device version's tokens per spec node, kept to rebuild each path
+
+    def device_logits(level: LevelFrontier):
+        rows = []
+        for node, parent, token in zip(level.nodes.tolist(), level.parents.tolist(), level.tokens.tolist()):
+            tokens_of[node] = token
+            path, m = [], node
+            while m >= 0:
+                path.append(tokens_of[m])
+                m = spec.parents[m]
+            rows.append(table[path[0]] + 0.1 * len(path) * table[sum(path) % V])
+        return torch.stack(rows)
+
+    host, _ = grow_static_tree(spec, 4, host_logits, GREEDY)
+    device = grow_static_tree_on_device(spec, 4, device_logits, torch.device("cpu"))
+    assert device.tokens.tolist() == host.tokens.tolist() and device.parents.tolist() == host.parents.tolist()
+    assert device.max_depth == host.max_depth == 4
+    calls = []
+    assert grow_static_tree_on_device(TreeSpec.from_choices([(0,), (12,)]), 4, lambda f: calls.append(f) or torch.zeros(1, V), torch.device("cpu")) is None
+    assert len(calls) == 1  # only the root's logits were asked for
+
+
 def test_dynamic_tree_on_device_level_shapes_are_fixed():
     """Every level past the first expands exactly topk nodes (CUDA graphs replay one shape)."""
     table = torch.log_softmax(torch.randn(9, 9), dim=-1)
