@@ -108,11 +108,10 @@ def summarize(rows: list[str], records: list[dict]) -> dict:
     return out
 
 
-def against(rows: list[str], records: list[dict], other: Path, settings: dict) -> tuple[dict, list[str]]:
-    """Each row's tokens per target forward over the same row of the run in ``other``, paired over
-    prompts (prompt index for prompt index); the Markdown lines that say it."""
+def read_against(other: Path, settings: dict) -> list[dict]:
+    """The per-prompt records of the earlier run in ``other``, refused in one line unless it holds
+    the same prompts and settings (checked before anything is decoded)."""
     from draftsmith.cli import BadInput
-    from draftsmith.eval.acceptance import paired_ratio
 
     path = other / "per_prompt.jsonl"
     if not path.exists():
@@ -120,8 +119,19 @@ def against(rows: list[str], records: list[dict], other: Path, settings: dict) -
     theirs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     same = ("prompts", "limit", "max_new_tokens", "prompt_lookup_min", "prompt_lookup_max")
     mismatch = [k for k in same if {"dtype": "float32", **theirs[0]["settings"]}.get(k) != settings[k]] if theirs else ["prompts"]
-    if mismatch or len(theirs) != len(records):
-        raise BadInput(f"--against {other}: another prompt set or settings ({', '.join(mismatch) or f'{len(theirs)} prompts, not {len(records)}'})")
+    if mismatch:
+        raise BadInput(f"--against {other}: another prompt set or settings ({', '.join(mismatch)})")
+    return theirs
+
+
+def against(rows: list[str], records: list[dict], theirs: list[dict], other: Path) -> tuple[dict, list[str]]:
+    """Each row's tokens per target forward over the same row of the earlier run ``theirs`` (read
+    from ``other``), paired over prompts (prompt index for prompt index); the Markdown lines."""
+    from draftsmith.cli import BadInput
+    from draftsmith.eval.acceptance import paired_ratio
+
+    if len(theirs) != len(records):
+        raise BadInput(f"--against {other}: it holds {len(theirs)} prompts, this run {len(records)} (an interrupted run? finish it with --resume)")
     drafter = theirs[0]["settings"]["drafter"]
     out, lines = {}, [f"Against `{drafter}` (the same rows of {other}, paired over the {len(records)} prompts):", "",
                       "| row | tokens per target forward here / there [95% CI] |", "| --- | --- |"]  # fmt: skip
@@ -203,6 +213,7 @@ def main() -> int:
         if done and ({"dtype": "float32", **done[0]["settings"]} != settings or set(done[0]["rows"]) != set(rows)):
             raise BadInput(f"{log_path} was written with other settings or rows: {done[0]['settings']}, {sorted(done[0]['rows'])}")
 
+    theirs = read_against(args.against, settings) if args.against is not None else None
     if args.drafter in LOOKUP_KINDS:
         raise BadInput(f"--drafter {args.drafter}: a trained head is needed (lookup rows are --row lookup / suffix)")
     torch.manual_seed(0)
@@ -235,8 +246,8 @@ def main() -> int:
 
     summary = summarize(rows, done)
     extra: list[str] = []
-    if args.against is not None:
-        summary["against"], extra = against(rows, done, args.against, settings)
+    if theirs is not None:
+        summary["against"], extra = against(rows, done, theirs, args.against)
     machine = cpu_machine()
     head_line = (
         f"{loaded.target_path} target, drafter {args.drafter} ({loaded.kind}); {args.prompts} x {len(done)}, {args.max_new_tokens} new tokens, "

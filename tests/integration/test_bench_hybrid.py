@@ -69,7 +69,10 @@ def test_rows_decode_the_plain_output_and_a_run_resumes(head_run, tmp_path):
     assert all(v["ratio"] == 1.0 and v["ratio_ci95"] == [1.0, 1.0, 1.0] for v in versus.values())
     assert "tokens per target forward here / there" in (tmp_path / "c" / "results.md").read_text()
     wrong = bench(*common[:-1], tmp_path / "d", "--limit", 1, "--against", tmp_path / "b", "--row", "head")
-    assert wrong.returncode == 2 and "another prompt set or settings" in wrong.stderr
+    assert wrong.returncode == 2 and "another prompt set or settings (limit)" in wrong.stderr
+    assert not (tmp_path / "d").exists()  # refused before anything was decoded
+    missing = bench(*common[:-1], tmp_path / "e", "--limit", 2, "--against", tmp_path / "nope", "--row", "head")
+    assert missing.returncode == 2 and "no per_prompt.jsonl there" in missing.stderr and "Traceback" not in missing.stderr
 
 
 def test_bad_rows_are_one_line(head_run, tmp_path):
