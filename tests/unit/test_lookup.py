@@ -8,7 +8,7 @@ import torch
 
 from draftsmith.runtime.drafters import DrafterError, DraftState
 from draftsmith.runtime.lookup import LookupDrafter, PromptLookup, SuffixMatcher, make_matcher
-from draftsmith.runtime.tree import AdaptiveTreeSpec, Candidates, DynamicTreeSpec, Frontier, TreeError, TreeSpec, build_scored_tree, parse_tree, tree_shape
+from draftsmith.runtime.tree import AdaptiveTreeSpec, Candidates, DynamicTreeSpec, TreeError, TreeSpec, build_scored_tree, parse_tree, tree_shape
 
 
 def _propose(drafter, text):
