@@ -184,9 +184,20 @@ def grow_static_tree(
     return DraftTree.from_lists(tokens, parents, draft_probs=draft_probs, device=device), spec_ids
 
 
-# Per (spec, device): (spec node depth - 1 and rank of every drafted node, parents, depths, num_nodes)
-# on the device, made once: a static tree's shape never changes between steps.
+# Per (spec, device), made once (a static tree's shape never changes between steps): the tree's
+# parents [1,N], depths [1,N] and size [1] on the device, and what each device drafting adds to them.
+_SHAPES: dict = {}
 _STATIC_SHAPES: dict = {}
+_STATIC_LEVELS: dict = {}
+
+
+def _shape_on(spec: TreeSpec, device) -> tuple[Tensor, Tensor, Tensor]:
+    """(parents [1,N], depths [1,N], num_nodes [1]) of ``spec`` as long tensors on ``device``."""
+    key = (spec, device)
+    if key not in _SHAPES:
+        long = dict(dtype=torch.long, device=device)
+        _SHAPES[key] = (torch.tensor([spec.parents], **long), torch.tensor([spec.depths], **long), torch.tensor([spec.num_nodes], **long))
+    return _SHAPES[key]
 
 
 def static_tree_on_device(spec: TreeSpec, root: int, levels: Tensor) -> Optional[DraftTree]:
@@ -200,22 +211,13 @@ def static_tree_on_device(spec: TreeSpec, root: int, levels: Tensor) -> Optional
         return None
     device = levels.device
     key = (spec, device)
-    shape = _STATIC_SHAPES.get(key)
-    if shape is None:
+    if key not in _STATIC_SHAPES:
         long = dict(dtype=torch.long, device=device)
-        shape = _STATIC_SHAPES[key] = (
-            torch.tensor([d - 1 for d in spec.depths[1:]], **long), torch.tensor(spec.ranks[1:], **long),
-            torch.tensor([spec.parents], **long), torch.tensor([spec.depths], **long), torch.tensor([spec.num_nodes], **long),
-        )  # fmt: skip
-    level, rank, parents, depths, num_nodes = shape
+        _STATIC_SHAPES[key] = (torch.tensor([d - 1 for d in spec.depths[1:]], **long), torch.tensor(spec.ranks[1:], **long))
+    level, rank = _STATIC_SHAPES[key]
     top = torch.topk(levels[:depth], widest, dim=-1).indices  # [depth, widest]
     tokens = torch.cat([torch.full((1,), root, dtype=torch.long, device=device), top[level, rank]]).unsqueeze(0)
-    return DraftTree(tokens, parents, depths, num_nodes, known_max_depth=depth)
-
-
-# Per (spec, device): each level's frontier, its parents, the children it drafts with their rows and
-# ranks, and its widest rank, as device tensors; then the tree's parents, depths and size.
-_STATIC_LEVELS: dict = {}
+    return DraftTree(tokens, *_shape_on(spec, device), known_max_depth=depth)
 
 
 def grow_static_tree_on_device(spec: TreeSpec, root: int, level_logits: Callable[[LevelFrontier], Tensor], device) -> Optional[DraftTree]:
@@ -225,8 +227,7 @@ def grow_static_tree_on_device(spec: TreeSpec, root: int, level_logits: Callable
     frontier is the spec's nodes of that depth that have children. None, before anything is
     forwarded, where a rank is not below the vocabulary (grow_static_tree then leaves nodes out)."""
     key = (spec, device)
-    plan = _STATIC_LEVELS.get(key)
-    if plan is None:
+    if key not in _STATIC_LEVELS:  # per level: its frontier, their parents, the children it drafts with their rows and ranks, the widest rank
         long = dict(dtype=torch.long, device=device)
         levels = []
         for depth in range(spec.max_depth):
@@ -235,17 +236,15 @@ def grow_static_tree_on_device(spec: TreeSpec, root: int, level_logits: Callable
             levels.append(tuple(torch.tensor(x, **long) for x in (
                 frontier, [spec.parents[n] for n in frontier], [k for _, k in kids], [row for row, _ in kids], [spec.ranks[k] for _, k in kids],
             )) + (max(spec.ranks[k] for _, k in kids) + 1,))  # fmt: skip
-        shape = (torch.tensor([spec.parents], **long), torch.tensor([spec.depths], **long), torch.tensor([spec.num_nodes], **long))
-        plan = _STATIC_LEVELS[key] = (levels, *shape)
-    levels, parents, depths, num_nodes = plan
+        _STATIC_LEVELS[key] = levels
     tokens = torch.full((spec.num_nodes,), int(root), dtype=torch.long, device=device)
-    for level, (nodes, node_parents, kids, rows, ranks, widest) in enumerate(levels, start=1):
+    for level, (nodes, node_parents, kids, rows, ranks, widest) in enumerate(_STATIC_LEVELS[key], start=1):
         logits = level_logits(LevelFrontier(level, nodes, node_parents, tokens[nodes]))
         if level == 1 and max(spec.ranks) >= logits.shape[-1]:
             return None
         top = torch.topk(logits, widest, dim=-1).indices  # one top-k a level, as grow_static_tree
         tokens = tokens.index_copy(0, kids, top[rows, ranks])
-    return DraftTree(tokens.unsqueeze(0), parents, depths, num_nodes, known_max_depth=spec.max_depth)
+    return DraftTree(tokens.unsqueeze(0), *_shape_on(spec, device), known_max_depth=spec.max_depth)
 
 
 def grow_tree(
