@@ -117,15 +117,15 @@ def depth_loss(
             target = labels[..., k - 1][rows]
             w = None if label_weights is None else label_weights[..., k - 1][rows].to(dtype)
 
+            def mean(each: Tensor) -> Tensor:  # over the depth's positions, weighted where label_weights says
+                return each.mean() if w is None else (each * w).sum() / w.sum().clamp_min(torch.finfo(dtype).tiny)
+
             def hard_ce() -> Tensor:
-                if w is None:
-                    return F.cross_entropy(logits, target)
-                return (F.cross_entropy(logits, target, reduction="none") * w).sum() / w.sum().clamp_min(torch.finfo(dtype).tiny)
+                return F.cross_entropy(logits, target) if w is None else mean(F.cross_entropy(logits, target, reduction="none"))
 
             if soft_targets is not None:
                 probs = soft_targets(k, rows, logits).to(dtype)
-                each = -(probs * torch.log_softmax(logits, dim=-1)).sum(-1)
-                depth_ce = each.mean() if w is None else (each * w).sum() / w.sum().clamp_min(torch.finfo(dtype).tiny)
+                depth_ce = mean(-(probs * torch.log_softmax(logits, dim=-1)).sum(-1))
             else:
                 depth_ce = hard_ce()
             term = ce_weight * depth_ce
@@ -195,8 +195,9 @@ class HeadSession:
 
     @property
     def levels_on_device(self) -> bool:
-        """Whether ``expand_level`` serves: an EAGLE-2 tree can then grow on the device
-        (``runtime.tree.build_dynamic_tree_on_device``) without a host read per level."""
+        """Whether ``expand_level`` serves: an EAGLE-2 tree (``runtime.tree.build_dynamic_tree_on_device``)
+        or a greedy static tree (``runtime.drafters.grow_static_tree_on_device``) can then grow on the
+        device without a host read per level."""
         return False
 
     def expand_level(self, frontier: Any) -> Tensor:

@@ -80,7 +80,7 @@ class Eagle3Config(LayerShape):
     out_of_vocab: str = "skip"
     # Train for what lookup misses (issue 33, an experiment): an answer token that the lookup
     # drafter `lookup_matcher` ("suffix" or "lookup") would have proposed from the text before it
-    # counts lookup_hit_weight as a label instead of 1 (runtime.lookup.lookup_token_weights), so
+    # counts lookup_hit_weight as a label instead of 1 (trainers.heads.lookup_token_weights), so
     # the head spends itself where a hybrid's lookup half cannot help. 1 is off.
     lookup_hit_weight: float = 1.0
     lookup_matcher: str = "suffix"

@@ -561,12 +561,13 @@ def build_dynamic_tree(
 
 @dataclass
 class LevelFrontier:
-    """What build_dynamic_tree_on_device asks ``expand`` about: the nodes of one level, on the device.
+    """What a tree grown on the device asks ``expand`` about: the nodes of one level, on the device.
 
-    ``level``: 1 expands the root, L expands nodes of depth L-1. ``nodes`` [F]: their creation ids
-    (ascending); ``parents`` [F]: their parents' ids (-1 for the root); ``tokens`` [F]. From level 2
-    on F is always ``topk``: where fewer nodes are worth expanding, the rest are nodes of score
-    -inf, whose children are never kept.
+    ``level``: 1 expands the root, L expands nodes of depth L-1, whose parents are nodes of the
+    level before. ``nodes`` [F]: their ids, ascending (build_dynamic_tree_on_device's creation ids;
+    spec node ids for grow_static_tree_on_device); ``parents`` [F]: their parents' ids (-1 for the
+    root); ``tokens`` [F]. In a dynamic tree F is always ``topk`` from level 2 on: where fewer nodes
+    are worth expanding, the rest are nodes of score -inf, whose children are never kept.
     """
 
     level: int
