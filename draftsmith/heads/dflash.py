@@ -20,18 +20,20 @@ Slot k is draft depth k whatever the other slots hold, so a chain and a product 
 slot's top candidates verify alike (as Medusa's heads do), from one draft forward per step.
 
 Auxiliary layer ids follow vLLM's capture convention, as EAGLE-3's do (id L = the input of decoder
-layer L), default (2, N//2, N-3): the two heads share one feature cache. vLLM's
-``dflash_config.target_layer_ids`` are these ids minus one.
+layer L), default (2, N//2, N-3): the two heads share one feature cache. ``aux_layer_rule:
+per_draft_layer`` takes z-lab's and SpecForge's instead, one target layer per draft layer
+(``per_draft_layer_ids``). vLLM's ``dflash_config.target_layer_ids`` are these ids minus one.
 
 Training: anchors at answer tokens, up to ``max_anchors`` per row drawn without replacement (all of
-them when there are fewer), as speculators and SpecForge draw them; each block's slots are scored
-by cross-entropy against the data tokens, weighted per slot by D-PACE, exponential decay or
-uniformly (``dpace_weights``, ``decay_weights``), summed and divided by the number of scored slots
-(``block_loss``). The labels differ from speculators' on purpose where the data is not the
-target's: speculators 0.9.0 scores each slot against the target's argmax there (its ``ce`` loss,
-the DFlash default; ``kl_div`` against the target's whole distribution). With ``data.regenerate``
-the answers are the target's own greedy tokens, and the two labels coincide but where batched
-regeneration rounds a near-tie the other way.
+them when there are fewer), as speculators and SpecForge draw them; by default any answer token
+whose block has a scored slot, with ``anchors: full_block`` only those whose every slot is scored
+(the references leave the last block of a row out). Each block's slots are scored by cross-entropy
+against the data tokens (z-lab, SpecForge), or with ``labels: target_argmax`` against the target's
+greedy token at each slot (speculators 0.9.0's ``ce`` loss, its DFlash default); with
+``data.regenerate`` the answers are the target's own greedy tokens, and the two coincide but where
+batched regeneration rounds a near-tie the other way. Slots are weighted by D-PACE, exponential
+decay or uniformly (``dpace_weights``, ``decay_weights``), summed and divided by the number of
+scored slots (``block_loss``).
 
 Shapes: B batch, T positions, N anchors, S = block_size, K = S - 1 drafted slots, V vocabulary,
 D hidden size.
@@ -69,8 +71,12 @@ class DFlashConfig(LayerShape):
     # Qwen3 decoder layers (speculators and z-lab: 5).
     num_layers: int = 5
     # The target's auxiliary hidden states, vLLM's convention as for EAGLE-3 (id L = input of
-    # decoder layer L); empty: (2, N//2, N-3) of an N-layer target.
+    # decoder layer L); empty: chosen by aux_layer_rule.
     aux_layer_ids: list[int] = field(default_factory=list)
+    # What an empty aux_layer_ids means. "eagle3": the engines' (2, N//2, N-3), EAGLE-3's layers (one
+    # feature cache serves both heads); "per_draft_layer": z-lab's and SpecForge's, one target layer
+    # per draft layer spread over the target, the middle one for a one-layer draft.
+    aux_layer_rule: Literal["eagle3", "per_draft_layer"] = "eagle3"
     # The token id of the mask slots, a row of the target's embedding; -1: chosen at the start of
     # training, a row no text produces or a special token the data never holds (``choose_mask_token``).
     mask_token_id: int = -1
@@ -84,6 +90,14 @@ class DFlashConfig(LayerShape):
     draft_vocab_size: int = 0
     # Blocks trained per row, anchored at answer tokens drawn without replacement.
     max_anchors: int = 512
+    # Which answer tokens may anchor a block. "scored": any whose block has a scored slot, the
+    # example's last blocks included; "full_block": only those whose every slot is scored, so no
+    # block runs past its example's end (speculators and SpecForge).
+    anchors: Literal["scored", "full_block"] = "scored"
+    # What a slot is scored against. "data": the data's token (z-lab, SpecForge); "target_argmax":
+    # the target's greedy token there, given the data before it (speculators' ``ce``). With
+    # data.regenerate the two differ only where batched regeneration rounds a near-tie.
+    labels: Literal["data", "target_argmax"] = "data"
     # Per-slot loss weights: D-PACE (speculators' default), exp(-(k-1)/decay_gamma) (SpecForge), or 1.
     loss_weighting: Literal["dpace", "exp", "uniform"] = "dpace"
     # D-PACE's smoothing: a slot's confidence is (1 - alpha) * p(label) + alpha.
@@ -106,11 +120,23 @@ class DFlashConfig(LayerShape):
     def resolve_draft(self, dims: TargetDims) -> None:
         """Fill aux_layer_ids for this target (in place) and check what must fit it."""
         V = dims.vocab_size
-        self.aux_layer_ids = resolve_aux_layer_ids(self.aux_layer_ids, dims.num_layers)
+        ids = self.aux_layer_ids
+        if not ids and self.aux_layer_rule == "per_draft_layer":
+            ids = per_draft_layer_ids(dims.num_layers, self.num_layers)
+        self.aux_layer_ids = resolve_aux_layer_ids(ids, dims.num_layers)
         if self.mask_token_id >= V:
             raise ValueError(f"recipe key 'head.mask_token_id'={self.mask_token_id} is outside the target's vocabulary of {V} (ids 0..{V - 1})")
         if self.draft_vocab_size > V:
             raise ValueError(f"recipe key 'head.draft_vocab_size'={self.draft_vocab_size} is larger than the target's vocabulary of {V}")
+
+
+def per_draft_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's (and SpecForge's) choice of target layers, one per draft layer, in vLLM's capture
+    convention: a one-layer draft reads the output of layer N//2; n layers read the outputs of
+    layers round(1 + i (N - 4) / (n - 1)), i = 0..n-1, from layer 1 to layer N-3."""
+    N, n = num_target_layers, num_draft_layers
+    outputs = [N // 2] if n == 1 else [round(1 + i * (N - 4) / (n - 1)) for i in range(n)]
+    return [o + 1 for o in outputs]
 
 
 # ----------------------------------------------------------------------------- losses
@@ -148,6 +174,25 @@ def block_loss(ce: Tensor, trained: Tensor, weights: Tensor) -> Tensor:
     dtype = torch.promote_types(ce.dtype, torch.float32)
     terms = torch.where(trained, weights.to(dtype) * ce.to(dtype), torch.zeros((), dtype=dtype, device=ce.device))
     return terms.sum() / trained.sum().clamp_min(1)
+
+
+def target_argmax_labels(features: TargetFeatures, labels: Tensor, valid: Tensor, chunk: int = 512) -> Tensor:
+    """labels [B,T,K] with every valid one replaced by the target's greedy token there: depth k at
+    position t is the argmax of the target's logits at position t + k (its guess of x_{t+1+k} from
+    the data before it). Only the positions some valid label reads are projected, `chunk` at a time."""
+    B, T, K = labels.shape
+    needed = torch.zeros(B, T, dtype=torch.bool, device=labels.device)
+    for k in range(1, K + 1):
+        needed[:, k:] |= valid[:, : T - k, k - 1]
+    with torch.no_grad():
+        rows = features.final_hidden[needed]
+        best = torch.cat([features.lm_head(part).argmax(-1) for part in rows.split(chunk)]) if rows.shape[0] else rows.new_zeros(0, dtype=torch.long)
+        greedy = torch.zeros(B, T, dtype=labels.dtype, device=labels.device)
+        greedy[needed] = best.to(labels.dtype)
+    out = labels.clone()
+    for k in range(1, K + 1):
+        out[:, : T - k, k - 1] = torch.where(valid[:, : T - k, k - 1], greedy[:, k:], labels[:, : T - k, k - 1])
+    return out
 
 
 def sample_anchors(eligible: Tensor, max_anchors: int) -> Tensor:
@@ -409,9 +454,12 @@ class DFlashHead(DraftHead):
         B, T = ids.shape
         K = self.depth
         labels, valid = depth_labels(ids, loss_mask, K, segment_ids)  # [B,T,K]: x_{t+1+k} and whether it is scored
+        if self.cfg.labels == "target_argmax":
+            labels = target_argmax_labels(features, labels, valid)
         trained_token = torch.ones_like(ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
         eligible = torch.zeros_like(trained_token)
-        eligible[:, :-1] = trained_token[:, 1:] & valid[:, :-1].any(-1)
+        scored_block = valid[:, :-1].all(-1) if self.cfg.anchors == "full_block" else valid[:, :-1].any(-1)
+        eligible[:, :-1] = trained_token[:, 1:] & scored_block
         anchors = sample_anchors(eligible, self.cfg.max_anchors) if self.training else sample_anchors(eligible, T)
         kv, allowed = self._context_of(features, segment_ids)
         out = self._blocks_at(features, kv, allowed, anchors)[:, :, 1:]  # [B,N,K,D]
@@ -528,5 +576,5 @@ class DFlashSession(BufferedSession):
 
 __all__ = [
     "ANCHOR_CHUNK", "DFlashConfig", "DFlashHead", "DFlashSession", "block_loss", "choose_mask_token", "decay_weights",
-    "dpace_weights", "sample_anchors",
+    "dpace_weights", "per_draft_layer_ids", "sample_anchors", "target_argmax_labels",
 ]  # fmt: skip

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.heads import HEADS
-from draftsmith.heads.dflash import DFlashConfig, DFlashHead, block_loss, choose_mask_token, decay_weights, dpace_weights, sample_anchors
+from draftsmith.heads.dflash import (
+    DFlashConfig, DFlashHead, block_loss, choose_mask_token, decay_weights, dpace_weights, per_draft_layer_ids, sample_anchors,
+)  # fmt: skip
 from draftsmith.target import FrozenTarget
 from draftsmith.testing import tiny_causal_lm
 
@@ -158,25 +160,36 @@ def test_dpace_weights_are_their_definition():
     torch.testing.assert_close(decay_weights(3, None), torch.ones(3))
 
 
-@pytest.mark.parametrize("weighting", ["dpace", "exp", "uniform"])
-def test_loss_is_the_per_block_reference(target, weighting):
-    """Blocks at every answer token with a scored slot (fewer than max_anchors), slot k scored
-    against x_{t+1+k} where it is an answer token; sum of weight x cross-entropy / scored slots."""
-    head = random_head(target, loss_weighting=weighting, dpace_alpha=0.4, decay_gamma=2.0, block_size=4)
+@pytest.mark.parametrize(
+    "weighting, anchors, labels",
+    [("dpace", "scored", "data"), ("exp", "scored", "data"), ("uniform", "scored", "data"), ("dpace", "full_block", "data"), ("exp", "scored", "target_argmax")],
+)
+def test_loss_is_the_per_block_reference(target, weighting, anchors, labels):
+    """Blocks at every answer token with a scored slot (with anchors full_block: every slot
+    scored), fewer than max_anchors; slot k scored against x_{t+1+k} where it is an answer token
+    (with labels target_argmax: against the target's greedy guess of it from x_0..x_{t+k}); sum of
+    weight x cross-entropy / scored slots."""
+    head = random_head(target, loss_weighting=weighting, dpace_alpha=0.4, decay_gamma=2.0, block_size=4, anchors=anchors, labels=labels)
     ids = torch.randint(3, V - 1, (2, 12), generator=torch.Generator().manual_seed(6))
     mask = torch.zeros_like(ids)
     mask[0, 4:] = 1
     mask[1, 2:7] = 1  # an answer that ends inside the row: the last blocks are scored in part
     loss, stats = head.loss(target.features(ids, layers=head.required_layers()), mask)
     K = head.depth
+    with torch.no_grad():
+        greedy = target.model(ids).logits.argmax(-1)  # [2,12]: position j's guess of x_{j+1}
+    label_of = (lambda b, j: greedy[b, j - 1 : j]) if labels == "target_argmax" else (lambda b, j: ids[b, j : j + 1])
+    assert labels == "data" or bool((greedy[:, :-1] != ids[:, 1:]).any())  # the two labels differ here
+    blocks = 0
     total, slots, per_slot = 0.0, 0, [0] * K
     for b in range(2):
         for t in range(11):
             scored = [t + 1 + k < 12 and bool(mask[b, t + 1 + k]) for k in range(1, K + 1)]
-            if not (mask[b, t + 1] and any(scored)):
-                continue  # an anchor is an answer token with at least one scored slot
+            if not (mask[b, t + 1] and (all(scored) if anchors == "full_block" else any(scored))):
+                continue  # an anchor is an answer token with at least one scored slot (full_block: all)
+            blocks += 1
             logits = reference_block(head, target.model, ids[b, : t + 1].tolist(), int(ids[b, t + 1]))
-            ce = [float(F.cross_entropy(logits[k : k + 1], ids[b, t + 2 + k : t + 3 + k])) if scored[k] else 0.0 for k in range(K)]
+            ce = [float(F.cross_entropy(logits[k : k + 1], label_of(b, t + 2 + k))) if scored[k] else 0.0 for k in range(K)]
             if weighting == "dpace":
                 s = [(0.6 * math.exp(-ce[k]) + 0.4) if scored[k] else 1.0 for k in range(K)]
                 P = [math.prod(s[: k + 1]) for k in range(K)]
@@ -190,6 +203,9 @@ def test_loss_is_the_per_block_reference(target, weighting):
                     per_slot[k] += 1
     assert stats["count"].tolist() == per_slot
     assert float(loss.detach()) == pytest.approx(total / slots, rel=1e-9)
+    # Row 0's answer (4..11) runs to the row's end, row 1's (2..6) ends inside it; block anchors
+    # t..t+3: full blocks end by the answer's last token, t <= 7 and t <= 2, scored ones t <= 9, 4.
+    assert blocks == (5 + 2 if anchors == "full_block" else 7 + 4)
 
 
 def test_block_loss_keeps_the_graph_when_nothing_is_trained():
@@ -262,6 +278,23 @@ def test_registered_with_eagle3s_layer_convention(target):
     assert head.depth == 7 and head.cfg.head_dim == H // 4 and head.cfg.num_layers == 5
     assert {n for n, _ in head.named_parameters()} >= {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.4.self_attn.k_norm.weight"}
     assert not any(n.startswith(("lm_head", "embed")) for n in head.state_dict())
+
+
+def test_per_draft_layer_rule_reads_z_labs_layers(target):
+    """z-lab's and SpecForge's rule, in vLLM's capture ids (their 0-based layer outputs + 1): their
+    Qwen3-8B draft (36 layers, 5 draft layers) reads outputs 1, 9, 17, 25, 33; one draft layer reads
+    the middle layer's output."""
+    assert per_draft_layer_ids(36, 5) == [2, 10, 18, 26, 34]
+    assert per_draft_layer_ids(30, 1) == [16] and per_draft_layer_ids(8, 2) == [2, 6]
+    eight = FrozenTarget(tiny_causal_lm("llama", vocab_size=V, hidden_size=H, num_layers=8, seed=0))
+    one = DFlashHead(DFlashConfig(mask_token_id=0, num_layers=1, aux_layer_rule="per_draft_layer"), eight.dims)
+    assert one.cfg.aux_layer_ids == [5] and one.required_layers() == [4] and one.fc.in_features == H
+    assert DFlashHead(DFlashConfig(mask_token_id=0, num_layers=2, aux_layer_rule="per_draft_layer"), eight.dims).cfg.aux_layer_ids == [2, 6]
+    # Explicit ids win over the rule.
+    assert DFlashHead(DFlashConfig(mask_token_id=0, num_layers=1, aux_layer_rule="per_draft_layer", aux_layer_ids=[3]), eight.dims).cfg.aux_layer_ids == [3]
+    # A draft deeper than the target has room for: the rule's ids collide, refused in one line.
+    with pytest.raises(ValueError, match=r"recipe key 'head.aux_layer_ids' must name one or more distinct layers"):
+        DFlashHead(DFlashConfig(mask_token_id=0, num_layers=3, aux_layer_rule="per_draft_layer"), target.dims)
 
 
 def test_bad_configurations_fail_in_one_line(target):
