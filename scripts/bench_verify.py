@@ -13,7 +13,8 @@ greedy mode and are drawn without replacement from the draft distribution in sam
 
 Each cell times the whole public call (`fused_verify` vs `verify`: preprocessing, allocations and
 the one host sync both make for the path length) with CUDA events after warm-up, and reports the
-median. Before timing, each cell checks that both give the same result (greedy: identical;
+median; `fused_verify` also with a `VerifyWorkspace`, as the decoding loop calls it (its buffers
+made once, no allocation per call). Before timing, each cell checks that both give the same result (greedy: identical;
 sampling: same uniforms, identical but for float boundary cases, counted in the `mismatch` column).
 
 Writes a Markdown table to --out and the same rows as JSON next to it (.json). With --small and
@@ -162,16 +163,17 @@ def markdown(info: dict, rows: list[dict]) -> str:
         "`mismatch`: trees whose fused result differs from the reference's (greedy must be 0; "
         "sampling uses the same uniforms and may differ only at float boundaries).",
         "",
-        "| mode | B | nodes | V | mean accepted | reference ms | fused ms | speedup | mismatch |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| mode | B | nodes | V | mean accepted | reference ms | fused ms | fused, workspace ms | speedup | mismatch |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         fused = "-" if r["fused_ms"] is None else f"{r['fused_ms']:.3f}"
+        spaced = "-" if r.get("fused_workspace_ms") is None else f"{r['fused_workspace_ms']:.3f}"
         speed = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
         mism = "-" if r["mismatch"] is None else str(r["mismatch"])
         lines.append(
             f"| {r['mode']} | {r['batch']} | {r['nodes']} | {r['vocab']} | {r['mean_accept']:.2f} | "
-            f"{r['reference_ms']:.3f} | {fused} | {speed} | {mism} |"
+            f"{r['reference_ms']:.3f} | {fused} | {spaced} | {speed} | {mism} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but CUDA is not available (use --device cpu --small)", file=sys.stderr)
         return 2
-    from draftsmith.runtime.kernels import fused_verify, kernel_available
+    from draftsmith.runtime.kernels import VerifyWorkspace, fused_verify, kernel_available
     from draftsmith.runtime.verify import SamplingParams, verify
 
     grid = dict(SMALL_GRID if args.small else FULL_GRID)
@@ -212,10 +214,13 @@ def main(argv=None) -> int:
                     want = verify(tree, logits, sampling, **kw)
                     row = dict(mode=mode, batch=B, nodes=N, vocab=V, mean_accept=float(want.accept_len.float().mean()))
                     row["reference_ms"] = run(lambda: verify(tree, logits, sampling, **kw), warmup, reps)
-                    row["fused_ms"] = row["speedup"] = row["mismatch"] = None
+                    row["fused_ms"] = row["fused_workspace_ms"] = row["speedup"] = row["mismatch"] = None
                     if use_kernel:
+                        space = VerifyWorkspace()
                         row["mismatch"] = mismatches(fused_verify(tree, logits, sampling, **kw), want)
+                        row["mismatch"] += mismatches(fused_verify(tree, logits, sampling, workspace=space, **kw), want)
                         row["fused_ms"] = run(lambda: fused_verify(tree, logits, sampling, **kw), warmup, reps)
+                        row["fused_workspace_ms"] = run(lambda: fused_verify(tree, logits, sampling, workspace=space, **kw), warmup, reps)
                         row["speedup"] = row["reference_ms"] / row["fused_ms"]
                     rows.append(row)
                     print(json.dumps(row), flush=True)

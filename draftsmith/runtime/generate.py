@@ -11,6 +11,7 @@ flip near-ties), and sampled output follows the target's processed distribution.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Optional, Sequence, Union
@@ -255,6 +256,16 @@ def default_verify_fn(device) -> Callable[..., VerifyResult]:
     return fused_verify if device.type == "cuda" and kernel_available(device) else verify
 
 
+def _with_workspace(verify_fn: Callable[..., VerifyResult]) -> Callable[..., VerifyResult]:
+    """The fused kernel with one workspace for the run: each step reads its verdict before the next
+    verification, so the buffers can be refilled instead of allocated every step."""
+    from draftsmith.runtime import kernels
+
+    if verify_fn is not kernels.fused_verify:
+        return verify_fn
+    return functools.partial(kernels.fused_verify, workspace=kernels.VerifyWorkspace())
+
+
 def verification_kernel(device, sampling: SamplingParams = GREEDY) -> str:
     """Which verification speculative_generate runs for a target on `device`, in words."""
     if sampling.mode == "typical":
@@ -307,6 +318,7 @@ def speculative_generate(
     _check_prompt(input_ids, max_new_tokens)
     caller, input_ids = input_ids.device, input_ids.to(target.device)
     verify_fn = verify if sampling.mode == "typical" else verify_fn or default_verify_fn(input_ids.device)
+    verify_fn = _with_workspace(verify_fn)
     eos = _eos_set(eos_token_id)
     stats = GenerationStats()
     start = time.perf_counter()

@@ -40,6 +40,8 @@ TRAINED = {
     "dflash": f"{{kind: dflash, block_size: {BLOCK}, num_layers: 1}}",
     "dflash-vocab-mask": f"{{kind: dflash, block_size: {BLOCK}, num_layers: 1, draft_vocab_size: 64, mask_embedding: true, loss_weighting: exp}}",
     "dflash-causal": f"{{kind: dflash, block_size: {BLOCK}, num_layers: 1, causal: true, loss_weighting: uniform}}",
+    # The references' choices: one target layer (the middle one), whole blocks, the target's argmax.
+    "dflash-references": f"{{kind: dflash, block_size: {BLOCK}, num_layers: 1, aux_layer_rule: per_draft_layer, anchors: full_block, labels: target_argmax}}",
 }
 # Random heads; "shared_k_norm": every layer gets layer 0's k_norm weights (see the module docstring).
 RANDOM = {

@@ -32,7 +32,7 @@ from triton.compiler import ASTSource
 from draftsmith.runtime.kernels import verify_kernels as vk
 
 POINTERS = {
-    "logits_ptr": "*bf16", "draft_ptr": "*fp32", "num_nodes_ptr": "*i32", "uniforms_ptr": "*fp32",
+    "logits_ptr": "*bf16", "draft_ptr": "*fp32", "num_nodes_ptr": "*i64", "uniforms_ptr": "*fp32",
     "stats_ptr": "*fp32", "ws_p_ptr": "*fp32", "ws_q_ptr": "*fp32", "part_a_ptr": "*fp32",
 }
 UNIT_STRIDES = ("stride_lv", "stride_tn", "stride_pn", "stride_dv", "stride_un")

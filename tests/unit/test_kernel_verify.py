@@ -351,6 +351,67 @@ def test_speculative_generate_with_the_kernel(kernels, mode):
     assert len(outs[0][0][0]) == prompt.shape[1] + 8
 
 
+def test_a_workspace_allocates_once_per_shape_and_changes_nothing(kernels):
+    """Calls after the largest shape allocate no buffer and still give the reference's results
+    (trees of other depths and sizes in between); a larger tree grows the buffers; sampling shares
+    the workspace too."""
+    gen = torch.Generator().manual_seed(12)
+    space = kernels.VerifyWorkspace()
+    deep = DraftTree.from_lists([5] + [3] * 7, [-1, 0, 1, 2, 3, 4, 5, 6])  # a chain: the deepest tree of 8 nodes
+    logits = torch.randint(0, 4, (1, 8, 48), generator=gen).float()
+    assert_same(kernels.fused_verify(deep, logits, workspace=space), verify_greedy(deep, logits))
+    first = space.allocations
+    assert first == 7  # two partials and five outputs
+    cases = [greedy_case(gen, B=1) for _ in range(4)]
+    assert len({int(t.depths.max()) for t, _ in cases}) > 1  # the path's length changes from call to call
+    for trial, (tree, logits) in enumerate(cases):
+        got = kernels.fused_verify(tree, logits, workspace=space)
+        assert_same(got, verify_greedy(tree, logits), f"trial {trial}: ")
+        assert space.allocations == first
+        path = got.path if trial == 0 else path
+    assert got.path.data_ptr() == path.data_ptr()  # the same buffer, refilled
+    tree, logits = greedy_case(gen, B=2, N=12, full=True)
+    assert_same(kernels.fused_verify(tree, logits, workspace=space), verify_greedy(tree, logits))
+    assert space.allocations > first
+    tree, logits = sample_case(gen)
+    u = torch.rand(tree.batch_size, tree.size + 1, generator=gen)
+    sampling = SamplingParams("sample", 0.9)
+    for _ in range(2):
+        assert_same(kernels.fused_verify(tree, logits, sampling, uniforms=u, workspace=space), verify_sample(tree, logits, temperature=0.9, uniforms=u))
+    made = space.allocations
+    kernels.fused_verify(tree, logits, sampling, uniforms=u, workspace=space)
+    assert space.allocations == made
+
+
+def test_speculative_generate_keeps_one_workspace(kernels, monkeypatch):
+    """The decoding loop verifies every step with one workspace: buffers are made at the first step
+    of each tree shape only (a chain drafter proposes one shape)."""
+    from draftsmith.runtime.drafters import StandaloneDrafter
+    from draftsmith.runtime.generate import speculative_generate
+    from draftsmith.target import FrozenTarget
+    from draftsmith.testing import tiny_causal_lm
+
+    spaces = []
+    original = kernels.VerifyWorkspace
+
+    class Recorded(original):
+        def __init__(self):
+            super().__init__()
+            spaces.append(self)
+
+    monkeypatch.setattr(kernels, "VerifyWorkspace", Recorded)
+    V = 40
+    target = FrozenTarget(tiny_causal_lm("llama", vocab_size=V, hidden_size=32, num_layers=2, seed=0))
+    draft = tiny_causal_lm("llama", vocab_size=V, hidden_size=32, num_layers=1, seed=1)
+    prompt = torch.tensor([[5, 9, 14, 3, 22, 7]])
+    want, _ = speculative_generate(target, StandaloneDrafter(draft, TreeSpec.chain(3)), prompt, 12, verify_fn=verify)
+    got, stats = speculative_generate(target, StandaloneDrafter(draft, TreeSpec.chain(3)), prompt, 12, verify_fn=kernels.fused_verify)
+    assert got.tolist() == want.tolist()
+    assert len(spaces) == 1 and len(stats.accept_lens) >= 3
+    # Seven buffers at the first step (a chain of 3 is the largest tree), none after.
+    assert spaces[0].allocations == 7
+
+
 # --------------------------------------------------------------------------------------------
 # API.
 # --------------------------------------------------------------------------------------------

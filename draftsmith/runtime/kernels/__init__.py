@@ -36,7 +36,7 @@ from torch import Tensor
 from draftsmith.runtime.tree import DraftTree
 from draftsmith.runtime.verify import GREEDY, SamplingParams, VerifyResult, logits_to_probs, verify_typical
 
-__all__ = ["fused_verify", "kernel_available", "mode_conflict"]
+__all__ = ["VerifyWorkspace", "fused_verify", "kernel_available", "mode_conflict"]
 
 _KERNEL_MODULE = "draftsmith.runtime.kernels.verify_kernels"
 
@@ -101,6 +101,27 @@ def _kernels():
     return importlib.import_module(_KERNEL_MODULE)
 
 
+class VerifyWorkspace:
+    """Buffers `fused_verify` keeps from one call to the next (``workspace=``): a call whose shapes
+    match the previous one allocates nothing on the device. The result of a call made with a
+    workspace lives in it until the next call with the same workspace; a decoding loop, which
+    reads each verdict before it verifies again, keeps one per run. Made before triton is needed:
+    the kernels' own workspace is created at the first call."""
+
+    def __init__(self) -> None:
+        self._kernel_workspace = None
+
+    @property
+    def allocations(self) -> int:
+        """Device buffers made so far."""
+        return 0 if self._kernel_workspace is None else self._kernel_workspace.allocations
+
+    def kernel_workspace(self):
+        if self._kernel_workspace is None:
+            self._kernel_workspace = _kernels().Workspace()
+        return self._kernel_workspace
+
+
 def _kernel_logits(target_logits: Tensor, temperature: float, top_k: int, top_p: float) -> tuple[Tensor, float]:
     """(logits, temperature) for the sampling kernel: -inf outside the reference's kept set.
 
@@ -134,9 +155,11 @@ def fused_verify(
     sampling: Optional[SamplingParams] = None,
     generator: Optional[torch.Generator] = None,
     uniforms: Optional[Tensor] = None,
+    workspace: Optional[VerifyWorkspace] = None,
 ) -> VerifyResult:
     """Verify B draft trees in one fused step. Same arguments and result as
-    `draftsmith.runtime.verify.verify` (default greedy). A ``deterministic`` tree (fixed
+    `draftsmith.runtime.verify.verify` (default greedy); with a ``workspace`` the call reuses its
+    buffers and the result lives in them until the workspace's next call. A ``deterministic`` tree (fixed
     candidates, e.g. an EAGLE-2 dynamic tree) is walked with point masses in the kernel, as the
     reference does. Typical acceptance (Medusa's, NOT lossless) is not fused: it runs the torch
     reference, ``verify_typical``.
@@ -167,9 +190,10 @@ def fused_verify(
     vk = _kernels()
     path_len = tree.depth_bound + 1
     args = (tree.tokens, tree.parents, tree.num_nodes)
+    space = None if workspace is None else workspace.kernel_workspace()
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         if sampling.greedy:
-            outs = vk.greedy(*args, target_logits, path_len, token_pad=-1)
+            outs = vk.greedy(*args, target_logits, path_len, token_pad=-1, workspace=space)
         else:
             if tree.draft_probs is None and not tree.deterministic:
                 raise ValueError("sampled verification needs tree.draft_probs (the drafter's processed distributions)")
@@ -184,7 +208,7 @@ def fused_verify(
             logits, kernel_temperature = _kernel_logits(target_logits, temperature, top_k, top_p)
             outs = vk.sample(
                 *args, logits, kernel_temperature, None if tree.deterministic else tree.draft_probs, uniforms.to(device),
-                path_len, token_pad=-1,
+                path_len, token_pad=-1, workspace=space,
             )  # fmt: skip
     accept_len, best, bonus, path, accepted_tokens = outs
     return VerifyResult(

@@ -28,6 +28,7 @@ written by one thread and read by another are separated by a barrier.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -587,18 +588,45 @@ def _num_splits(device: torch.device, rows: int, V: int, block_v: int) -> int:
     return max(1, min(want, most, 64))
 
 
-def _outputs(B: int, path_len: int, device: torch.device):
-    kw = dict(dtype=torch.long, device=device)
+class Workspace:
+    """The buffers verification writes (partials, scratch rows and outputs), kept from one call to
+    the next and grown only when a call needs more: once the largest tree a loop drafts has been
+    verified, a call allocates nothing (each buffer is handed out as a contiguous view of its
+    first elements). The outputs of a call made with a workspace are its buffers, so they hold
+    until the next call with the same workspace: a decoding loop that reads each verdict before it
+    verifies again keeps one."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.allocations = 0  # buffers made so far (tests: none once the shapes stop growing)
+
+    def take(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        need = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < need or buf.dtype != dtype or buf.device != device:
+            buf = self._buffers[name] = torch.empty(need, dtype=dtype, device=device)
+            self.allocations += 1
+        return buf[:need].view(shape)
+
+
+def _empty(workspace: Workspace | None, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device) if workspace is None else workspace.take(name, shape, dtype, device)
+
+
+def _outputs(B: int, path_len: int, device: torch.device, workspace: Workspace | None = None):
+    def out(name: str, *shape: int) -> torch.Tensor:
+        return _empty(workspace, name, shape, torch.long, device)
+
     return (
-        torch.empty(B, **kw),  # accept_len
-        torch.empty(B, **kw),  # best
-        torch.empty(B, **kw),  # bonus
-        torch.empty(B, path_len, **kw),  # path
-        torch.empty(B, max(path_len - 1, 0), **kw),  # accepted tokens
+        out("accept_len", B),
+        out("best", B),
+        out("bonus", B),
+        out("path", B, path_len),
+        out("accepted_tokens", B, max(path_len - 1, 0)),
     )
 
 
-def _partials(logits: torch.Tensor, num_nodes: torch.Tensor, kind: int, temperature: float, splits=None):
+def _partials(logits: torch.Tensor, num_nodes: torch.Tensor, kind: int, temperature: float, splits=None, workspace: Workspace | None = None):
     B, N, V = logits.shape
     block_v, _ = _block_sizes()
     if splits is None:
@@ -607,9 +635,9 @@ def _partials(logits: torch.Tensor, num_nodes: torch.Tensor, kind: int, temperat
     split_len = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
     splits = triton.cdiv(V, split_len)
     a_dtype = torch.float64 if (kind == _GREEDY and logits.dtype == torch.float64) else torch.float32
-    part_a = torch.empty(B * N, splits, dtype=a_dtype, device=logits.device)
+    part_a = _empty(workspace, "part_a", (B * N, splits), a_dtype, logits.device)
     b_dtype = torch.int32 if kind == _GREEDY else torch.float32
-    part_b = torch.empty(B * N, splits, dtype=b_dtype, device=logits.device)
+    part_b = _empty(workspace, "part_b", (B * N, splits), b_dtype, logits.device)
     _node_partials_kernel[(B * N, splits)](
         logits, num_nodes, part_a, part_b, N, V,
         logits.stride(0), logits.stride(1), logits.stride(2),
@@ -627,17 +655,18 @@ def greedy(
     path_len: int,
     token_pad: int,
     splits: int | None = None,
+    workspace: Workspace | None = None,
 ):
     """Fused greedy verification.
 
-    tokens, parents [B,N] (long), num_nodes [B], target_logits [B,N,V] (any float dtype, any
-    strides). Returns (accept_len [B], best [B], bonus [B], path [B,path_len],
-    accepted_tokens [B,path_len-1]), all long.
+    tokens, parents [B,N] (long), num_nodes [B] (any integer dtype: the kernels read it as int32),
+    target_logits [B,N,V] (any float dtype, any strides). Returns (accept_len [B], best [B], bonus
+    [B], path [B,path_len], accepted_tokens [B,path_len-1]), all long; with a `workspace`, its
+    buffers (nothing allocated when the shapes repeat).
     """
     B, N, V = target_logits.shape
-    num_nodes = num_nodes.to(torch.int32)
-    part_a, part_b, splits = _partials(target_logits, num_nodes, _GREEDY, 1.0, splits)
-    outs = _outputs(B, path_len, target_logits.device)
+    part_a, part_b, splits = _partials(target_logits, num_nodes, _GREEDY, 1.0, splits, workspace)
+    outs = _outputs(B, path_len, target_logits.device, workspace)
     meta = tree_meta(N, path_len, splits)
     _greedy_tree_kernel[(B,)](
         tokens, parents, num_nodes, part_a, part_b, *outs[:3], outs[3], outs[4],
@@ -660,25 +689,25 @@ def sample(
     path_len: int,
     token_pad: int,
     splits: int | None = None,
+    workspace: Workspace | None = None,
 ):
     """Fused speculative-sampling verification.
 
     logits [B,N,V]: target logits with filtered-out tokens already at -inf; the kernel divides by
     `temperature` (> 0). draft_probs [B,N,V], or None for fixed candidates (each child tested as
     a point mass); uniforms [B,N+1] (verify.py's layout: column c tests node c, column N draws the
-    bonus). Returns the same tuple as `greedy`.
+    bonus). Returns the same tuple as `greedy` (with a `workspace`, its buffers).
     """
     deterministic = draft_probs is None
     if deterministic:
         # Never read (DETERMINISTIC is a compile-time branch); any tensor serves as the pointer.
         draft_probs = logits
     B, N, V = logits.shape
-    num_nodes = num_nodes.to(torch.int32)
-    part_a, part_b, splits = _partials(logits, num_nodes, _SAMPLE, temperature, splits)
-    outs = _outputs(B, path_len, logits.device)
-    stats = torch.empty(2, B * N, dtype=torch.float32, device=logits.device)
-    ws_p = torch.empty(2, B, V, dtype=torch.float32, device=logits.device)
-    ws_q = torch.empty(B, V, dtype=torch.float32, device=logits.device)
+    part_a, part_b, splits = _partials(logits, num_nodes, _SAMPLE, temperature, splits, workspace)
+    outs = _outputs(B, path_len, logits.device, workspace)
+    stats = _empty(workspace, "stats", (2, B * N), torch.float32, logits.device)
+    ws_p = _empty(workspace, "ws_p", (2, B, V), torch.float32, logits.device)
+    ws_q = _empty(workspace, "ws_q", (B, V), torch.float32, logits.device)
     _, block_v = _block_sizes()
     _sample_tree_kernel[(B,)](
         tokens, parents, num_nodes, logits, draft_probs, part_a, part_b, uniforms, stats, ws_p, ws_q,
