@@ -36,6 +36,7 @@ from torch import Tensor
 from draftsmith.data.chat import render_chat, stop_token_ids
 from draftsmith.data.errors import DataError
 from draftsmith.recipe import RegenerateConfig
+from draftsmith.runtime.verify import logits_to_probs
 
 if TYPE_CHECKING:
     from draftsmith.data.server import RegenerationServer
@@ -75,19 +76,6 @@ def _turn_seed(seed: int, index: int, turn: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
-    """Zero out the tail of each distribution [B,V] beyond cumulative mass top_p (the most likely
-    token always stays), renormalized."""
-    if top_p >= 1.0:
-        return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    # Keep a token if the mass strictly before it is below top_p.
-    before = sorted_probs.cumsum(-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-    filtered = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return filtered / filtered.sum(-1, keepdim=True)
-
-
 def _row_sampler(generators: list[torch.Generator], temperature: float, top_p: float):
     from transformers import LogitsProcessor
 
@@ -96,9 +84,7 @@ def _row_sampler(generators: list[torch.Generator], temperature: float, top_p: f
         step picks it. One draw per row per step, so row r's k-th token uses its k-th draw."""
 
         def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-            dtype = torch.promote_types(scores.dtype, torch.float32)
-            probs = torch.softmax(scores.to(dtype) / temperature, dim=-1)
-            probs = top_p_filter(probs, top_p).cpu()
+            probs = logits_to_probs(scores, temperature, top_p=top_p).cpu()  # the runtime's own processing
             chosen = torch.stack([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generators)])
             out = torch.full_like(scores, float("-inf"))
             return out.scatter(-1, chosen.to(scores.device), 0.0)

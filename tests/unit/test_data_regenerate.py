@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from draftsmith.data import regenerate_conversations
-from draftsmith.data.regenerate import top_p_filter
+from draftsmith.data.regenerate import _row_sampler
 from draftsmith.recipe import RegenerateConfig
+from draftsmith.runtime.verify import logits_to_probs
 from draftsmith.testing import answering_model, tiny_tokenizer
 
 
@@ -160,10 +161,15 @@ def test_max_length_bounds_prompts_and_answers(model, tok, tmp_path):
     assert got != unbounded  # the budget did bind somewhere
 
 
-def test_top_p_filter_closed_form():
+def test_sampling_filters_top_p_as_the_runtime_does():
+    """Regeneration samples from logits_to_probs, the runtime's processing: the tail beyond
+    cumulative mass top_p goes (the most likely token always stays), renormalised."""
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]])
-    kept = top_p_filter(probs, 0.8)
-    torch.testing.assert_close(kept, torch.tensor([[0.625, 0.375, 0.0, 0.0], [0.0, 0.0, 0.375, 0.625]]))
-    torch.testing.assert_close(top_p_filter(probs, 0.85)[0], torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
-    torch.testing.assert_close(top_p_filter(probs, 0.1)[0], torch.tensor([1.0, 0.0, 0.0, 0.0]))
-    assert top_p_filter(probs, 1.0) is probs
+    picked = set()
+    for seed in range(60):
+        sampler = _row_sampler([torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 100)], 1.0, 0.8)
+        out = sampler(torch.zeros(2, 1, dtype=torch.long), probs.log())
+        assert (out == 0).sum(-1).tolist() == [1, 1]  # one token left per row: generate's greedy step takes it
+        picked |= {(r, int(out[r].argmax())) for r in range(2)}
+    assert picked == {(0, 0), (0, 1), (1, 2), (1, 3)}  # 0.15 and 0.05 lie past 0.8 of the mass
+    torch.testing.assert_close(logits_to_probs(probs.log(), top_p=0.85)[0], torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
