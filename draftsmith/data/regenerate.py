@@ -36,7 +36,7 @@ from torch import Tensor
 from draftsmith.data.chat import render_chat, stop_token_ids
 from draftsmith.data.errors import DataError
 from draftsmith.recipe import RegenerateConfig
-from draftsmith.runtime.verify import logits_to_probs
+from draftsmith.sampling import logits_to_probs
 
 if TYPE_CHECKING:
     from draftsmith.data.server import RegenerationServer

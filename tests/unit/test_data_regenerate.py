@@ -10,7 +10,7 @@ import torch
 from draftsmith.data import regenerate_conversations
 from draftsmith.data.regenerate import _row_sampler
 from draftsmith.recipe import RegenerateConfig
-from draftsmith.runtime.verify import logits_to_probs
+from draftsmith.sampling import logits_to_probs
 from draftsmith.testing import answering_model, tiny_tokenizer
 
 
