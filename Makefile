@@ -52,9 +52,19 @@ GPU_WHEELS := omegaconf==2.4.0 gguf==0.19.0 datasets==5.2.0 transformers==5.23.0
 	ninja==1.13.2 einops==0.8.2 pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 \
 	pytest-xdist==3.8.0 execnet==2.1.2
 
+# speculators, the peer trainer of scripts/peers/speculators_gpu_train.py, into a folder of its own: it wants
+# transformers <= 5.19, so it runs on the image's 5.17 with only .whl/speculators/ on its PYTHONPATH, never
+# beside our 5.23. Its dependencies the image lacks, pinned; openai 2.x, as 3.x needs httpx2 (not there).
+SPECULATORS_WHEELS := speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 dill==0.4.1 multiprocess==0.70.19 \
+	xxhash==4.1.0 loguru==0.7.3 openai==2.54.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 pydantic==2.13.4 \
+	pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 pydantic-settings==2.16.3 \
+	python-dotenv==1.2.4 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0
+
 gpu-wheels: setup
 	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $(GPU_WHEELS)
+	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl/speculators $(SPECULATORS_WHEELS)
 	# --no-build-isolation: the build uses the installed CPU torch instead of fetching a CUDA one.
 	$(PIP) wheel --quiet --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
 	@du -sh .whl

@@ -17,7 +17,10 @@ goes (DIR/<step>.log) so that a machine taken away mid-run still leaves what it 
 5. scripts/bench_gpu.py: a speculative step's cost against a plain one per drafter kind, at the
    SmolLM2-135M and Llama-3.1-8B shapes, on transformers' cache and on the graphed static one;
 6. scripts/bench_gpu_train.py: EAGLE-3 and DFlash head training at the Llama-3.1-8B shape (tokens/s,
-   ms a step, peak memory; the target's features online and cached).
+   ms a step, peak memory; the target's features online and cached);
+7. scripts/peers/speculators_gpu_train.py: the same heads, shape and schedule trained by speculators
+   0.9.0 (its flex attention, fused Triton losses and torch.compile on), on the image's own
+   transformers with only .whl/speculators/ on its path (installed by the step into --speculators-site).
 
 Writes DIR/report.md and DIR/report.json (every step's command, exit code, seconds, pytest
 counts, failing tests and the tail of its output). Exit code 0 only when every step passed.
@@ -36,6 +39,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from shlex import quote
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(r"^=*\s*((?:\d+ \w+(?:, )?)+|no tests ran)\s+in [\d.]+s", re.M)
@@ -93,6 +97,16 @@ def run_step(name: str, cmd: list[str], limit: float, out: Path, env: dict) -> d
     return row
 
 
+def speculators_command(py: str, site: str, out: Path) -> str:
+    """The bench-train-speculators step: .whl/speculators/ unpacked into `site`, then the speculators
+    side of the training benchmark at bench-train's schedule with only `site` on PYTHONPATH."""
+    return (
+        'ls .whl/speculators/*.whl >/dev/null 2>&1 || { echo "no .whl/speculators/: run make gpu-wheels where the registries are"; exit 2; }; '
+        f"{quote(py)} -m pip install --quiet --no-index --no-deps --target {quote(site)} .whl/speculators/*.whl && "
+        f"PYTHONPATH={quote(site)} exec {quote(py)} scripts/peers/speculators_gpu_train.py --steps 5 --warmup 2 --out {quote(str(out))}"
+    )
+
+
 def write_report(out: Path, info: dict, rows: list[dict]) -> None:
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": info, "steps": rows}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -119,11 +133,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu-check", help="report folder (default $OUT, else runs/gpu-check)")
     p.add_argument("--budget", type=float, default=540.0, help="seconds for all steps together (a device call may run 600)")
     p.add_argument("--workers", type=int, default=12, help="pytest-xdist workers for the unit and integration suites")
-    p.add_argument("--only", nargs="*", default=None, help="steps to run, in this order (gpu-tests, suite, bench-verify, bench-gpu, bench-train)")
+    p.add_argument("--only", nargs="*", default=None, help="steps to run, in this order (gpu-tests, suite, bench-verify, bench-gpu, bench-train, bench-train-speculators)")
     p.add_argument("--share", nargs="*", default=[], metavar="STEP=FRACTION", help="a step's share of the budget instead of its default")
     p.add_argument("--gpu-tests", nargs="*", default=["tests/gpu"], help="what the gpu-tests step runs (files or test ids)")
     p.add_argument("--suite-tests", nargs="*", default=["tests/unit", "tests/integration"], help="what the suite step runs (files or test ids; @FILE: those listed in FILE)")
     p.add_argument("--bench-args", default="--prompts 1 --new-tokens 32 --caches static", help="arguments for scripts/bench_gpu.py (besides --out)")
+    p.add_argument("--speculators-site", default="/tmp/draftsmith-speculators-site", help="where bench-train-speculators unpacks .whl/speculators/")
     args = p.parse_args(argv)
     args.suite_tests = [t for item in args.suite_tests for t in (Path(item[1:]).read_text().split() if item.startswith("@") else [item])]
     out = Path(args.out)
@@ -144,6 +159,9 @@ def main(argv=None) -> int:
         ("bench-verify", [py, "scripts/bench_verify.py", "--reps", "10", "--out", str(out / "bench-verify.md")], 0.12),
         ("bench-gpu", [py, "scripts/bench_gpu.py", *args.bench_args.split(), "--out", str(out / "bench-gpu.md")], 0.18),
         ("bench-train", [py, "scripts/bench_gpu_train.py", "--steps", "5", "--warmup", "1", "--out", str(out / "bench-train.md")], 0.12),
+        # Its own PYTHONPATH: speculators wants transformers <= 5.19, the image's, not ours. Two warm-up
+        # steps: its forward compiles and its Triton losses autotune there.
+        ("bench-train-speculators", ["bash", "-c", speculators_command(py, args.speculators_site, out / "bench-train-speculators.md")], 0.3),
     ]  # fmt: skip
     unknown = sorted(set(args.only or []) - {name for name, _, _ in steps})
     if unknown:
