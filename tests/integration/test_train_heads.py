@@ -141,7 +141,17 @@ def test_quickstart_settings_bf16_target_and_its_frozen_lm_head(tmp_path, tiny_l
     assert summary["top1"][0] > 0.2
 
 
-def test_dflash_golden_run_from_the_feature_cache_on_packed_rows(tmp_path, tiny_llama_dir):
+@pytest.mark.parametrize(
+    "head",
+    [
+        "{kind: dflash, block_size: 4, num_layers: 1, aux_layer_ids: [1, 2, 3], draft_vocab_size: 64}",
+        # The references' choices: the middle target layer, the target's LM head, whole blocks, the
+        # target's argmax as labels (read from the cached final hidden state).
+        "{kind: dflash, block_size: 4, num_layers: 1, aux_layer_rule: per_draft_layer, anchors: full_block, labels: target_argmax}",
+    ],
+    ids=["ours", "references"],
+)
+def test_dflash_golden_run_from_the_feature_cache_on_packed_rows(tmp_path, tiny_llama_dir, head):
     """A DFlash head trains from the feature cache on packed rows: loss goes down, the mask token is
     chosen from the data and recorded, the slots' held-out accuracy is reported per depth, and the
     checkpoint decodes exactly the target's greedy output (the data's answers are not the random
@@ -149,19 +159,21 @@ def test_dflash_golden_run_from_the_feature_cache_on_packed_rows(tmp_path, tiny_
     from draftsmith.runtime.generate import speculative_generate
     from draftsmith.runtime.load import load_drafter
 
-    recipe = heads_recipe(
-        tmp_path, tiny_llama_dir, "dflash", "data.packing=true", "data.features.mode=cache",
-        head="{kind: dflash, block_size: 4, num_layers: 1, aux_layer_ids: [1, 2, 3], draft_vocab_size: 64}",
-    )  # fmt: skip
+    recipe = heads_recipe(tmp_path, tiny_llama_dir, "dflash", "data.packing=true", "data.features.mode=cache", head=head)
     trainer, summary, _ = run_trainer(recipe)
     curve = logged(Path(recipe.output_dir))
     first, last = sum(curve[s] for s in (1, 2, 3)) / 3, sum(curve[s] for s in (28, 29, 30)) / 3
-    assert last < 0.8 * first, curve
+    # With the target's frozen LM head only one layer and fc learn: the loss falls less in 30 steps.
+    assert last < (0.95 if "per_draft_layer" in head else 0.8) * first, curve
     state = read_state(list_checkpoints(recipe.output_dir)[-1])
     mask = state["head"]["mask_token_id"]
     assert mask >= 0 and state["drafter"] == {"kind": "dflash"}
+    if "per_draft_layer" in head:
+        assert state["head"]["aux_layer_ids"] == [trainer.head.dims.num_layers // 2 + 1]  # the middle layer's output
     assert not any(mask in e["input_ids"] for e in trainer.data.train + trainer.data.eval)
-    assert len(summary["top1"]) == 3 and summary["top1"][0] > 0
+    assert len(summary["top1"]) == 3
+    # Held-out top-1 scores against the data's tokens, which are not this random target's argmax.
+    assert summary["top1"][0] > 0 or "target_argmax" in head
     loaded = load_drafter(recipe.output_dir, tree="1,1,1", dtype="float32", device="cpu")
     tok = loaded.target.tokenizer
     for question in ("say red cat sun moon", "say dog tree blue green"):
