@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import os
 import sys
 from typing import Optional
@@ -102,24 +103,24 @@ def _kernels():
 
 
 class VerifyWorkspace:
-    """Buffers `fused_verify` keeps from one call to the next (``workspace=``): a call whose shapes
-    match the previous one allocates nothing on the device. The result of a call made with a
-    workspace lives in it until the next call with the same workspace; a decoding loop, which
-    reads each verdict before it verifies again, keeps one per run. Made before triton is needed:
-    the kernels' own workspace is created at the first call."""
+    """The buffers `fused_verify` writes (partials, scratch rows and outputs), kept from one call to
+    the next (``workspace=``) and grown only when a call needs more: once the largest tree a loop
+    drafts has been verified, a call allocates nothing on the device (each buffer is handed out as a
+    contiguous view of its first elements). The result of a call made with a workspace lives in
+    its buffers until the next call with the same workspace; a decoding loop, which reads each
+    verdict before it verifies again, keeps one per run. Needs torch only, not triton."""
 
     def __init__(self) -> None:
-        self._kernel_workspace = None
+        self._buffers: dict[str, Tensor] = {}
+        self.allocations = 0  # buffers made so far (tests: none once the shapes stop growing)
 
-    @property
-    def allocations(self) -> int:
-        """Device buffers made so far."""
-        return 0 if self._kernel_workspace is None else self._kernel_workspace.allocations
-
-    def kernel_workspace(self):
-        if self._kernel_workspace is None:
-            self._kernel_workspace = _kernels().Workspace()
-        return self._kernel_workspace
+    def take(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+        need = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < need or buf.dtype != dtype or buf.device != device:
+            buf = self._buffers[name] = torch.empty(need, dtype=dtype, device=device)
+            self.allocations += 1
+        return buf[:need].view(shape)
 
 
 def _kernel_logits(target_logits: Tensor, temperature: float, top_k: int, top_p: float) -> tuple[Tensor, float]:
@@ -190,10 +191,9 @@ def fused_verify(
     vk = _kernels()
     path_len = tree.depth_bound + 1
     args = (tree.tokens, tree.parents, tree.num_nodes)
-    space = None if workspace is None else workspace.kernel_workspace()
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         if sampling.greedy:
-            outs = vk.greedy(*args, target_logits, path_len, token_pad=-1, workspace=space)
+            outs = vk.greedy(*args, target_logits, path_len, token_pad=-1, workspace=workspace)
         else:
             if tree.draft_probs is None and not tree.deterministic:
                 raise ValueError("sampled verification needs tree.draft_probs (the drafter's processed distributions)")
@@ -208,7 +208,7 @@ def fused_verify(
             logits, kernel_temperature = _kernel_logits(target_logits, temperature, top_k, top_p)
             outs = vk.sample(
                 *args, logits, kernel_temperature, None if tree.deterministic else tree.draft_probs, uniforms.to(device),
-                path_len, token_pad=-1, workspace=space,
+                path_len, token_pad=-1, workspace=workspace,
             )  # fmt: skip
     accept_len, best, bonus, path, accepted_tokens = outs
     return VerifyResult(

@@ -28,12 +28,13 @@ written by one thread and read by another are separated by a barrier.
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from draftsmith.runtime.kernels import VerifyWorkspace
 
 # Whether the kernels below were decorated in interpreter mode (TRITON_INTERPRET=1 at import).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -588,32 +589,11 @@ def _num_splits(device: torch.device, rows: int, V: int, block_v: int) -> int:
     return max(1, min(want, most, 64))
 
 
-class Workspace:
-    """The buffers verification writes (partials, scratch rows and outputs), kept from one call to
-    the next and grown only when a call needs more: once the largest tree a loop drafts has been
-    verified, a call allocates nothing (each buffer is handed out as a contiguous view of its
-    first elements). The outputs of a call made with a workspace are its buffers, so they hold
-    until the next call with the same workspace: a decoding loop that reads each verdict before it
-    verifies again keeps one."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-        self.allocations = 0  # buffers made so far (tests: none once the shapes stop growing)
-
-    def take(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        need = math.prod(shape)
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < need or buf.dtype != dtype or buf.device != device:
-            buf = self._buffers[name] = torch.empty(need, dtype=dtype, device=device)
-            self.allocations += 1
-        return buf[:need].view(shape)
-
-
-def _empty(workspace: Workspace | None, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _empty(workspace: VerifyWorkspace | None, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device) if workspace is None else workspace.take(name, shape, dtype, device)
 
 
-def _outputs(B: int, path_len: int, device: torch.device, workspace: Workspace | None = None):
+def _outputs(B: int, path_len: int, device: torch.device, workspace: VerifyWorkspace | None = None):
     def out(name: str, *shape: int) -> torch.Tensor:
         return _empty(workspace, name, shape, torch.long, device)
 
@@ -626,7 +606,7 @@ def _outputs(B: int, path_len: int, device: torch.device, workspace: Workspace |
     )
 
 
-def _partials(logits: torch.Tensor, num_nodes: torch.Tensor, kind: int, temperature: float, splits=None, workspace: Workspace | None = None):
+def _partials(logits: torch.Tensor, num_nodes: torch.Tensor, kind: int, temperature: float, splits=None, workspace: VerifyWorkspace | None = None):
     B, N, V = logits.shape
     block_v, _ = _block_sizes()
     if splits is None:
@@ -655,7 +635,7 @@ def greedy(
     path_len: int,
     token_pad: int,
     splits: int | None = None,
-    workspace: Workspace | None = None,
+    workspace: VerifyWorkspace | None = None,
 ):
     """Fused greedy verification.
 
@@ -689,7 +669,7 @@ def sample(
     path_len: int,
     token_pad: int,
     splits: int | None = None,
-    workspace: Workspace | None = None,
+    workspace: VerifyWorkspace | None = None,
 ):
     """Fused speculative-sampling verification.
 
