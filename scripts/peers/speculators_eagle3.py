@@ -20,17 +20,21 @@ speculators gates the prediction of token t with loss_mask[t-1]; the mask writte
 shifted by one, so both train the prediction of exactly the same tokens.
 
 Settings:
-  same-schedule  draftsmith's recipe as speculators can express it: the same optimizer steps and
-                 tokens a step (packed rows of the run's mean tokens per step), AdamW with the
+  same-schedule  draftsmith's recipe as speculators can express it: the same trained tokens, in
+                 packed rows of the run's mean tokens per step (as many rows as it takes to train
+                 as many real tokens as the draftsmith run did: its packing leaves rows a little
+                 short, so a few more steps than draftsmith's), AdamW with the
                  recipe's lr, weight decay and warmup, a cosine schedule, clipping 1.0, the
                  recipe's training-time-test depth and step decay, fp32 hidden states, the draft
                  vocabulary, the plain EAGLE-3 layer (no EAGLE-3.1 norms). What stays speculators'
                  own: its frozen LM head, KL loss summed over steps, no masking of targets outside
                  the draft vocabulary. It validates on draftsmith's held-out examples.
-  defaults       speculators as its documentation runs it, at the same number of training tokens:
-                 Muon + AdamW, linear schedule with 1 % warmup, 3 TTT steps of equal weight, its
-                 EAGLE-3.1 norms (norm_before_fc, norm_before_residual, norm_output), 8192-token
-                 packed rows, bf16 hidden states, the full vocabulary.
+  defaults       speculators as its documentation runs it, every training flag left at its own
+                 default (0.9.0: 20 epochs, Muon + AdamW at lr 1e-3, a linear schedule with 1 %
+                 warmup, 3 TTT steps of equal weight, its EAGLE-3.1 norms, 8192-token packed rows,
+                 bf16 hidden states, the full vocabulary); only the data, the verifier, the CPU
+                 stand-ins and the validation split are given. It trains as many tokens as its 20
+                 epochs hold, not draftsmith's: result.json records both.
 
 Writes into --out: data/ (the offline dataset), checkpoints/ (speculators' save path; the last
 epoch's folder is the drafter), train.log, and result.json (the command, wall time, steps,
@@ -151,13 +155,26 @@ def packed_rows(lengths: list[int], seq_len: int) -> int:
     return rows
 
 
-def run_metrics(run: Path) -> dict:
-    """Tokens a step and steps of the draftsmith run (its metrics.jsonl)."""
+def run_metrics(run: Path, recipe, train_lengths: list[int]) -> dict:
+    """Steps and trained tokens of the draftsmith run: its batch order replayed (the recipe's seed,
+    batch size and accumulation over the same training examples) and checked against every step its
+    metrics.jsonl logged, so the token count is the run's own, not an estimate from logged steps."""
+    from draftsmith.data import BatchStream
+
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["kind"] == "train" and "tokens" in r]
-    if not steps:
+    logged = {r["step"]: r["tokens"] for r in records if r["kind"] == "train" and "tokens" in r}
+    if not logged:
         raise BadInput(f"{run / 'metrics.jsonl'} records no training steps with token counts")
-    return {"steps": max(r["step"] for r in steps), "tokens_per_step": sum(r["tokens"] for r in steps) / len(steps)}
+    stream = BatchStream(list(range(len(train_lengths))), batch_size=recipe.train.micro_batch_size, collator=list, seed=recipe.data.seed)
+    per_step = [
+        sum(train_lengths[i] for _ in range(recipe.train.grad_accum_steps) for i in stream.next_indices())
+        for _ in range(max(logged))
+    ]  # fmt: skip
+    wrong = {step: (tokens, per_step[step - 1]) for step, tokens in logged.items() if per_step[step - 1] != tokens}
+    if wrong:
+        step, (theirs, ours) = min(wrong.items())
+        raise BadInput(f"{run}: step {step} logged {theirs} tokens, replaying the recipe's batch order gives {ours} (another recipe or data?)")
+    return {"steps": len(per_step), "tokens": sum(per_step), "tokens_per_step": sum(per_step) / len(per_step)}
 
 
 def main(argv=None) -> int:
@@ -167,7 +184,7 @@ def main(argv=None) -> int:
     p.add_argument("--setting", required=True, choices=["same-schedule", "defaults"])
     p.add_argument("--out", required=True)
     p.add_argument("--venv", default=None, help="speculators venv (default ~/.cache/draftsmith/venvs/speculators-0.9.0)")
-    add_device_option(p, note="where the target computes the hidden states speculators trains on")
+    add_device_option(p, default="auto", note="where the target computes the hidden states speculators trains on")
     args = p.parse_args(argv)
 
     from draftsmith.atomic import check_destination
@@ -184,8 +201,8 @@ def main(argv=None) -> int:
     written = write_offline_data(recipe, run, data, hidden_dtype, args.device)
     subprocess.run([str(python), "-c", SAVE_DATASET, str(data)], check=True)
     verifier = servable_folder(recipe.target.path, recipe.target.gguf_file)
-    schedule = run_metrics(run)
-    tokens_total = schedule["steps"] * schedule["tokens_per_step"]
+    lengths = json.loads((data / "rows.json").read_text())["seq_len"][: written["train_examples"]]
+    schedule = run_metrics(run, recipe, lengths)
     head = recipe.head
     common = [
         "--verifier-name-or-path", str(verifier), "--data-path", str(data), "--save-path", str(out / "checkpoints"),
@@ -195,24 +212,29 @@ def main(argv=None) -> int:
     ]  # fmt: skip
     if same:
         seq_len = int(round(schedule["tokens_per_step"]))
-        steps = schedule["steps"]
+        rows_per_epoch = packed_rows(lengths, seq_len)
+        # As many rows as hold draftsmith's trained tokens: a packed row holds train_tokens /
+        # rows_per_epoch real tokens on average, a little under seq_len.
+        steps = math.ceil(schedule["tokens"] * rows_per_epoch / written["train_tokens"])
+        # speculators' --max-steps ends an epoch early but not the run: every later epoch still
+        # takes one step. Its sampler packs some epochs into a row fewer than `packed_rows` counts,
+        # so the run gets one epoch more than `steps` rows need: it reaches `steps`, and at most one
+        # step more runs. Its log says how many ran; result.json counts their tokens.
+        epochs = math.ceil(steps / rows_per_epoch) + 1
         flags = [
-            "--total-seq-len", str(seq_len), "--max-steps", str(steps), "--optimizer", "adamw", "--lr", str(recipe.train.lr),
+            "--total-seq-len", str(seq_len), "--max-steps", str(steps), "--epochs", str(epochs), "--optimizer", "adamw", "--lr", str(recipe.train.lr),
             "--weight-decay", str(recipe.train.weight_decay), "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(recipe.train.warmup_steps),
             "--ttt-steps", str(head.train_depth), "--ttt-step-loss-decay", str(head.loss_decay), "--hidden-states-dtype", "float32",
             "--d2t-path", str(data / "d2t.npy"), "--t2d-path", str(data / "t2d.npy"),
             "--no-norm-before-fc", "--no-norm-before-residual", "--no-norm-output",
         ]  # fmt: skip
     else:
-        seq_len = 8192
-        steps = max(1, int(round(tokens_total / seq_len)))
-        flags = ["--total-seq-len", str(seq_len), "--max-steps", str(steps)]
-    # speculators' --max-steps ends an epoch early but not the run: every later epoch still takes one
-    # step. So the run gets just the epochs that hold `steps` optimizer steps (rows of packed
-    # examples, filled in order as its sampler does), and its log says how many ran.
-    rows_per_epoch = packed_rows(json.loads((data / "rows.json").read_text())["seq_len"][: written["train_examples"]], seq_len)
-    epochs = math.ceil(steps / rows_per_epoch)
-    command = [str(python), str(WRAPPER), *common, *flags, "--epochs", str(epochs)]
+        # Its own defaults, nothing set: 8,192-token rows and 20 epochs (speculators 0.9.0's schema).
+        seq_len, epochs = 8192, 20
+        rows_per_epoch = packed_rows(lengths, seq_len)
+        steps = epochs * rows_per_epoch
+        flags = []
+    command = [str(python), str(WRAPPER), *common, *flags]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     print(f"training speculators ({args.setting}): {steps} steps of {seq_len} packed tokens; log: {out / 'train.log'}", flush=True)
@@ -226,7 +248,7 @@ def main(argv=None) -> int:
     epochs = sorted((p for p in (out / "checkpoints").iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     result = {
         "setting": args.setting, "recipe": args.recipe, "draftsmith_run": str(run), "data": written, "steps": steps, "steps_run": ran,
-        "packed_tokens_per_step": seq_len, "draftsmith_tokens_per_step": schedule["tokens_per_step"], "wall_seconds": round(seconds, 1),
+        "packed_tokens_per_step": seq_len, "draftsmith_tokens_per_step": schedule["tokens_per_step"], "draftsmith_trained_tokens": schedule["tokens"], "wall_seconds": round(seconds, 1),
         "seconds_per_step": round(seconds / max(ran, 1), 3), "rows_per_epoch": rows_per_epoch,
         # Real tokens a row holds on average, times the rows trained.
         "trained_tokens": round(ran * written["train_tokens"] / rows_per_epoch),
