@@ -19,8 +19,9 @@ on vLLM's path; without it the run is recorded as not run, with the reason).
 For every run: vLLM's mean acceptance length (1 + accepted / drafts, vLLM's own formula, which
 leaves out the steps where nothing was drafted) with a percentile bootstrap interval over prompts,
 acceptance per position, tokens per target forward (every step counted: the figure to compare
-with model-free methods), tokens/s, speedup over plain decoding in the same process, and whether
-the outputs equal the plain ones. For every trained
+with model-free methods) with its interval and its paired difference from the first run's (the
+first trained drafter's), tokens/s, speedup over plain decoding in the same process with a paired
+interval (each prompt timed on its own), and whether the outputs equal the plain ones. For every trained
 drafter: draftsmith's runtime on the same prompts drafting the same chain of K (`draftsmith eval`'s
 figures), and how far its mean accepted length is from vLLM's. Writes results.json, results.md
 and acceptance.csv (the RedHatAI speculator-benchmark columns, one row per run) into --out.
@@ -50,6 +51,20 @@ def vllm_python() -> Path:
 def per_prompt_rows(per_prompt: list[dict]) -> list[tuple[int, int]]:
     """vLLM's counters per prompt as (drafts, accepted): its acceptance length is 1 + accepted / drafts."""
     return [(p["drafts"], p["accepted"]) for p in per_prompt]
+
+
+def forward_rows(got: dict) -> list[tuple[int, int]]:
+    """Per prompt (target forwards, accepted tokens): every forward gives one token plus the drafts
+    it accepts, so forwards = new tokens - accepted, and 1 + accepted / forwards is that prompt's
+    tokens per target forward (the form tau_interval and paired_tau_difference read)."""
+    return [(len(out) - p["accepted"], p["accepted"]) for out, p in zip(got["outputs"], got["per_prompt"])]
+
+
+def tokens_and_seconds(got: dict) -> list[tuple[float, float]] | None:
+    """Per prompt (new tokens, seconds), for a paired speedup; None from a runner that timed only the
+    whole run (a vllm.json resumed from before per-prompt times were kept)."""
+    seconds = got.get("prompt_seconds")
+    return [(len(out), t) for out, t in zip(got["outputs"], seconds)] if seconds else None
 
 
 def parse_ngram(text: str) -> tuple[int, dict]:
@@ -87,7 +102,7 @@ def main(argv=None) -> int:
     from draftsmith.artifacts import HeadArtifact, open_drafter
     from draftsmith.atomic import check_destination
     from draftsmith.data.chat import encode_prompt
-    from draftsmith.eval.acceptance import paired_tau_difference, tau_interval
+    from draftsmith.eval.acceptance import paired_ratio, paired_tau_difference, tau_interval
     from draftsmith.eval.report import write_acceptance_csv
     from draftsmith.eval.run import evaluate, load_prompts
     from draftsmith.export import ExportOptions, export
@@ -184,8 +199,11 @@ def main(argv=None) -> int:
             # has none), so forwards = new tokens - accepted. Unlike vLLM's acceptance length, this
             # counts the steps where a model-free method found nothing to draft.
             "tokens_per_target_forward": got["new_tokens"] / max(1, got["new_tokens"] - c["accepted"]),
+            "tokens_per_target_forward_ci95": tau_interval(forward_rows(got)),
             "tokens_per_second": got["new_tokens"] / got["seconds"],
             "speedup": got["new_tokens"] / got["seconds"] / plain_tps,
+            # Prompts resampled together for this run and plain decoding: [2.5 %, 50 %, 97.5 %].
+            "speedup_paired": paired_ratio(tokens_and_seconds(got), tokens_and_seconds(plain)) if tokens_and_seconds(got) and tokens_and_seconds(plain) else None,
             "identical_outputs": f"{sum(a == b for a, b in zip(plain['outputs'], got['outputs']))}/{len(ids)}",
         }  # fmt: skip
         if "probe" in got:
@@ -219,6 +237,13 @@ def main(argv=None) -> int:
     results["paired_differences"] = {
         f"{a} - {b}": paired_tau_difference(per_prompt_rows(vllm[a]["per_prompt"]), per_prompt_rows(vllm[b]["per_prompt"])) for a, b in pairs
     }
+    # Tokens per target forward, every other run against the first one (the first trained drafter
+    # when there is one), on the same prompts resampled together: the figure that compares trained
+    # and model-free drafters, with its paired interval.
+    reference = runs[1]["name"] if len(runs) > 1 else None
+    results["paired_tokens_per_forward"] = {
+        f"{run['name']} - {reference}": paired_tau_difference(forward_rows(vllm[run["name"]]), forward_rows(vllm[reference])) for run in runs[2:]
+    }
     (out / "results.json").write_text(json.dumps(results, indent=2))
     write_acceptance_csv(out / "acceptance.csv", rows)
     lines = [
@@ -226,15 +251,16 @@ def main(argv=None) -> int:
         "",
         f"Plain decoding: {plain_tps:.1f} tokens/s.",
         "",
-        "| run | k | vLLM mean acceptance length [95% CI] | per position | tokens per target forward | tokens/s | speedup | identical to plain | draftsmith runtime, chain of k (vLLM on the same prompts) |",
+        "| run | k | vLLM mean acceptance length [95% CI] | per position | tokens per target forward [95% CI] | tokens/s | speedup [95% CI, paired] | identical to plain | draftsmith runtime, chain of k (vLLM on the same prompts) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in results["runs"].items():
-        ci = r["mean_acceptance_length_ci95"]
+        ci, tci, sci = r["mean_acceptance_length_ci95"], r["tokens_per_target_forward_ci95"], r["speedup_paired"]
         ours = r.get("draftsmith_runtime")
         lines.append(
             f"| {name} | {r['k']} | {r['mean_acceptance_length']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
-            + f" | {', '.join(f'{x:.3f}' for x in r['per_position_acceptance'])} | {r['tokens_per_target_forward']:.3f} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | {r['identical_outputs']} | "
+            + f" | {', '.join(f'{x:.3f}' for x in r['per_position_acceptance'])} | {r['tokens_per_target_forward']:.3f}" + (f" [{tci[0]:.3f}, {tci[1]:.3f}]" if tci else "")
+            + f" | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x" + (f" [{sci[0]:.2f}, {sci[2]:.2f}]" if sci else "") + f" | {r['identical_outputs']} | "
             + (f"{ours['mean_accepted_length']:.3f} ({ours['vllm_mean_acceptance_length']:.3f}, {ours['prompts']} prompts)" if ours else "") + " |"
         )
     for name, why in skipped.items():
@@ -242,6 +268,10 @@ def main(argv=None) -> int:
     if results["paired_differences"]:
         lines += ["", "Paired differences of the mean acceptance length (median [95% interval], prompts resampled together):", ""]
         for label, q in results["paired_differences"].items():
+            lines.append(f"- {label}: {q[1]:+.3f} [{q[0]:+.3f}, {q[2]:+.3f}]" if q else f"- {label}: too few prompts")
+    if results["paired_tokens_per_forward"]:
+        lines += ["", f"Paired differences of tokens per target forward against {reference} (median [95% interval], prompts resampled together):", ""]
+        for label, q in results["paired_tokens_per_forward"].items():
             lines.append(f"- {label}: {q[1]:+.3f} [{q[0]:+.3f}, {q[2]:+.3f}]" if q else f"- {label}: too few prompts")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

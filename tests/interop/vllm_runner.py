@@ -232,19 +232,21 @@ def run(job: dict, spec: dict | None) -> dict:
     load_seconds = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
     before = counters(llm) if spec else None
-    outputs, per_prompt, drafted, started = [], [], [], time.perf_counter()
+    outputs, per_prompt, drafted, prompt_seconds, started = [], [], [], [], time.perf_counter()
     # One prompt at a time (max_num_seqs=1): the same schedule as draftsmith's batch-size-1 runtime,
     # and the counters' change over each call is that prompt's own.
     for ids in job["prompts"]:
         mark = counters(llm) if spec else None
         blocks.clear()
+        begun = time.perf_counter()
         result = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        prompt_seconds.append(time.perf_counter() - begun)
         outputs.append(list(result.outputs[0].token_ids))
         drafted.append(list(blocks))
         if spec is not None:
             per_prompt.append(delta(counters(llm), mark))
     seconds = time.perf_counter() - started
-    out = {"outputs": outputs, "seconds": seconds, "load_seconds": load_seconds, "new_tokens": sum(map(len, outputs))}
+    out = {"outputs": outputs, "seconds": seconds, "prompt_seconds": prompt_seconds, "load_seconds": load_seconds, "new_tokens": sum(map(len, outputs))}
     if spec is not None and spec["method"] == "dflash":
         out["blocks"] = drafted  # per prompt: [position, bonus token, drafted tokens] of every step
     if spec is not None:

@@ -212,3 +212,44 @@ def test_bench_tree_forward_times_each_tree_size_against_a_plain_step(tiny_llama
     assert [r["nodes"] for r in result["rows"]] == [1, 5] and result["plain_ms"] > 0
     assert all(r["verify_ms"] > 0 and r["lm_head_ms"] > 0 and r["ratio_to_plain"] == pytest.approx(r["verify_ms"] / result["plain_ms"]) for r in result["rows"])
     assert "| 5 |" in (out / "results.md").read_text()
+
+
+def test_bench_vllm_per_prompt_rows_give_tokens_per_forward_and_paired_figures(bench):
+    from draftsmith.eval.acceptance import paired_ratio, paired_tau_difference, tau_interval
+
+    # Two prompts of 10 new tokens: 4 and 0 drafts accepted, so 6 and 10 target forwards.
+    got = {"outputs": [[1] * 10, [2] * 10], "per_prompt": [{"drafts": 5, "accepted": 4}, {"drafts": 3, "accepted": 0}], "prompt_seconds": [1.0, 2.0]}
+    assert bench.forward_rows(got) == [(6, 4), (10, 0)]
+    # Resampling only these two prompts, tokens per forward lies between theirs: 10/6 and 10/10.
+    low, high = tau_interval(bench.forward_rows(got))
+    assert 1.0 <= low <= 20 / 16 <= high <= 10 / 6 + 1e-9
+    assert bench.tokens_and_seconds(got) == [(10, 1.0), (10, 2.0)]
+    assert bench.tokens_and_seconds({"outputs": [[1]], "per_prompt": [{}]}) is None  # a resumed old vllm.json
+    # Against itself, the paired difference is exactly zero and the paired speedup exactly one.
+    assert paired_tau_difference(bench.forward_rows(got), bench.forward_rows(got)) == [0.0, 0.0, 0.0]
+    assert paired_ratio(bench.tokens_and_seconds(got), bench.tokens_and_seconds(got)) == [1.0, 1.0, 1.0]
+    # Twice as fast on every prompt: a paired speedup of exactly 2, however the prompts are drawn.
+    faster = dict(got, prompt_seconds=[0.5, 1.0])
+    assert paired_ratio(bench.tokens_and_seconds(faster), bench.tokens_and_seconds(got)) == pytest.approx([2.0, 2.0, 2.0])
+
+
+def test_speculators_script_counts_the_draftsmith_runs_tokens_by_replaying_its_batch_order(peers, tmp_path):
+    from types import SimpleNamespace
+
+    from draftsmith.data import BatchStream
+
+    recipe = SimpleNamespace(train=SimpleNamespace(micro_batch_size=2, grad_accum_steps=2), data=SimpleNamespace(seed=7))
+    lengths = [10, 20, 30, 40, 50]
+    # The trainer's own stream, written out by hand step by step: 2 micro-batches of 2 a step.
+    stream = BatchStream(list(range(5)), batch_size=2, collator=list, seed=7)
+    steps = [sum(lengths[i] for _ in range(2) for i in stream.next_indices()) for _ in range(6)]
+    log = [{"step": s, "kind": "train", "tokens": steps[s - 1]} for s in (1, 5, 6)] + [{"step": 6, "kind": "eval", "top1": 0.1}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in log))
+    got = peers.run_metrics(tmp_path, recipe, lengths)
+    assert got == {"steps": 6, "tokens": sum(steps), "tokens_per_step": sum(steps) / 6}
+    assert got["tokens"] != 6 * sum(r["tokens"] for r in log[:3]) / 3  # not the estimate from logged steps
+    # A log the replay does not reproduce (another seed, recipe or data) is refused, naming the step.
+    log[1]["tokens"] += 1
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in log))
+    with pytest.raises(BadInput, match="step 5 logged"):
+        peers.run_metrics(tmp_path, recipe, lengths)
