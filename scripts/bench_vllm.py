@@ -189,6 +189,7 @@ def main(argv=None) -> int:
     for run in runs[1:]:
         got = vllm[run["name"]]
         c = got["counters"]
+        timed, plain_timed = tokens_and_seconds(got), tokens_and_seconds(plain)
         row = {
             "name": run["name"], "method": run["method"], "k": run["k"],
             "mean_acceptance_length": 1 + c["accepted"] / max(1, c["drafts"]),
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
             "tokens_per_second": got["new_tokens"] / got["seconds"],
             "speedup": got["new_tokens"] / got["seconds"] / plain_tps,
             # Prompts resampled together for this run and plain decoding: [2.5 %, 50 %, 97.5 %].
-            "speedup_paired": paired_ratio(tokens_and_seconds(got), tokens_and_seconds(plain)) if tokens_and_seconds(got) and tokens_and_seconds(plain) else None,
+            "speedup_paired": paired_ratio(timed, plain_timed) if timed and plain_timed else None,
             "identical_outputs": f"{sum(a == b for a, b in zip(plain['outputs'], got['outputs']))}/{len(ids)}",
         }  # fmt: skip
         if "probe" in got:
