@@ -173,3 +173,30 @@ def test_sample_first_token_follows_the_target(kernels):
     drafted = (tokens[:, 1:2] == top[None, :]).double().sum(0)
     drafted = torch.cat([drafted, (B - drafted.sum()).view(1)])
     assert stats.chisquare(drafted.cpu().numpy(), expected.cpu().numpy()).pvalue < 1e-6
+
+
+def test_a_workspace_is_refilled_on_the_gpu_and_changes_nothing(kernels):
+    """tests/unit's workspace test at real sizes, compiled: once every shape has been verified (the
+    buffers only grow), verifying the same shapes again allocates no buffer, hands out views of the
+    same memory and still matches the reference."""
+    gen = torch.Generator().manual_seed(21)
+    space = kernels.VerifyWorkspace()
+    cases = []
+    for B, N in [(8, 64), (4, 20), (1, 8), (8, 33)]:
+        parents, depths, num_nodes = random_structure(gen, B, N)
+        logits = torch.randn(B, N, 32000, device=DEVICE).to(torch.bfloat16)
+        drafted = torch.where(torch.rand(B, N, device=DEVICE) < 0.85, logits.argmax(-1).gather(1, parents.clamp_min(0)), 0)
+        tree = DraftTree(torch.where(parents >= 0, drafted, 0), parents, depths, num_nodes)
+        tree.validate()
+        cases.append((tree, logits))
+    for tree, logits in cases:
+        assert_same(kernels.fused_verify(tree, logits, workspace=space), verify_greedy(tree, logits))
+    made = space.allocations
+    assert made > 0
+    pointers = set()
+    for tree, logits in cases:
+        got = kernels.fused_verify(tree, logits, workspace=space)
+        assert_same(got, verify_greedy(tree, logits))
+        assert space.allocations == made, tree.tokens.shape
+        pointers.add(got.accept_len.data_ptr())
+    assert len(pointers) == 1  # one buffer, refilled every call
