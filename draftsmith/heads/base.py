@@ -71,6 +71,38 @@ def depth_label_weights(token_weights: Tensor, depth: int) -> Tensor:
     return out
 
 
+class _SoftCrossEntropy(torch.autograd.Function):
+    """Per row, -sum_v p_v log softmax(z)_v, in the targets' dtype (at least fp32).
+
+    Autograd through log_softmax keeps an fp32 [M,V] log-softmax and the product's operands for
+    backward; this keeps the logits as they came (bf16 under autocast: half the bytes) and the
+    targets, and its backward is a softmax and three passes in place:
+    dz = (softmax(z) sum_v p_v - p) x grad. The targets get no gradient (teachers are frozen)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, probs: Tensor) -> Tensor:
+        ctx.save_for_backward(logits, probs)
+        return -torch.linalg.vecdot(probs, torch.log_softmax(logits, dim=-1, dtype=probs.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        logits, probs = ctx.saved_tensors
+        dz = torch.softmax(logits, dim=-1, dtype=probs.dtype)
+        dz.mul_(probs.sum(-1, keepdim=True)).sub_(probs).mul_(grad.unsqueeze(-1))
+        return dz.to(logits.dtype), None
+
+
+def soft_cross_entropy(logits: Tensor, probs: Tensor) -> Tensor:
+    """Cross-entropy of logits [M,V] against target distributions probs [M,V] (probs' dtype, at
+    least fp32), per row [M]: -sum_v probs log_softmax(logits). Equal to the autograd formula in
+    value and gradient (tests/unit/test_heads.py), in less memory and time; targets that need a
+    gradient take the autograd formula."""
+    probs = probs.to(torch.promote_types(probs.dtype, torch.float32))
+    if probs.requires_grad:
+        return -(probs * torch.log_softmax(logits.to(probs.dtype), dim=-1)).sum(-1)
+    return _SoftCrossEntropy.apply(logits, probs)
+
+
 def depth_loss(
     labels: Tensor,
     valid: Tensor,
@@ -104,12 +136,11 @@ def depth_loss(
     terms, ce, top1, count = [], [], [], []
     for k in range(1, K + 1):
         rows = valid[..., k - 1]
-        logits = logits_at(k, rows)
+        logits = logits_at(k, rows)  # as the head computes them (bf16 under autocast); losses run in fp32 or wider
         dtype = torch.promote_types(logits.dtype, torch.float32)
-        logits = logits.to(dtype)
         n = logits.shape[0]
         if n == 0:
-            zero = logits.sum() * 0.0
+            zero = logits.sum().to(dtype) * 0.0
             terms.append(zero)
             ce.append(zero.detach())
             top1.append(zero.detach())
@@ -121,11 +152,12 @@ def depth_loss(
                 return each.mean() if w is None else (each * w).sum() / w.sum().clamp_min(torch.finfo(dtype).tiny)
 
             def hard_ce() -> Tensor:
-                return F.cross_entropy(logits, target) if w is None else mean(F.cross_entropy(logits, target, reduction="none"))
+                wide = logits.to(dtype)
+                return F.cross_entropy(wide, target) if w is None else mean(F.cross_entropy(wide, target, reduction="none"))
 
             if soft_targets is not None:
                 probs = soft_targets(k, rows, logits).to(dtype)
-                depth_ce = mean(-(probs * torch.log_softmax(logits, dim=-1)).sum(-1))
+                depth_ce = mean(soft_cross_entropy(logits, probs))
             else:
                 depth_ce = hard_ce()
             term = ce_weight * depth_ce

@@ -1,5 +1,6 @@
 """Medusa heads: distinct blocks, identity start, depth labels, and no target weights inside."""
 
+import pytest
 import torch
 
 from draftsmith.heads import HEADS, MedusaConfig, MedusaHead
@@ -132,3 +133,176 @@ def test_eagle3_takes_token_weights_and_refuses_bad_lookup_keys():
         Eagle3Config(lookup_hit_weight=1.5).check()
     with pytest.raises(ValueError, match="head.lookup_matcher"):
         Eagle3Config(lookup_matcher="ngram").check()
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct tensors autograd keeps for backward while fn() builds its graph."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def test_soft_cross_entropy_equals_the_autograd_formula_in_less_memory():
+    """The fused soft cross-entropy gives the log-softmax formula's value and gradient (fp32 logits,
+    and bf16 as autocast hands them over), targets with zeros and mass below 1 included, and keeps
+    less for backward than that formula does."""
+    from draftsmith.heads.base import soft_cross_entropy
+
+    torch.manual_seed(0)
+    M, V = 64, 300
+    probs = torch.softmax(torch.randn(M, V) * 3, dim=-1)
+    probs[:, :50] = 0.0  # a teacher restricted to part of the vocabulary: mass below 1
+    upstream = torch.randn(M)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        base = (torch.randn(M, V) * 4).to(dtype)
+        ref_in = base.clone().requires_grad_()
+        new_in = base.clone().requires_grad_()
+        ref, ref_kept = _saved_bytes(lambda: -(probs * torch.log_softmax(ref_in.float(), dim=-1)).sum(-1))
+        new, new_kept = _saved_bytes(lambda: soft_cross_entropy(new_in, probs))
+        assert new.dtype == torch.float32
+        torch.testing.assert_close(new, ref, rtol=1e-5, atol=1e-5)
+        (ref * upstream).sum().backward()
+        (new * upstream).sum().backward()
+        assert new_in.grad.dtype == dtype
+        torch.testing.assert_close(new_in.grad.float(), ref_in.grad.float(), rtol=tol, atol=tol)
+        # The formula keeps an fp32 log-softmax and the targets; the fused one the logits as they
+        # came (half the bytes in bf16), the targets and two numbers a row.
+        if dtype == torch.bfloat16:
+            assert new_kept <= 0.8 * ref_kept, (new_kept, ref_kept)
+        else:
+            assert new_kept <= ref_kept + 2 * M * 4, (new_kept, ref_kept)
+    # A target that needs a gradient takes the formula, so its gradient is there.
+    p = probs.clone().requires_grad_()
+    soft_cross_entropy(torch.randn(M, V), p).sum().backward()
+    assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+def test_eagle3_loss_and_gradients_are_those_of_the_log_softmax_formula():
+    """The EAGLE-3 loss through the fused soft cross-entropy equals, in value and in every
+    parameter's gradient, the same loss with the autograd formula patched back in."""
+    import draftsmith.heads.base as base
+
+    target = _target()
+    cls = HEADS["eagle3"]
+    torch.manual_seed(3)
+    head = cls(cls.config_class(depth=3, train_depth=3, draft_vocab_size=24, aux_layer_ids=[1, 2, 3]), target.dims)
+    head.init_from_target(target)
+    ids = torch.randint(3, 40, (2, 12))
+    feats = target.features(ids, attention_mask=torch.ones_like(ids), layers=head.required_layers())
+
+    def run():
+        head.zero_grad()
+        loss, stats = head.loss(feats, torch.ones_like(ids))
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+
+    fused_loss, fused_grads = run()
+    formula = lambda logits, probs: -(probs * torch.log_softmax(logits.to(probs.dtype), dim=-1)).sum(-1)  # noqa: E731
+    original = base.soft_cross_entropy
+    base.soft_cross_entropy = formula
+    try:
+        ref_loss, ref_grads = run()
+    finally:
+        base.soft_cross_entropy = original
+    torch.testing.assert_close(fused_loss, ref_loss)
+    assert fused_grads.keys() == ref_grads.keys() and len(fused_grads) > 3
+    for name in ref_grads:
+        torch.testing.assert_close(fused_grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_recomputed_attention_trains_the_same_and_keeps_less(monkeypatch):
+    """With attention recomputed in backward (what an accelerator without FlexAttention gets),
+    EAGLE-3's and DFlash's losses and every gradient equal those with attention kept, and autograd
+    keeps fewer bytes: the [B,H,T,T] softmax is no longer among them."""
+    import draftsmith.heads.layers as layers
+
+    target = _target()
+    ids = torch.randint(3, 40, (2, 24), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    configs = {
+        "eagle3": dict(depth=3, train_depth=3, draft_vocab_size=24, aux_layer_ids=[1, 2, 3]),
+        "dflash": dict(block_size=4, num_layers=1, aux_layer_ids=[1, 2, 3]),
+    }
+    for kind, values in configs.items():
+        cls = HEADS[kind]
+        torch.manual_seed(5)
+        head = cls(cls.config_class(**values), target.dims)
+        head.init_from_target(target)
+        feats = target.features(ids, attention_mask=mask, layers=head.required_layers())
+
+        def run(recompute: bool):
+            monkeypatch.setattr(layers, "TRAINING_ATTENTION", "recompute" if recompute else "keep")
+            head.zero_grad()
+            torch.manual_seed(6)  # DFlash draws its anchors
+            loss, kept = _saved_bytes(lambda: head.loss(feats, mask)[0])
+            loss.backward()
+            return loss.detach(), kept, {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+
+        kept_loss, kept_bytes, kept_grads = run(False)
+        loss, bytes_, grads = run(True)
+        torch.testing.assert_close(loss, kept_loss, msg=kind)
+        assert grads.keys() == kept_grads.keys() and grads, kind
+        for name in grads:
+            torch.testing.assert_close(grads[name], kept_grads[name], msg=f"{kind}: {name}")
+        assert bytes_ < kept_bytes, (kind, bytes_, kept_bytes)
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
+def test_flex_attention_sees_what_attend_sees():
+    """flex_attend (training attention on CUDA) equals attend: causal, packed segments and padding
+    in the shared keys, per-row masks, grouped-query heads, and the own entries as EAGLE's
+    training-time test (all seen) and DFlash's blocks (own_allowed) use them. Forward only: on the
+    CPU FlexAttention has no backward (tests/gpu holds the gradients on CUDA)."""
+    from draftsmith.heads.layers import attend, causal_allowed, flex_attend
+
+    g = torch.Generator().manual_seed(7)
+    B, H, Hkv, T, Dh = 2, 4, 2, 40, 8
+    q = torch.randn(B, H, T, Dh, generator=g)
+    k, v = torch.randn(B, Hkv, T, Dh, generator=g), torch.randn(B, Hkv, T, Dh, generator=g)
+    own = [(torch.randn(B, Hkv, T, Dh, generator=g), torch.randn(B, Hkv, T, Dh, generator=g)) for _ in range(3)]
+    segments = torch.tensor([[0] * 15 + [1] * 25, [0] * 40])
+    padding = torch.ones(B, T, dtype=torch.long)
+    padding[1, 30:] = 0
+    masks = {
+        "causal": causal_allowed(T, q.device),
+        "segments and padding": causal_allowed(T, q.device, segments, padding),
+    }
+    own_allowed = torch.rand(T, 3, generator=g) > 0.4
+    for name, allowed in masks.items():
+        for extra, seen in (((), None), (own, None), (own, own_allowed)):
+            ref = attend(q, k, v, allowed, extra, seen)
+            got = flex_attend(q, k, v, allowed, extra, seen)
+            torch.testing.assert_close(got.float(), ref, rtol=1e-4, atol=1e-5, msg=f"{name}, {len(extra)} own, own_allowed {seen is not None}")
+
+
+def test_a_flex_attention_that_fails_falls_back_to_recomputing_once(monkeypatch, capsys):
+    """Forced onto FlexAttention where it cannot train (the CPU has no backward for it), training
+    says so once and goes on with the recomputed attention: the same loss and gradients."""
+    import draftsmith.heads.layers as layers
+
+    target = _target()
+    cls = HEADS["eagle3"]
+    torch.manual_seed(5)
+    head = cls(cls.config_class(depth=2, train_depth=2, draft_vocab_size=24, aux_layer_ids=[1, 2, 3]), target.dims)
+    ids = torch.randint(3, 40, (1, 16), generator=torch.Generator().manual_seed(2))
+    feats = target.features(ids, attention_mask=torch.ones_like(ids), layers=head.required_layers())
+    monkeypatch.setattr(layers, "_flex_failed", None)
+    results = {}
+    for choice in ("keep", "flex", "flex"):
+        monkeypatch.setattr(layers, "TRAINING_ATTENTION", choice)
+        head.zero_grad()
+        loss, _ = head.loss(feats, torch.ones_like(ids))
+        loss.backward()
+        results.setdefault(choice, []).append((loss.detach(), head.fc.weight.grad.clone()))
+    notes = [line for line in capsys.readouterr().err.splitlines() if "FlexAttention failed" in line]
+    assert len(notes) == 1 and "recomputed" in notes[0]
+    assert layers._flex_failed
+    for loss, grad in results["flex"]:
+        torch.testing.assert_close(loss, results["keep"][0][0])
+        torch.testing.assert_close(grad, results["keep"][0][1])
