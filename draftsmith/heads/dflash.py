@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from draftsmith.graphs import capture_or_none
 from draftsmith.heads.base import BufferedSession, DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels
 from draftsmith.heads.eagle3 import resolve_aux_layer_ids
-from draftsmith.heads.layers import DecoderLayer, LayerShape, RMSNorm, Rotary, attend, causal_allowed
+from draftsmith.heads.layers import DecoderLayer, LayerShape, RMSNorm, Rotary, attend_in_training, causal_allowed
 from draftsmith.heads.vocab import draft_vocabulary, to_target_vocab
 from draftsmith.target import FrozenTarget
 
@@ -370,7 +370,7 @@ class DFlashHead(DraftHead):
                 return t[:, :, :, j : j + 1].expand(-1, -1, -1, S, -1).reshape(B, t.shape[1], P, t.shape[-1])
 
             own = [(slot(kb, j), slot(vb, j)) for j in range(S)]
-            x = layer.finish(residual, attend(q, ck, cv, allowed, own, own_allowed))
+            x = layer.finish(residual, attend_in_training(q, ck, cv, allowed, own, own_allowed))
         return self.norm(x).view(B, N, S, -1)
 
     def vocab_logits(self, out: Tensor, lm_head) -> Tensor:

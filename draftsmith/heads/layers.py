@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -31,6 +32,8 @@ __all__ = [
     "ResidualBlock",
     "Rotary",
     "attend",
+    "attend_in_training",
+    "flex_attend",
     "causal_allowed",
     "tree_visibility",
     "truncate_cache",
@@ -183,6 +186,103 @@ def attend(
     return out
 
 
+# How training runs attention (``attend_in_training``): "auto" is "flex" on CUDA where torch has
+# FlexAttention, "recompute" on other accelerators and "keep" on the CPU; or one of them forced.
+TRAINING_ATTENTION = "auto"
+_TRAINING_ATTENTION_CHOICES = ("auto", "flex", "recompute", "keep")
+_compiled_flex: Any = None
+_flex_failed: Optional[str] = None  # why FlexAttention failed in this process, once it has
+
+
+def _training_attention(device: torch.device) -> str:
+    choice = TRAINING_ATTENTION
+    if choice not in _TRAINING_ATTENTION_CHOICES:
+        raise ValueError(f"draftsmith.heads.layers.TRAINING_ATTENTION must be one of {_TRAINING_ATTENTION_CHOICES}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    if device.type == "cpu":
+        return "keep"
+    if device.type == "cuda":
+        from importlib.util import find_spec
+
+        return "flex" if find_spec("torch.nn.attention.flex_attention") is not None else "recompute"
+    return "recompute"
+
+
+def flex_attend(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: Sequence[tuple[Tensor, Tensor]] = (), own_allowed: Optional[Tensor] = None
+) -> Tensor:
+    """``attend``'s result through FlexAttention, which never materialises the scores and skips
+    the blocks nobody sees. The ``own`` entries become keys after the S shared ones: entry p of own
+    pair j sits at S + j P + p, seen by position p alone (where ``own_allowed`` says). Runs in
+    autocast's dtype where autocast is on (else q's), compiled on CUDA (where FlexAttention is
+    fast only compiled), as written elsewhere (the CPU, where it has no backward: tests only)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _compiled_flex
+    B, H, P, Dh = q.shape
+    S, n = k.shape[2], len(own)
+    kind = q.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
+    keys = torch.cat([k, *(kd for kd, _ in own)], dim=2).to(dtype)
+    values = torch.cat([v, *(vd for _, vd in own)], dim=2).to(dtype)
+    visible = allowed.expand(B, 1, P, S)
+
+    def mask_mod(b, h, qi, kv):
+        shared = (kv < S) & visible[b, 0, qi, kv.clamp(max=S - 1)]
+        r = (kv - S).clamp(min=0)
+        return shared | ((kv >= S) & (r % P == qi))
+
+    def mask_mod_own_allowed(b, h, qi, kv):
+        r = (kv - S).clamp(min=0)
+        return mask_mod(b, h, qi, kv) & ((kv < S) | own_allowed[qi, (r // P).clamp(max=n - 1)])
+
+    chosen = mask_mod if own_allowed is None or n == 0 else mask_mod_own_allowed
+    block_mask = create_block_mask(chosen, B, None, P, S + n * P, device=q.device)
+    run = flex_attention
+    if kind == "cuda":
+        if _compiled_flex is None:
+            # One compiled kernel per key length: EAGLE-3's 7 training-time-test steps are 7 lengths,
+            # and DFlash's blocks another; dynamo's default limit (8) would send the rest to the
+            # uncompiled FlexAttention, which materialises the scores.
+            config = torch._dynamo.config
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, name, max(getattr(config, name), 64))
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        run = _compiled_flex
+    return run(q.to(dtype), keys, values, block_mask=block_mask, scale=1.0 / math.sqrt(Dh), enable_gqa=H != k.shape[1])
+
+
+def attend_in_training(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: Sequence[tuple[Tensor, Tensor]] = (), own_allowed: Optional[Tensor] = None
+) -> Tensor:
+    """``attend`` where a gradient may follow. ``attend`` materialises the [B,H,P,S] scores and
+    autograd keeps their fp32 softmax for backward: at an 8B target's width and 4 x 2048 tokens
+    that is about 3 GB per layer call, 21 GB over EAGLE-3's 7 training-time-test steps, and a dozen
+    passes over them. So where a gradient follows (``TRAINING_ATTENTION``): on CUDA, FlexAttention
+    (``flex_attend``: the same attention, bf16 under autocast, nothing materialised); on another
+    accelerator, ``attend`` checkpointed (backward recomputes the scores from q, k and v, which are
+    all it keeps: the same values and gradients); on the CPU, ``attend`` as it is. Where
+    FlexAttention fails (no backward on the CPU, no Triton), one note says why and the process goes
+    on with the recomputed attention."""
+    tensors = (q, k, v, *(t for pair in own for t in pair))
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return attend(q, k, v, allowed, own, own_allowed)
+    global _flex_failed
+    how = _training_attention(q.device)
+    if how == "flex" and _flex_failed is None:
+        try:
+            return flex_attend(q, k, v, allowed, own, own_allowed)
+        except Exception as err:  # a torch or Triton without a working FlexAttention: say so once, go on
+            _flex_failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            print(f"note: FlexAttention failed ({_flex_failed}); training attention is recomputed in backward instead", file=sys.stderr)
+    if how in ("flex", "recompute"):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(attend, q, k, v, allowed, own, own_allowed, use_reentrant=False)
+    return attend(q, k, v, allowed, own, own_allowed)
+
+
 def causal_allowed(
     T: int,
     device: torch.device,
@@ -306,7 +406,7 @@ class DecoderLayer(nn.Module):
     def forward(self, attn_in: Tensor, residual: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor) -> Tensor:
         """Whole sequences: attn_in [B,T,W], residual [B,T,D], allowed [B or 1,1,T,T]."""
         q, k, v = self.self_attn.qkv(attn_in, cos, sin)
-        return self.finish(residual, attend(q, k, v, allowed))
+        return self.finish(residual, attend_in_training(q, k, v, allowed))
 
     def forward_unrolled(
         self,
@@ -329,7 +429,7 @@ class DecoderLayer(nn.Module):
         q, k, v = self.self_attn.qkv(attn_in, cos, sin)
         k1, v1 = first if first is not None else (k, v)
         own = [*diagonal, (k, v)] if first is not None else []
-        return self.finish(residual, attend(q, k1, v1, allowed, own)), (k, v)
+        return self.finish(residual, attend_in_training(q, k1, v1, allowed, own)), (k, v)
 
     def forward_cached(self, attn_in: Tensor, residual: Tensor, cos: Tensor, sin: Tensor, cache: dict, visible: Tensor) -> Tensor:
         """Drafting: P new entries [1,P,.] appended after the cache's S entries; visible [P,S+P]
