@@ -11,7 +11,14 @@ takes its loss, its backward and an AdamW step, under bf16 autocast on CUDA (the
 (``train`` without a feature cache); ``cached`` times the head alone on features computed once (the
 feature cache's case, and what speculators' offline trainer does with its stored hidden states).
 Every position is trained, so tokens/s counts every token of the batch. Peak memory is
-torch.cuda.max_memory_allocated over the timed steps, the target's weights included.
+torch.cuda.max_memory_allocated over the timed steps, the target's weights included; step memory
+is that peak less what was allocated as the timed steps began (weights, optimizer state, cached
+features): a step's activations and transients, what speculators' script reports by the same name.
+
+``--attention`` picks the heads' training attention (draftsmith.heads.layers.TRAINING_ATTENTION:
+auto is FlexAttention on CUDA; flex, recompute, keep), several at once for a side-by-side table.
+``--profile DIR`` writes, per row, torch.profiler's operator table over two extra steps
+(sorted by device time) to DIR/<shape>-<head>-<features>-<attention>.txt.
 """
 
 from __future__ import annotations
@@ -53,7 +60,18 @@ def build_head(kind: str, target, device: torch.device):
     return head.train()
 
 
-def bench(shape: str, kind: str, mode: str, device: torch.device, args) -> dict:
+def bench(shape: str, kind: str, mode: str, attention: str, device: torch.device, args) -> dict:
+    """One row: `_bench` with the heads' training attention set to `attention` for its length."""
+    import draftsmith.heads.layers as layers
+
+    previous, layers.TRAINING_ATTENTION = layers.TRAINING_ATTENTION, attention
+    try:
+        return _bench(shape, kind, mode, attention, device, args)
+    finally:
+        layers.TRAINING_ATTENTION = previous
+
+
+def _bench(shape: str, kind: str, mode: str, attention: str, device: torch.device, args) -> dict:
     from bench_gpu import build_target, sync
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -88,21 +106,43 @@ def bench(shape: str, kind: str, mode: str, device: torch.device, args) -> dict:
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     started = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
     sync(device)
     seconds = (time.perf_counter() - started) / args.steps
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    if args.profile:
+        profile(step, device, args.profile / f"{shape}-{kind}-{mode}-{attention}.txt")
     row = {
-        "shape": shape, "head": kind, "mode": mode, "batch": args.batch, "seq_len": args.seq_len,
+        "shape": shape, "head": kind, "mode": mode, "attention": attention, "batch": args.batch, "seq_len": args.seq_len,
         "ms_per_step": round(1000 * seconds, 2), "tokens_per_s": round(args.batch * args.seq_len / seconds, 1),
-        "peak_memory_gb": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "peak_memory_gb": round(peak / 2**30, 2) if peak is not None else None,
+        "step_memory_gb": round((peak - before) / 2**30, 2) if peak is not None else None,
         "final_loss": round(float(loss), 4), "head_parameters_m": round(sum(p.numel() for p in head.parameters() if p.requires_grad) / 1e6, 1),
     }  # fmt: skip
     del target, head, optimizer, cached
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def profile(step, device: torch.device, out: Path) -> None:
+    """torch.profiler's operator table over two more steps, by device time (CPU time on the CPU)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as run_profiler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with run_profiler(activities=activities) as prof:
+        for _ in range(2):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
+    print(f"profile: {out}", flush=True)
 
 
 def write(out: Path, rows: list[dict], meta: dict) -> None:
@@ -112,11 +152,11 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
         f"# Head-training speed, {meta['date']}", "",
         f"{meta['device_name']}; torch {meta['torch']}; batch {meta['batch']} x {meta['seq_len']} tokens, every position trained; "
         f"{meta['steps']} timed steps after {meta['warmup']}; random weights of the named shapes.", "",
-        "| shape | head | features | ms / step | tokens / s | peak memory (GB) | trainable params (M) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| shape | head | features | attention | ms / step | tokens / s | peak memory (GB) | step memory (GB) | trainable params (M) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['head']} | {r['mode']} | {r['ms_per_step']} | {r['tokens_per_s']} | {r['peak_memory_gb'] or '-'} | {r['head_parameters_m']} |")
+        lines.append(f"| {r['shape']} | {r['head']} | {r['mode']} | {r['attention']} | {r['ms_per_step']} | {r['tokens_per_s']} | {r['peak_memory_gb'] or '-'} | {r['step_memory_gb'] or '-'} | {r['head_parameters_m']} |")
     save(out, lines, rows, meta)
 
 
@@ -135,6 +175,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=bounded(int, 8), default=None, help="tokens a row (default 2048 on CUDA, 64 on the CPU)")
     p.add_argument("--steps", type=bounded(int, 1), default=10)
     p.add_argument("--warmup", type=bounded(int, 0), default=2)
+    p.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "flex", "recompute", "keep"],
+                   help="the heads' training attention (draftsmith.heads.layers.TRAINING_ATTENTION); several: a row each")
+    p.add_argument("--profile", type=Path, default=None, help="folder for a torch.profiler operator table per row (two extra steps)")
     p.add_argument("--out", type=Path, default=None, help="Markdown table (and .json beside it); default: print only")
     args = p.parse_args(argv)
     device = choose_device(args.device or "auto", "benchmark")
@@ -151,10 +194,11 @@ def main(argv=None) -> int:
     for shape in shapes:
         for kind in args.heads:
             for mode in args.modes:
-                rows.append(bench(shape, kind, mode, device, args))
-                print(json.dumps(rows[-1]), flush=True)
-                if args.out:  # after every row: a run cut short keeps what it measured
-                    write(args.out, rows, meta)
+                for attention in args.attention:
+                    rows.append(bench(shape, kind, mode, attention, device, args))
+                    print(json.dumps(rows[-1]), flush=True)
+                    if args.out:  # after every row: a run cut short keeps what it measured
+                        write(args.out, rows, meta)
     if args.out:
         print(f"results: {args.out.resolve()} (and {args.out.with_suffix('.json').name})")
     return 0

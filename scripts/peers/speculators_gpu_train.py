@@ -38,7 +38,10 @@ training-time-test steps; DFlash with one layer, blocks of 8 and --max-anchors =
 `--draft-attn-impl simple_flex_attention`, `--loss-implementation fused` (Triton), bf16 hidden
 states and autocast, its forward under torch.compile (speculators compiles it whenever CUDA is
 there; the warm-up steps pay for that and for the losses' autotuning). On the CPU: `sdpa`, `eager`,
-fp32.
+fp32. With `--loss auto` (the default) a head whose fused-loss run fails is run again with the
+eager loss: on the H200 image (torch 2.11) speculators 0.9.0's fused loss fails inside torch.compile
+("ListVariable(length=21) is already tracked for mutation"), so its EAGLE-3 row there is the eager
+loss's, and the row says which (`loss_implementation`).
 
 The figures are speculators' own. Its trainer logs, each step, step_ms (from the end of the previous
 step to this one's optimizer step, waiting for data included, every phase synchronized) and the
@@ -46,7 +49,8 @@ positions it trained (those that are not padding). A probe on its metrics logger
 process, keeps those of the timed steps, resets the peak-memory counter as the warm-up ends and
 reads torch.cuda.max_memory_allocated after the last timed step: the draft, its optimizer state,
 the verifier's embedding and LM head it holds, and a step's activations (offline training has no
-target model). The checkpoint and validation pass that would follow are skipped. Rows go to --out
+target model). The step memory is that peak less what was allocated when the counter was reset:
+the activations and transients of a step, bench_gpu_train.py's column of the same name. The checkpoint and validation pass that would follow are skipped. Rows go to --out
 (Markdown, .json beside) in bench_gpu_train.py's columns, the features column reading
 `speculators offline` (stored hidden states: bench_gpu_train.py's `cached`); the json adds the
 data wait, the wall clock between steps and the command line. Bad input: one line, exit 2.
@@ -151,6 +155,12 @@ def build_data(folder: Path, shape: str, example_len: int, examples: int) -> Non
     torch.save({int(t): int(counts[t]) for t in counts.nonzero().flatten()}, folder / "token_freq.pt")
 
 
+def loss_implementation(choice: str, cuda: bool) -> str:
+    """speculators' --loss-implementation for --loss: auto is its fused (Triton) loss on CUDA (the
+    parent falls back to eager when that run fails), eager on the CPU."""
+    return ("fused" if cuda else "eager") if choice == "auto" else choice
+
+
 def speculators_argv(head: str, args, verifier: Path, data: Path, run: Path, cuda: bool) -> list[str]:
     """The `speculators train` command line of one head."""
     dims = SHAPES[args.shape]
@@ -164,7 +174,7 @@ def speculators_argv(head: str, args, verifier: Path, data: Path, run: Path, cud
         "--optimizer", "adamw", "--lr", "1e-4", "--scheduler-type", "none", "--log-freq", "1", "--seed", "0",
         "--draft-vocab-size", str(min(DRAFT_VOCAB, dims["vocab_size"])), "--mask-token-id", str(dims["vocab_size"] - 1),
         "--hidden-states-dtype", "bfloat16" if cuda else "float32", "--num-workers", "4" if cuda else "0",
-        "--draft-attn-impl", "simple_flex_attention" if cuda else "sdpa", "--loss-implementation", "fused" if cuda else "eager",
+        "--draft-attn-impl", "simple_flex_attention" if cuda else "sdpa", "--loss-implementation", loss_implementation(args.loss, cuda),
     ]  # fmt: skip
     if dims["num_hidden_layers"] < 6:  # speculators' default [2, n // 2, n - 3] repeats layers; bench_gpu_train.py's choice
         argv += ["--target-layer-ids", "1", "2", "3"]
@@ -186,6 +196,7 @@ class StepProbe(logging.Handler):
         self.timed: list[dict] = []
         self.clock: dict[int, float] = {}
         self.peak_bytes: int | None = None
+        self.base_bytes: int | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         import torch
@@ -204,6 +215,7 @@ class StepProbe(logging.Handler):
             self.timed.append({"tokens": tokens, "loss": message["train"].get("loss"), **profile})
         if step == self.warmup - 1 and torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+            self.base_bytes = torch.cuda.memory_allocated()
         if step == last:
             if torch.cuda.is_available():
                 self.peak_bytes = torch.cuda.max_memory_allocated()
@@ -253,6 +265,8 @@ def train_one(head: str, args) -> dict:
         "shape": args.shape, "head": head, "mode": "speculators offline", "batch": args.batch, "seq_len": args.seq_len,
         "ms_per_step": round(ms, 2), "tokens_per_s": round(tokens / ms * 1000, 1),
         "peak_memory_gb": round(probe.peak_bytes / 2**30, 2) if probe.peak_bytes is not None else None,
+        "step_memory_gb": round((probe.peak_bytes - probe.base_bytes) / 2**30, 2) if probe.peak_bytes is not None and probe.base_bytes is not None else None,
+        "loss_implementation": loss_implementation(args.loss, cuda),
         "final_loss": round(float(probe.timed[-1]["loss"]), 4),
         "head_parameters_m": round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 1),
         "tokens_per_step": tokens, "data_ms_per_step": round(sum(s["fetch_ms"] for s in probe.timed) / len(probe.timed), 2),
@@ -276,12 +290,13 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
         f"{meta['device_name']}; torch {meta['torch']}, transformers {meta['transformers']}; batch {meta['batch']} x {meta['seq_len']} tokens "
         f"(one packed row), every position a loss position (speculators' EAGLE-3 trains all but each example's first); {meta['steps']} timed steps after {meta['warmup']}; random weights and hidden states; "
         "speculators' own step_ms and token counts; `speculators offline` reads stored hidden states (bench_gpu_train.py's `cached`).", "",
-        "| shape | head | features | ms / step | tokens / s | peak memory (GB) | trainable params (M) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| shape | head | features | ms / step | tokens / s | peak memory (GB) | step memory (GB) | trainable params (M) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['head']} | {r['mode']} | {r['ms_per_step']} | {r['tokens_per_s']} | {r['peak_memory_gb'] or '-'} | {r['head_parameters_m']} |")
-    lines += ["", "Of each step, waiting for data (speculators' fetch_ms): " + ", ".join(f"{r['head']} {r['data_ms_per_step']} ms" for r in rows) + "."]
+        lines.append(f"| {r['shape']} | {r['head']} | {r['mode']} | {r['ms_per_step']} | {r['tokens_per_s']} | {r['peak_memory_gb'] or '-'} | {r.get('step_memory_gb') or '-'} | {r['head_parameters_m']} |")
+    lines += ["", "Of each step, waiting for data (speculators' fetch_ms): " + ", ".join(f"{r['head']} {r['data_ms_per_step']} ms" for r in rows) + ".",
+              "Loss implementation: " + ", ".join(f"{r['head']} {r.get('loss_implementation', '?')}" for r in rows) + "."]  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
@@ -309,6 +324,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=at_least(1), default=2, help="steps before the timed ones (torch.compile and Triton autotuning run there)")
     p.add_argument("--work", default="/tmp/speculators-gpu-train", help="verifier, data and runs (rebuilt every run; 2.1 GB at the 8B shape)")
     p.add_argument("--out", type=Path, default=None, help="Markdown table (and .json beside it); default: print only")
+    p.add_argument("--loss", choices=["auto", "fused", "eager"], default="auto",
+                   help="speculators' --loss-implementation; auto: fused on CUDA, and eager if that run fails (speculators 0.9.0's fused loss does not compile under torch 2.11), eager on the CPU")
     p.add_argument("--one-head", choices=HEADS, default=None, help=argparse.SUPPRESS)  # the per-head process
     args = p.parse_args(argv)
     work = Path(args.work)
@@ -348,21 +365,26 @@ def main(argv=None) -> int:
     print(f"data ({examples} examples of {args.seq_len} tokens) -> {work / 'data'} [{time.perf_counter() - started:.0f} s]", flush=True)
     build_data(work / "data", args.shape, args.seq_len, examples)
     rows = []
+    losses = ["fused", "eager"] if args.loss == "auto" and cuda else [loss_implementation(args.loss, cuda)]
     for head in args.heads:
-        log = work / f"run-{head}.log"
-        print(f"training {head} with speculators ({args.warmup} + {args.steps} steps); log: {log}", flush=True)
-        command = [sys.executable, __file__, "--one-head", head, "--work", str(work), "--shape", args.shape, "--batch", str(args.batch),
-                   "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-        with open(log, "w") as fh:
-            proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-            for line in proc.stdout:  # our probe's lines on the console, everything in the log
-                fh.write(line)
-                if line.startswith("[speculators"):
-                    print(line, end="", flush=True)
-            code = proc.wait()
+        for loss in losses:
+            log = work / f"run-{head}-{loss}.log"
+            print(f"training {head} with speculators ({args.warmup} + {args.steps} steps, {loss} loss); log: {log}", flush=True)
+            command = [sys.executable, __file__, "--one-head", head, "--work", str(work), "--shape", args.shape, "--batch", str(args.batch),
+                       "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup), "--loss", loss]  # fmt: skip
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+            with open(log, "w") as fh:
+                proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+                for line in proc.stdout:  # our probe's lines on the console, everything in the log
+                    fh.write(line)
+                    if line.startswith("[speculators"):
+                        print(line, end="", flush=True)
+                code = proc.wait()
+            if not code:
+                break
+            print(f"{head}: speculators failed with its {loss} loss (exit {code}); the end of {log}:\n"
+                  + "".join(log.read_text(errors="replace").splitlines(True)[-25:]), flush=True)  # fmt: skip
         if code:
-            print(f"{head}: speculators failed (exit {code}); the end of {log}:\n" + "".join(log.read_text(errors="replace").splitlines(True)[-25:]), flush=True)
             continue
         rows.append(json.loads((work / f"row-{head}.json").read_text()))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"}), flush=True)
