@@ -322,9 +322,18 @@ class SimulatedDevice(torch.overrides.TorchFunctionMode):
 
     Enter it before models are built or loaded: a parameter made outside counts as on the host.
     ``checked`` counts the operations it judged (a test can assert that it looked at all).
+    ``reads`` lists, in order, each operation that waits for the device to hand a value to the host
+    (``item``, ``tolist``, ``bool()``/``int()``/``float()``, ``.cpu()``, ``nonzero``, indexing with
+    a device mask, ``repeat_interleave`` by device counts...): on a GPU each is a host sync. Each
+    entry names the operation and the innermost draftsmith line outside this module that ran it.
     """
 
     HOST, DEVICE = "host", "device"
+    _READS = frozenset(
+        (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+         torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.cpu, torch.masked_select,
+         torch.Tensor.masked_select, torch.unique, torch.Tensor.unique, torch.argwhere)
+    )  # fmt: skip
 
     def __init__(self) -> None:
         super().__init__()
@@ -335,6 +344,20 @@ class SimulatedDevice(torch.overrides.TorchFunctionMode):
         # alive here so ids stay unique; a test-sized run makes a few thousand).
         self._device_places: dict[int, tuple[torch.device, str | None]] = {}
         self.checked = 0
+        self.reads: list[str] = []
+
+    def _read(self, func, tensor) -> None:
+        """Record a host read of `tensor` by `func` when the tensor stands on the device."""
+        if isinstance(tensor, torch.Tensor) and self.place(tensor) == self.DEVICE:
+            import traceback
+
+            where = "?"
+            for frame in reversed(traceback.extract_stack()[:-2]):
+                if "draftsmith" in frame.filename and not frame.filename.endswith("testing.py"):
+                    where = f"{Path(frame.filename).name}:{frame.lineno}"
+                    break
+            name = getattr(func, "__name__", None) or repr(func)
+            self.reads.append(f"{name} at {where}")
 
     def place(self, value) -> str | None:
         return self._place.get(value, self.HOST if isinstance(value, torch.nn.Parameter) else None)
@@ -411,6 +434,14 @@ class SimulatedDevice(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         T = torch.Tensor
+        if func in self._READS and args:
+            self._read(func, args[0])
+        elif func is T.__getitem__ and len(args) > 1:
+            for t in torch.utils._pytree.tree_leaves(args[1]):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.bool:
+                    self._read(func, t)  # a boolean mask: the result's size is its count
+        elif func in (torch.repeat_interleave, T.repeat_interleave) and len(args) > 1:
+            self._read(func, args[1])
         if func is T.to:
             out = func(*args, **kwargs)
             first = args[1] if len(args) > 1 else kwargs.get("device", kwargs.get("other"))
@@ -418,7 +449,10 @@ class SimulatedDevice(torch.overrides.TorchFunctionMode):
                 return self._moved(args[0], out, self.place(first))
             device = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})[0]
             raw = first if isinstance(first, (str, torch.device, int)) else device
-            return self._moved(args[0], out, None if device is None else self._device_place(raw))
+            where = None if device is None else self._device_place(raw)
+            if where == self.HOST:
+                self._read(func, args[0])
+            return self._moved(args[0], out, where)
         if func in (T.cpu, T.cuda, T.type_as):
             out = func(*args, **kwargs)
             where = self.HOST if func is T.cpu else self.DEVICE if func is T.cuda else self.place(args[1])

@@ -98,3 +98,26 @@ def test_decoding_takes_a_prompt_from_the_host_and_answers_there(cache):
         plain, _ = autoregressive_generate(target, prompt, 12, cache=cache)
         assert guard.place(spec) == guard.place(plain) == guard.HOST
         assert spec.shape == (1, 16) and torch.equal(spec, plain)
+
+
+def test_reads_of_the_device_are_listed_and_host_ones_are_not():
+    """Every operation that hands a device value to the host (a host sync on a GPU) is listed, in
+    order, with its name; the same operations on host tensors, and device work that stays on the
+    device, are not."""
+    with SimulatedDevice() as guard:
+        host = torch.tensor([1.0, 0.0, 3.0])
+        host.tolist(), host.sum().item(), bool(host.any()), host[host > 0]
+        assert guard.reads == []
+        dev = host.to(DEVICE)
+        kept = (dev * 2).cumsum(0)  # stays on the device
+        kept.topk(2)
+        assert guard.reads == []
+        dev.tolist()
+        dev.sum().item()
+        bool(dev.any())
+        int(dev.argmax())
+        dev[dev > 0]
+        dev.nonzero()
+        dev.to("cpu")
+        dev.cpu()
+    assert [r.split(" at ")[0] for r in guard.reads] == ["tolist", "item", "__bool__", "__int__", "__getitem__", "nonzero", "to", "cpu"]

@@ -1,6 +1,8 @@
 """StaticSession: the target on a preallocated KV cache (what a GPU replays as CUDA graphs) computes
 what TargetSession computes on transformers' DynamicCache, step for step, on the CPU."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -274,7 +276,17 @@ def test_a_tree_grown_on_the_device_stays_there(kind, shape):
                 head = Eagle3Head(Eagle3Config(depth=4, train_depth=4, draft_vocab_size=64, aux_layer_ids=[1, 2, 3]), target.dims)
                 head.init_from_target(target)
             drafter = HeadDrafter(head.to(device).eval(), target, spec, cache=cache)
+            before = len(guard.reads)
             out, stats = speculative_generate(target, drafter, torch.tensor([[5, 9, 14, 20, 7, 3]]), 24, cache=cache)
         assert guard.checked > 200
         outputs[cache] = (out.tolist(), stats.accept_lens)
+        if cache == "static":
+            # What the CUDA path reads: the torch reference verification (verify.py, and the tree
+            # checks it starts with) is the CPU's; on CUDA the fused kernel, which reads nothing, runs.
+            lines, first = inspect.getsourcelines(DraftTree.validate)
+            checks = {f"tree.py:{n}" for n in range(first, first + len(lines))}
+            reads = [r for r in guard.reads[before:] if not r.split(" at ")[1].startswith("verify.py") and r.split(" at ")[1] not in checks]
+            steps = len(stats.accept_lens)
+            assert len(reads) <= steps + 2, (steps, reads)  # the verdict once a step, and the end
+            assert sum("generate.py" in r and r.startswith("tolist") for r in reads) == steps
     assert outputs["static"] == outputs["dynamic"]
