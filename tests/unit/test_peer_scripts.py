@@ -123,17 +123,27 @@ def test_bench_gpu_times_every_drafter_kind_on_the_cpu(tmp_path):
 
 
 def test_bench_gpu_train_times_eagle3_and_dflash_training_on_the_cpu(tmp_path):
-    """scripts/bench_gpu_train.py at a tiny shape on the CPU: a row per head and mode, the heads
-    learn (the same data and start give the same loss online and from cached features), and the
-    table and JSON are written."""
+    """scripts/bench_gpu_train.py at a tiny shape on the CPU: a row per head, mode and training
+    attention, the heads learn (the same data and start give the same loss online and from cached
+    features, with attention kept or recomputed), a profile per row, and the table and JSON are
+    written; the process's training attention is left as it was."""
+    import draftsmith.heads.layers as layers
+
     bench = load_script("scripts/bench_gpu_train.py")
     out = tmp_path / "train.md"
-    assert bench.main(["--device", "cpu", "--shapes", "tiny", "--steps", "2", "--warmup", "1", "--seq-len", "32", "--out", str(out)]) == 0
+    argv = ["--device", "cpu", "--shapes", "tiny", "--steps", "2", "--warmup", "1", "--seq-len", "32", "--out", str(out)]
+    assert bench.main([*argv, "--attention", "keep", "recompute", "--profile", str(tmp_path / "prof")]) == 0
+    assert layers.TRAINING_ATTENTION == "auto"
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [(r["head"], r["mode"]) for r in rows] == [("eagle3", "online"), ("eagle3", "cached"), ("dflash", "online"), ("dflash", "cached")]
-    assert all(r["tokens_per_s"] > 0 and r["peak_memory_gb"] is None and r["head_parameters_m"] > 0 for r in rows)
-    assert rows[0]["final_loss"] == rows[1]["final_loss"] and rows[2]["final_loss"] == rows[3]["final_loss"]
-    assert "| tiny | dflash | cached |" in out.read_text()
+    assert [(r["head"], r["mode"], r["attention"]) for r in rows] == [
+        (head, mode, attention) for head in ("eagle3", "dflash") for mode in ("online", "cached") for attention in ("keep", "recompute")
+    ]
+    assert all(r["tokens_per_s"] > 0 and r["peak_memory_gb"] is None and r["step_memory_gb"] is None and r["head_parameters_m"] > 0 for r in rows)
+    assert len({r["final_loss"] for r in rows[:4]}) == 1 and len({r["final_loss"] for r in rows[4:]}) == 1
+    assert "| tiny | dflash | cached | recompute |" in out.read_text()
+    tables = sorted(p.name for p in (tmp_path / "prof").iterdir())
+    assert len(tables) == 8 and "tiny-eagle3-cached-recompute.txt" in tables
+    assert "aten::" in (tmp_path / "prof" / "tiny-eagle3-cached-recompute.txt").read_text()
 
 
 # Every script under scripts/ refuses a bad command line in one line, exit 2, before it loads a
