@@ -349,15 +349,17 @@ class SimulatedDevice(torch.overrides.TorchFunctionMode):
     def _read(self, func, tensor) -> None:
         """Record a host read of `tensor` by `func` when the tensor stands on the device."""
         if isinstance(tensor, torch.Tensor) and self.place(tensor) == self.DEVICE:
-            import traceback
+            import sys
 
-            where = "?"
-            for frame in reversed(traceback.extract_stack()[:-2]):
-                if "draftsmith" in frame.filename and not frame.filename.endswith("testing.py"):
-                    where = f"{Path(frame.filename).name}:{frame.lineno}"
+            package, here = str(Path(__file__).parent), __file__
+            frame, where = sys._getframe(1), "?"
+            while frame is not None:  # the innermost frame of the package outside this module
+                name = frame.f_code.co_filename
+                if name.startswith(package) and name != here:
+                    where = f"{Path(name).name}:{frame.f_lineno}"
                     break
-            name = getattr(func, "__name__", None) or repr(func)
-            self.reads.append(f"{name} at {where}")
+                frame = frame.f_back
+            self.reads.append(f"{getattr(func, '__name__', None) or repr(func)} at {where}")
 
     def place(self, value) -> str | None:
         return self._place.get(value, self.HOST if isinstance(value, torch.nn.Parameter) else None)
