@@ -232,6 +232,13 @@ class HeadSession:
         device without a host read per level."""
         return False
 
+    def dynamic_tree(self, spec: Any, root: int, logp: Callable[[Tensor], Tensor], key: Any, deterministic: bool) -> Optional[Any]:
+        """The whole EAGLE-2 tree of a step grown by the session itself (EAGLE, EAGLE-3: one CUDA
+        graph a step on CUDA), ``runtime.tree.build_dynamic_tree_on_device``'s tree ranked by
+        ``logp``; ``key`` names what ``logp`` depends on. None (the default) where the session does
+        not: the caller grows it level by level through ``expand_level``."""
+        return None
+
     def expand_level(self, frontier: Any) -> Tensor:
         """``expand`` for a frontier held on the device (``runtime.tree.LevelFrontier``: one tree
         level, its nodes' parents in the level before), where ``levels_on_device``."""

@@ -26,7 +26,7 @@ Shapes: B batch, T positions, K depth, V vocabulary, D hidden size.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -352,6 +352,71 @@ class EagleSession(BufferedSession):
         self.length += width
         self._level = (frontier.nodes, out[0], seen)
         return self.head.logits(out[0], self.lm_head)
+
+    def dynamic_tree(self, spec: Any, root: int, logp: Callable[[Tensor], Tensor], key: Any, deterministic: bool) -> Any:
+        """An EAGLE-2 tree (``runtime.tree.build_dynamic_tree_on_device`` over ``expand_level``'s
+        levels, ranked by ``logp`` of the logits) as one function of device tensors whose shapes
+        never depend on the step: the decided length and the root token are tensors. On CUDA it is
+        captured once per (spec, ``key``: what ``logp`` depends on) as one CUDA graph, every level's
+        forward, top-k and the tree's assembly in a single launch; elsewhere, or where capture
+        fails, it runs eagerly. The same tree as level by level (tests/unit/test_static_session.py)."""
+        from draftsmith.runtime.tree import DraftTree
+
+        device = self.outputs[0].device
+        entries = (spec.depth - 1) * spec.topk  # what the levels' forwards write after the decided entries
+        if self.decided + entries > self.capacity:
+            self._grow(max(2 * self.capacity, self.decided + entries + 64))  # drops the captured graphs
+        inputs = (
+            self.outputs[0][0],
+            torch.full((1,), root, dtype=torch.long, device=device),
+            torch.full((), self.decided, dtype=torch.long, device=device),
+        )
+
+        def grow(root_out: Tensor, root_token: Tensor, decided: Tensor) -> tuple[Tensor, ...]:
+            return self._dynamic_tree(spec, logp, deterministic, root_out, root_token, decided)
+
+        graph = None
+        if self.graphs:
+            name = ("dynamic", spec.depth, spec.topk, spec.budget, key)
+            if name not in self._compiled:
+                self._compiled[name] = capture_or_none(grow, inputs, f"the {self.head.cfg.kind} head's EAGLE-2 tree")
+            graph = self._compiled[name]
+        # A graph's outputs are overwritten by its next replay: the tree gets its own copies.
+        tokens, parents, depths, num_nodes = [x.clone() for x in graph(*inputs)] if graph is not None else grow(*inputs)
+        self.forwards += spec.depth - 1
+        self.length = self.decided + entries
+        return DraftTree(tokens=tokens, parents=parents, depths=depths, num_nodes=num_nodes, deterministic=deterministic, known_depth_bound=spec.depth)
+
+    def _dynamic_tree(
+        self, spec: Any, logp: Callable[[Tensor], Tensor], deterministic: bool, root_out: Tensor, root_token: Tensor, decided: Tensor
+    ) -> tuple[Tensor, ...]:
+        """``dynamic_tree``'s function: ``expand_level`` with the decided length a tensor, so the
+        visibility is over the whole buffer ([F, capacity]: the decided columns, then the tree's
+        columns so far) and the slots and rotary positions are computed on the device."""
+        from draftsmith.runtime.tree import build_dynamic_tree_on_device
+
+        device = root_out.device
+        level_state: dict[str, Any] = {"cols": 0}
+
+        def expand(frontier: Any) -> Tensor:
+            if frontier.level == 1:
+                level_state["level"] = (frontier.nodes, root_out, torch.zeros(1, 0, dtype=torch.bool, device=device))
+                return logp(self.head.logits(root_out, self.lm_head))
+            nodes, outputs, seen = level_state["level"]
+            width, cols = frontier.nodes.shape[0], level_state["cols"]
+            rows = (frontier.parents.unsqueeze(1) == nodes.unsqueeze(0)).int().argmax(dim=1)
+            seen = torch.cat([seen[rows], torch.eye(width, dtype=torch.bool, device=device)], dim=1)
+            visible = (self.columns < decided).expand(width, -1).clone()
+            visible.index_copy_(1, decided + torch.arange(cols + width, device=device), seen)
+            positions = (decided + (frontier.level - 2)).expand(width)
+            slots = decided + cols + torch.arange(width, device=device)
+            out = self._slotted_forward(outputs[rows].unsqueeze(0), frontier.tokens.unsqueeze(0), positions, visible, slots)
+            level_state["cols"] = cols + width
+            level_state["level"] = (frontier.nodes, out[0], seen)
+            return logp(self.head.logits(out[0], self.lm_head))
+
+        tree, _ = build_dynamic_tree_on_device(expand, root_token, spec.depth, spec.topk, spec.budget, device, deterministic)
+        return tree.tokens, tree.parents, tree.depths, tree.num_nodes
 
     def rollback(self) -> None:
         if not self.capacity:

@@ -405,7 +405,12 @@ class HeadDrafter:
         if tree is None and self.session.levels_on_device:
             # A path-conditioned head on preallocated caches (EAGLE, EAGLE-3): the tree grows on the device.
             if isinstance(self.tree, DynamicTreeSpec):
-                tree = grow_dynamic_tree_on_device(self.tree, state, self.session.expand_level, device)
+                # The session grows the whole tree itself where it can (EAGLE: one CUDA graph a step).
+                sampling = state.sampling
+                key = (sampling.sampled, sampling.temperature, sampling.top_k, sampling.top_p)
+                tree = self.session.dynamic_tree(self.tree, state.root, _ranking(sampling), key, sampling.sampled)
+                if tree is None:
+                    tree = grow_dynamic_tree_on_device(self.tree, state, self.session.expand_level, device)
             elif isinstance(self.tree, TreeSpec) and not state.sampling.sampled:
                 tree = grow_static_tree_on_device(self.tree, state.root, self.session.expand_level, device)
         if tree is None:

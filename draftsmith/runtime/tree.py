@@ -577,7 +577,7 @@ class LevelFrontier:
 
 
 def build_dynamic_tree_on_device(
-    expand: Callable[[LevelFrontier], Tensor], root_token: int, depth: int, topk: int, budget: int, device, deterministic: bool = False
+    expand: Callable[[LevelFrontier], Tensor], root_token: int | Tensor, depth: int, topk: int, budget: int, device, deterministic: bool = False
 ) -> tuple[DraftTree, Tensor]:
     """``build_dynamic_tree`` without reading anything back: the same tree, grown and pruned on
     the device, so that a step's only host read is its verdict.
@@ -589,11 +589,12 @@ def build_dynamic_tree_on_device(
     float64 as Python floats do, so the kept nodes are the same. Kept nodes of score -inf (fewer
     finite candidates than the budget) become padding after the real nodes (``num_nodes``).
 
+    ``root_token`` may be a one-element device tensor (a captured step reads it from a buffer).
     Returns (tree, ids [N] on the device: the creation id ``expand`` saw for each tree node,
     padding included). The tree's depth is not read: ``known_depth_bound`` is ``depth``.
     """
     long = dict(dtype=torch.long, device=device)
-    tokens = [torch.full((1,), int(root_token), **long)]
+    tokens = [root_token.view(1).long() if isinstance(root_token, Tensor) else torch.full((1,), int(root_token), **long)]
     parents = [torch.full((1,), -1, **long)]
     depths = [torch.zeros(1, **long)]
     scores = [torch.zeros(1, dtype=torch.float64, device=device)]

@@ -290,3 +290,41 @@ def test_a_tree_grown_on_the_device_stays_there(kind, shape):
             assert len(reads) <= steps + 2, (steps, reads)  # the verdict once a step, and the end
             assert sum("generate.py" in r and r.startswith("tolist") for r in reads) == steps
     assert outputs["static"] == outputs["dynamic"]
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+def test_the_whole_tree_in_one_function_is_the_level_by_level_tree(monkeypatch, mode):
+    """EAGLE's dynamic_tree (what CUDA captures as one graph a step) grows, every step of a
+    generation, exactly the tree build_dynamic_tree_on_device grows through expand_level from the
+    same state: tokens, parents, depths and node count, greedy and sampled."""
+    from draftsmith.heads.eagle import EagleSession
+    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+    from draftsmith.runtime.drafters import HeadDrafter
+    from draftsmith.runtime.tree import DynamicTreeSpec, build_dynamic_tree_on_device
+    from draftsmith.runtime.verify import SamplingParams
+
+    original, compared = EagleSession.dynamic_tree, []
+
+    def checked(self, spec, root, logp, key, deterministic):
+        length = self.length
+        reference, _ = build_dynamic_tree_on_device(
+            lambda f: logp(self.expand_level(f)), root, spec.depth, spec.topk, spec.budget, self.outputs[0].device, deterministic
+        )
+        self.length = length  # expand_level moved it; the whole tree writes the same slots again
+        tree = original(self, spec, root, logp, key, deterministic)
+        for name in ("tokens", "parents", "depths", "num_nodes"):
+            assert torch.equal(getattr(tree, name), getattr(reference, name)), name
+        assert tree.deterministic == reference.deterministic and tree.known_depth_bound == reference.known_depth_bound
+        compared.append(int(tree.num_nodes))
+        return tree
+
+    monkeypatch.setattr(EagleSession, "dynamic_tree", checked)
+    torch.manual_seed(5)
+    target = FrozenTarget(tiny_causal_lm("llama", seed=0))
+    head = Eagle3Head(Eagle3Config(depth=5, train_depth=5, draft_vocab_size=64, aux_layer_ids=[1, 2, 3]), target.dims)
+    head.init_from_target(target)
+    drafter = HeadDrafter(head.eval(), target, DynamicTreeSpec(depth=5, topk=3, budget=12), cache="static")
+    sampling = SamplingParams(mode="sample", temperature=0.8, top_k=20) if mode == "sample" else SamplingParams()
+    generator = torch.Generator().manual_seed(1)
+    speculative_generate(target, drafter, torch.tensor([[5, 9, 14, 20, 7, 3]]), 20, cache="static", sampling=sampling, generator=generator)
+    assert len(compared) >= 5 and max(compared) > 1
