@@ -111,4 +111,7 @@ def test_a_graphed_eagle_head_drafts_what_the_eager_one_drafts(target):
         drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
         out, stats = speculative_generate(target, drafter, torch.tensor([[5, 9, 14, 20, 7, 3]], device=CUDA), 30, cache=cache)
         runs[cache] = (out.tolist(), stats.accept_lens, [t.tokens.tolist() for t in proposed])
+        if cache == "static":  # the whole tree was captured as one graph, not grown eagerly after a failed capture
+            whole = [graph for name, graph in drafter.session._compiled.items() if isinstance(name, tuple) and name[0] == "dynamic"]
+            assert whole and all(graph is not None for graph in whole)
     assert runs["static"] == runs["dynamic"]
