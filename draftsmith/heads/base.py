@@ -232,11 +232,14 @@ class HeadSession:
         device without a host read per level."""
         return False
 
-    def dynamic_tree(self, spec: Any, root: int, logp: Callable[[Tensor], Tensor], key: Any, deterministic: bool) -> Optional[Any]:
+    def dynamic_tree(
+        self, spec: Any, root: int, logp: Callable[[Tensor], Tensor], key: Any, deterministic: bool, build: Callable[..., Any]
+    ) -> Optional[tuple[Tensor, ...]]:
         """The whole EAGLE-2 tree of a step grown by the session itself (EAGLE, EAGLE-3: one CUDA
-        graph a step on CUDA), ``runtime.tree.build_dynamic_tree_on_device``'s tree ranked by
-        ``logp``; ``key`` names what ``logp`` depends on. None (the default) where the session does
-        not: the caller grows it level by level through ``expand_level``."""
+        graph a step on CUDA): ``build`` (``runtime.tree.build_dynamic_tree_on_device``) over the
+        session's levels ranked by ``logp``, ``key`` naming what ``logp`` depends on. Returns the
+        tree's (tokens, parents, depths, num_nodes); None (the default) where the session does not:
+        the caller grows it level by level through ``expand_level``."""
         return None
 
     def expand_level(self, frontier: Any) -> Tensor:

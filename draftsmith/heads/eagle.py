@@ -353,15 +353,16 @@ class EagleSession(BufferedSession):
         self._level = (frontier.nodes, out[0], seen)
         return self.head.logits(out[0], self.lm_head)
 
-    def dynamic_tree(self, spec: Any, root: int, logp: Callable[[Tensor], Tensor], key: Any, deterministic: bool) -> Any:
-        """An EAGLE-2 tree (``runtime.tree.build_dynamic_tree_on_device`` over ``expand_level``'s
-        levels, ranked by ``logp`` of the logits) as one function of device tensors whose shapes
-        never depend on the step: the decided length and the root token are tensors. On CUDA it is
-        captured once per (spec, ``key``: what ``logp`` depends on) as one CUDA graph, every level's
-        forward, top-k and the tree's assembly in a single launch; elsewhere, or where capture
-        fails, it runs eagerly. The same tree as level by level (tests/unit/test_static_session.py)."""
-        from draftsmith.runtime.tree import DraftTree
-
+    def dynamic_tree(
+        self, spec: Any, root: int, logp: Callable[[Tensor], Tensor], key: Any, deterministic: bool, build: Callable[..., Any]
+    ) -> Optional[tuple[Tensor, ...]]:
+        """An EAGLE-2 tree (``build``: ``runtime.tree.build_dynamic_tree_on_device``, over
+        ``expand_level``'s levels ranked by ``logp`` of the logits) as one function of device
+        tensors whose shapes never depend on the step: the decided length and the root token are
+        tensors. On CUDA it is captured once per (spec, ``key``: what ``logp`` depends on) as one
+        CUDA graph, every level's forward, top-k and the tree's assembly in a single launch;
+        elsewhere, or where capture fails, it runs eagerly. Returns the tree's (tokens, parents,
+        depths, num_nodes): the tree grown level by level (tests/unit/test_static_session.py)."""
         device = self.outputs[0].device
         entries = (spec.depth - 1) * spec.topk  # what the levels' forwards write after the decided entries
         if self.decided + entries > self.capacity:
@@ -373,7 +374,7 @@ class EagleSession(BufferedSession):
         )
 
         def grow(root_out: Tensor, root_token: Tensor, decided: Tensor) -> tuple[Tensor, ...]:
-            return self._dynamic_tree(spec, logp, deterministic, root_out, root_token, decided)
+            return self._dynamic_tree(spec, logp, deterministic, build, root_out, root_token, decided)
 
         graph = None
         if self.graphs:
@@ -382,19 +383,17 @@ class EagleSession(BufferedSession):
                 self._compiled[name] = capture_or_none(grow, inputs, f"the {self.head.cfg.kind} head's EAGLE-2 tree")
             graph = self._compiled[name]
         # A graph's outputs are overwritten by its next replay: the tree gets its own copies.
-        tokens, parents, depths, num_nodes = [x.clone() for x in graph(*inputs)] if graph is not None else grow(*inputs)
+        tree = tuple(x.clone() for x in graph(*inputs)) if graph is not None else grow(*inputs)
         self.forwards += spec.depth - 1
         self.length = self.decided + entries
-        return DraftTree(tokens=tokens, parents=parents, depths=depths, num_nodes=num_nodes, deterministic=deterministic, known_depth_bound=spec.depth)
+        return tree
 
     def _dynamic_tree(
-        self, spec: Any, logp: Callable[[Tensor], Tensor], deterministic: bool, root_out: Tensor, root_token: Tensor, decided: Tensor
+        self, spec: Any, logp: Callable[[Tensor], Tensor], deterministic: bool, build: Callable[..., Any], root_out: Tensor, root_token: Tensor, decided: Tensor
     ) -> tuple[Tensor, ...]:
         """``dynamic_tree``'s function: ``expand_level`` with the decided length a tensor, so the
         visibility is over the whole buffer ([F, capacity]: the decided columns, then the tree's
         columns so far) and the slots and rotary positions are computed on the device."""
-        from draftsmith.runtime.tree import build_dynamic_tree_on_device
-
         device = root_out.device
         level_state: dict[str, Any] = {"cols": 0}
 
@@ -415,7 +414,7 @@ class EagleSession(BufferedSession):
             level_state["level"] = (frontier.nodes, out[0], seen)
             return logp(self.head.logits(out[0], self.lm_head))
 
-        tree, _ = build_dynamic_tree_on_device(expand, root_token, spec.depth, spec.topk, spec.budget, device, deterministic)
+        tree, _ = build(expand, root_token, spec.depth, spec.topk, spec.budget, device, deterministic)
         return tree.tokens, tree.parents, tree.depths, tree.num_nodes
 
     def rollback(self) -> None:

@@ -408,8 +408,12 @@ class HeadDrafter:
                 # The session grows the whole tree itself where it can (EAGLE: one CUDA graph a step).
                 sampling = state.sampling
                 key = (sampling.sampled, sampling.temperature, sampling.top_k, sampling.top_p)
-                tree = self.session.dynamic_tree(self.tree, state.root, _ranking(sampling), key, sampling.sampled)
-                if tree is None:
+                parts = self.session.dynamic_tree(self.tree, state.root, _ranking(sampling), key, sampling.sampled, build_dynamic_tree_on_device)
+                if parts is not None:
+                    tokens, parents, depths, num_nodes = parts
+                    tree = DraftTree(tokens=tokens, parents=parents, depths=depths, num_nodes=num_nodes,
+                                     deterministic=sampling.sampled, known_depth_bound=self.tree.depth)  # fmt: skip
+                else:
                     tree = grow_dynamic_tree_on_device(self.tree, state, self.session.expand_level, device)
             elif isinstance(self.tree, TreeSpec) and not state.sampling.sampled:
                 tree = grow_static_tree_on_device(self.tree, state.root, self.session.expand_level, device)
