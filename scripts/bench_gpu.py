@@ -218,6 +218,7 @@ def profile_step(shape: str, kind: str, run, prompt, device: torch.device, args)
     print(summary, flush=True)
     if args.out:
         path = args.out.with_name(f"{args.out.stem}-profile-{shape}-{kind}.txt")
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(summary + "\n\n" + table + "\n")
         print(f"profile: {path.resolve()}", flush=True)
 

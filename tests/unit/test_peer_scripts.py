@@ -96,9 +96,10 @@ def test_gpu_check_runs_a_step_under_its_limit_and_reports_counts_and_failures(t
 
 def test_bench_gpu_times_every_drafter_kind_on_the_cpu(tmp_path):
     """scripts/bench_gpu.py at a tiny shape on the CPU: every row is there on both caches, the
-    target drafting for itself accepts whole chains, the profile and the table and JSON are written."""
+    target drafting for itself accepts whole chains, the profile and the table and JSON are written
+    (into a folder that did not exist)."""
     bench = load_script("scripts/bench_gpu.py")
-    out = tmp_path / "bench.md"
+    out = tmp_path / "new" / "bench.md"
     argv = ["--device", "cpu", "--shapes", "tiny", "--prompts", "1", "--prompt-len", "8", "--new-tokens", "11", "--out", str(out), "--profile", "eagle3"]
     assert bench.main(argv) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
@@ -114,7 +115,7 @@ def test_bench_gpu_times_every_drafter_kind_on_the_cpu(tmp_path):
         assert itself["drafter"].startswith("target drafting for itself") and itself["tokens_per_step"] > 3.0  # chains of 4 plus the bonus
     assert all(r["verification"] == "torch reference" and r["ms_per_step"] > 0 for r in rows)
     assert "| tiny | eagle3, nothing accepted, static cache |" in out.read_text()
-    assert "host syncs" in (tmp_path / "bench-profile-tiny-eagle3.txt").read_text()
+    assert "host syncs" in (tmp_path / "new" / "bench-profile-tiny-eagle3.txt").read_text()
     # --caches static: our rows on the static cache only (transformers' two plain rows stay).
     argv = ["--device", "cpu", "--shapes", "tiny", "--prompts", "1", "--prompt-len", "8", "--new-tokens", "5", "--out", str(tmp_path / "s.md"), "--caches", "static"]
     assert bench.main(argv) == 0
