@@ -74,7 +74,7 @@ def build_target(shape: str, device: torch.device, dtype: torch.dtype, seed: int
     return FrozenTarget(model)
 
 
-def build_head_drafter(kind: str, target):
+def build_head_drafter(kind: str, target, cache: str = "auto"):
     from omegaconf import OmegaConf
 
     from draftsmith.heads import HEADS
@@ -93,7 +93,7 @@ def build_head_drafter(kind: str, target):
     with torch.device(target.device):  # built where it runs: an 8B-shaped head's LM head is large
         head = cls(cls.config_class(**values), target.dims)
     head.init_from_target(target)
-    return HeadDrafter(head.to(dtype=target.dtype).eval(), target, parse_tree(tree))
+    return HeadDrafter(head.to(dtype=target.dtype).eval(), target, parse_tree(tree), cache=cache)
 
 
 def sync(device: torch.device) -> None:

@@ -151,6 +151,8 @@ def test_bench_gpu_train_times_eagle3_and_dflash_training_on_the_cpu(tmp_path):
 # model, starts an engine or writes anything (the line names the flag).
 BAD_SCRIPT_ARGS = [
     ("scripts/bench_gpu_train.py", ["--steps", "0"], "--steps"),
+    ("scripts/bench_eager_ops.py", ["--new-tokens", "0"], "--new-tokens"),
+    ("scripts/bench_eager_ops.py", ["--drafters", "lookup"], "--drafters"),
     ("scripts/bench_gpu_train.py", ["--heads", "medusa"], "--heads"),
     ("scripts/bench_gpu_train.py", ["--device", "cuda:7"], "--device"),
     ("scripts/bench_vllm.py", ["--ngram", "abc"], "--ngram"),
@@ -264,3 +266,20 @@ def test_speculators_script_counts_the_draftsmith_runs_tokens_by_replaying_its_b
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in log))
     with pytest.raises(BadInput, match="step 5 logged"):
         peers.run_metrics(tmp_path, recipe, lengths)
+
+
+def test_bench_eager_ops_counts_what_cuda_would_launch_eagerly(tmp_path):
+    """scripts/bench_eager_ops.py at the tiny shape: a row per drafter with the reference
+    verification apart, the graphed callables restored afterwards, and EAGLE-3, its whole tree one
+    graph, running fewer eager operations a step than DFlash (its eager tree once ran 4.5x as many)."""
+    from draftsmith.heads.eagle import EagleSession
+
+    bench = load_script("scripts/bench_eager_ops.py")
+    before = EagleSession._dynamic_tree
+    out = tmp_path / "ops.md"
+    assert bench.main(["--drafters", "eagle3", "dflash", "--new-tokens", "16", "--top", "3", "--out", str(out)]) == 0
+    assert EagleSession._dynamic_tree is before
+    rows = {r["drafter"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert all(r["steps"] > 0 and r["reference_verification_per_step"] > 0 and len(r["top"]) == 3 for r in rows.values())
+    assert 0 < rows["eagle3"]["eager_ops_per_step"] < rows["dflash"]["eager_ops_per_step"]
+    assert "| tiny | eagle3 |" in out.read_text()

@@ -1,0 +1,161 @@
+"""Eager operations a speculative step runs outside what CUDA replays as graphs, counted on the CPU.
+
+    python scripts/bench_eager_ops.py --out docs/bench/eager-ops.md
+    python scripts/bench_eager_ops.py --top 30          # and where the most of them come from
+
+On a GPU at batch 1 a step costs what launching its kernels costs: the pieces captured as CUDA
+graphs are one launch each, every other operation a launch and a pass through Python. This counts
+those others on any machine: the drafters of scripts/bench_gpu.py (EAGLE-3 with its EAGLE-2 tree,
+DFlash, Medusa) at a shape on the static cache, one generation each after a warm-up one, every aten
+operation dispatched while no graphed piece runs (a TorchDispatchMode; the graphed pieces are the
+callables draftsmith captures: the target's and a draft model's forwards, a head's level forward,
+EAGLE's whole tree, DFlash's block, Medusa's heads). Views count too (they cost Python, not a
+kernel). The CPU runs the torch reference verification where CUDA runs the fused kernel; its
+operations are counted apart (``reference verification``) and left out of the total.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import sys
+from contextlib import ExitStack
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+KINDS = ("eagle3", "dflash", "medusa")
+
+
+def graphed_callables():
+    """(class, method name) of everything draftsmith captures as a CUDA graph on CUDA."""
+    from draftsmith.heads.dflash import DFlashSession
+    from draftsmith.heads.eagle import EagleSession
+    from draftsmith.heads.medusa import MedusaSession
+    from draftsmith.runtime.static import StaticSession
+
+    return [(StaticSession, "_eager"), (EagleSession, "_slotted_forward"), (EagleSession, "_dynamic_tree"),
+            (DFlashSession, "_block_logits"), (MedusaSession, "_logits")]  # fmt: skip
+
+
+class EagerOps(TorchDispatchMode):
+    """Counts aten operations outside the graphed callables, by the innermost draftsmith line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import draftsmith
+
+        self.package = str(Path(draftsmith.__file__).parent)
+        self.depth = 0  # > 0 inside a graphed callable
+        self.lines: collections.Counter[str] = collections.Counter()
+
+    def patch(self, stack: ExitStack) -> None:
+        for cls, name in graphed_callables():
+            original = getattr(cls, name, None)
+            if original is None:  # an older draftsmith, for a before-and-after count
+                continue
+
+            @functools.wraps(original)
+            def inside(*args, _original=original, **kwargs):
+                self.depth += 1
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    self.depth -= 1
+
+            setattr(cls, name, inside)
+            stack.callback(setattr, cls, name, original)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.depth:
+            frame, where, reference = sys._getframe(1), None, False
+            while frame is not None:
+                name = frame.f_code.co_filename
+                if name.startswith(self.package):
+                    if where is None:
+                        where = f"{Path(name).relative_to(self.package)}:{frame.f_lineno} {frame.f_code.co_name}"
+                    # The torch reference verification (runtime/verify.py, and the tree checks and
+                    # masks it calls), which CUDA replaces with the fused kernel.
+                    reference = reference or name.endswith("runtime/verify.py")
+                frame = frame.f_back
+            self.lines[(REFERENCE if reference else "") + (where or "?")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+REFERENCE = "reference verification: "
+
+
+def reference_verification(line: str) -> bool:
+    return line.startswith(REFERENCE)
+
+
+def count(shape: str, kind: str, args) -> dict:
+    from bench_gpu import build_head_drafter, build_target
+
+    from draftsmith.runtime.generate import speculative_generate
+
+    target = build_target(shape, torch.device("cpu"), torch.float32)
+    drafter = build_head_drafter(kind, target, cache="static")  # the head's own buffers too, as on CUDA
+    prompt = torch.randint(3, target.dims.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        speculative_generate(target, drafter, prompt, 8, cache="static")  # warm-up: buffers and sessions made
+        counter = EagerOps()
+        with ExitStack() as stack:
+            counter.patch(stack)
+            with counter:
+                _, stats = speculative_generate(target, drafter, prompt, args.new_tokens, cache="static")
+    steps = len(stats.accept_lens)
+    reference = sum(n for line, n in counter.lines.items() if reference_verification(line))
+    total = sum(counter.lines.values()) - reference
+    return {
+        "shape": shape, "drafter": kind, "steps": steps, "eager_ops_per_step": round(total / steps, 1),
+        "reference_verification_per_step": round(reference / steps, 1),
+        "top": [(line, round(n / steps, 1)) for line, n in counter.lines.most_common() if not reference_verification(line)][: args.top],
+    }  # fmt: skip
+
+
+def main(argv=None) -> int:
+    from bench_gpu import SHAPES, save
+
+    from draftsmith.cli import OneLineParser, bounded
+
+    p = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=["tiny"], choices=list(SHAPES), help="target shapes (random weights; the count does not depend on the width)")
+    p.add_argument("--drafters", nargs="+", default=list(KINDS), choices=KINDS)
+    p.add_argument("--prompt-len", type=bounded(int, 2), default=16)
+    p.add_argument("--new-tokens", type=bounded(int, 1), default=40)
+    p.add_argument("--top", type=bounded(int, 0), default=10, help="lines with the most eager operations, per row")
+    p.add_argument("--out", type=Path, default=None, help="Markdown table (and .json beside it); default: print only")
+    args = p.parse_args(argv)
+    rows = []
+    for shape in args.shapes:
+        for kind in args.drafters:
+            rows.append(count(shape, kind, args))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "top"}), flush=True)
+            for line, n in rows[-1]["top"]:
+                print(f"  {n:7.1f}  {line}")
+    if args.out:
+        meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__, "new_tokens": args.new_tokens}
+        lines = [
+            f"# Eager operations a speculative step runs outside CUDA graphs, {meta['date']}", "",
+            f"`scripts/bench_eager_ops.py`, torch {meta['torch']}, the static cache, {args.new_tokens} new tokens after a warm-up generation. "
+            "Counted on the CPU; the torch reference verification, which CUDA replaces with the fused kernel, apart.", "",
+            "| shape | drafter | steps | eager operations a step | reference verification a step |", "| --- | --- | --- | --- | --- |",
+        ]  # fmt: skip
+        lines += [f"| {r['shape']} | {r['drafter']} | {r['steps']} | {r['eager_ops_per_step']} | {r['reference_verification_per_step']} |" for r in rows]
+        save(args.out, lines, rows, meta)
+        print(f"results: {args.out.resolve()} (and {args.out.with_suffix('.json').name})")
+    return 0
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import script_main
+
+    sys.exit(script_main(main))
