@@ -336,22 +336,37 @@ class EagleSession(BufferedSession):
         rotary position decided + L - 2, seeing the decided entries, its ancestors' entries and
         its own. The tree's entries follow the decided ones level by level, as ``expand`` writes
         them, and what a node sees is its parent's row of the last level plus its own column."""
-        device = self.outputs[0].device
+        decided = self.decided
+
+        def forward(feature: Tensor, tokens: Tensor, seen: Tensor) -> Tensor:
+            width, device = seen.shape[0], seen.device
+            visible = torch.cat([torch.ones(width, decided, dtype=torch.bool, device=device), seen], dim=1)
+            positions = torch.full((width,), decided + frontier.level - 2, dtype=torch.long, device=device)
+            out = self._forward(feature, tokens, positions, visible)
+            self.forwards += 1
+            self.length += width
+            return out
+
+        self._level, logits = self._tree_level(frontier, self.outputs[0][0], getattr(self, "_level", None), forward)
+        return logits
+
+    def _tree_level(self, frontier: Any, root_out: Tensor, previous: Any, forward: Callable[[Tensor, Tensor, Tensor], Tensor]) -> tuple[Any, Tensor]:
+        """One level of a tree grown on the device (``expand_level``'s and ``_dynamic_tree``'s):
+        level 1 reads the root's output ``root_out`` [1,D]; level L forwards its F nodes through
+        ``forward(feature [1,F,D], tokens [1,F], seen [F,W])``, each from its parent's output (a node
+        of ``previous``, the level before: its node ids, outputs [F',D], visibility [F',W']), seeing
+        its ancestors' tree entries (its parent's row of ``seen``) and its own. Returns (this level,
+        its logits)."""
         if frontier.level == 1:
-            self._level = (frontier.nodes, self.outputs[0][0], torch.zeros(1, 0, dtype=torch.bool, device=device))
-            return self.head.logits(self.outputs[0][0], self.lm_head)
-        nodes, outputs, seen = self._level  # the level before: its node ids, outputs [F',D], visibility [F',W]
+            level = (frontier.nodes, root_out, torch.zeros(1, 0, dtype=torch.bool, device=root_out.device))
+            return level, self.head.logits(root_out, self.lm_head)
+        nodes, outputs, seen = previous
         width = frontier.nodes.shape[0]
         # Each node's parent is one of the last level's nodes: its row there.
         rows = (frontier.parents.unsqueeze(1) == nodes.unsqueeze(0)).int().argmax(dim=1)
-        seen = torch.cat([seen[rows], torch.eye(width, dtype=torch.bool, device=device)], dim=1)
-        visible = torch.cat([torch.ones(width, self.decided, dtype=torch.bool, device=device), seen], dim=1)
-        positions = torch.full((width,), self.decided + frontier.level - 2, dtype=torch.long, device=device)
-        out = self._forward(outputs[rows].unsqueeze(0), frontier.tokens.unsqueeze(0), positions, visible)
-        self.forwards += 1
-        self.length += width
-        self._level = (frontier.nodes, out[0], seen)
-        return self.head.logits(out[0], self.lm_head)
+        seen = torch.cat([seen[rows], torch.eye(width, dtype=torch.bool, device=seen.device)], dim=1)
+        out = forward(outputs[rows].unsqueeze(0), frontier.tokens.unsqueeze(0), seen)
+        return (frontier.nodes, out[0], seen), self.head.logits(out[0], self.lm_head)
 
     def dynamic_tree(
         self, spec: Any, root: int, logp: Callable[[Tensor], Tensor], key: Any, deterministic: bool, build: Callable[..., Any]
@@ -395,24 +410,22 @@ class EagleSession(BufferedSession):
         visibility is over the whole buffer ([F, capacity]: the decided columns, then the tree's
         columns so far) and the slots and rotary positions are computed on the device."""
         device = root_out.device
-        level_state: dict[str, Any] = {"cols": 0}
+        level_state: dict[str, Any] = {"cols": 0, "level": None}
 
         def expand(frontier: Any) -> Tensor:
-            if frontier.level == 1:
-                level_state["level"] = (frontier.nodes, root_out, torch.zeros(1, 0, dtype=torch.bool, device=device))
-                return logp(self.head.logits(root_out, self.lm_head))
-            nodes, outputs, seen = level_state["level"]
-            width, cols = frontier.nodes.shape[0], level_state["cols"]
-            rows = (frontier.parents.unsqueeze(1) == nodes.unsqueeze(0)).int().argmax(dim=1)
-            seen = torch.cat([seen[rows], torch.eye(width, dtype=torch.bool, device=device)], dim=1)
-            visible = (self.columns < decided).expand(width, -1).clone()
-            visible.index_copy_(1, decided + torch.arange(cols + width, device=device), seen)
-            positions = (decided + (frontier.level - 2)).expand(width)
-            slots = decided + cols + torch.arange(width, device=device)
-            out = self._slotted_forward(outputs[rows].unsqueeze(0), frontier.tokens.unsqueeze(0), positions, visible, slots)
-            level_state["cols"] = cols + width
-            level_state["level"] = (frontier.nodes, out[0], seen)
-            return logp(self.head.logits(out[0], self.lm_head))
+            cols = level_state["cols"]
+
+            def forward(feature: Tensor, tokens: Tensor, seen: Tensor) -> Tensor:
+                width = seen.shape[0]
+                visible = (self.columns < decided).expand(width, -1).clone()
+                visible.index_copy_(1, decided + torch.arange(cols + width, device=device), seen)
+                positions = (decided + (frontier.level - 2)).expand(width)
+                slots = decided + cols + torch.arange(width, device=device)
+                level_state["cols"] = cols + width
+                return self._slotted_forward(feature, tokens, positions, visible, slots)
+
+            level_state["level"], logits = self._tree_level(frontier, root_out, level_state["level"], forward)
+            return logp(logits)
 
         tree, _ = build(expand, root_token, spec.depth, spec.topk, spec.budget, device, deterministic)
         return tree.tokens, tree.parents, tree.depths, tree.num_nodes
