@@ -37,8 +37,11 @@ Settings:
                  epochs hold, not draftsmith's: result.json records both.
 
 Writes into --out: data/ (the offline dataset), checkpoints/ (speculators' save path; the last
-epoch's folder is the drafter), train.log, and result.json (the command, wall time, steps,
-trained tokens per second, peak RSS of the trainer, the drafter folder).
+epoch's folder is the drafter), train.log, progress.json, and result.json (the command, wall time,
+steps, trained tokens per second, peak RSS of the trainer, the drafter folder).
+An interrupted run (Ctrl-C, a crash, the end of a session) goes on where it stopped: call it again
+with the same --out. The data is not written again, speculators resumes from its last epoch
+checkpoint, train.log gains a segment, and the wall time adds up the segments.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -177,6 +181,26 @@ def run_metrics(run: Path, recipe, train_lengths: list[int]) -> dict:
     return {"steps": len(per_step), "tokens": sum(per_step), "tokens_per_step": sum(per_step) / len(per_step)}
 
 
+def write_json(path: Path, value: dict) -> None:
+    """`value` as JSON at `path`, written whole or not at all."""
+    from draftsmith.atomic import write_atomic
+
+    write_atomic(path, json.dumps(value, indent=2))
+
+
+def resumable(progress_file: Path, args) -> dict | None:
+    """The progress of an earlier, unfinished call into the same --out (its data written, its
+    segments timed), or None to start afresh. A finished run (result.json) starts afresh; another
+    setting or draftsmith run in the same folder is refused rather than mixed."""
+    if not progress_file.is_file() or (progress_file.parent / "result.json").is_file():
+        return None
+    progress = json.loads(progress_file.read_text())
+    for key, given in [("setting", args.setting), ("draftsmith_run", str(Path(args.draftsmith_run)))]:
+        if progress.get(key) != given:
+            raise BadInput(f"--out {progress_file.parent} holds an unfinished run with {key} {progress.get(key)!r}, not {given!r}: choose another --out, or delete it to start again")
+    return progress
+
+
 def main(argv=None) -> int:
     p = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     p.add_argument("recipe", help="the draftsmith EAGLE-3 recipe whose data both train on")
@@ -193,13 +217,30 @@ def main(argv=None) -> int:
 
     recipe = load_recipe(args.recipe)
     run, out = Path(args.draftsmith_run), Path(args.out)
-    check_destination(out, inputs=[run], owned=lambda folder: (folder / "result.json").is_file())
+    progress_file = out / "progress.json"
+    check_destination(out, inputs=[run], owned=lambda folder: (folder / "result.json").is_file() or (folder / "progress.json").is_file())
     python = speculators_venv(args.venv)
     same = args.setting == "same-schedule"
     data = out / "data"
-    hidden_dtype = "float32" if same else "bfloat16"
-    written = write_offline_data(recipe, run, data, hidden_dtype, args.device)
-    subprocess.run([str(python), "-c", SAVE_DATASET, str(data)], check=True)
+    progress = resumable(progress_file, args)
+    if progress is None:
+        # A finished run in --out is replaced whole (speculators would otherwise "resume" after
+        # its last epoch and train nothing).
+        for name in ("result.json", "progress.json", "train.log", "checkpoints", "logs", "data"):
+            if (out / name).is_dir():
+                shutil.rmtree(out / name)
+            elif (out / name).exists():
+                (out / name).unlink()
+        hidden_dtype = "float32" if same else "bfloat16"
+        written = write_offline_data(recipe, run, data, hidden_dtype, args.device)
+        subprocess.run([str(python), "-c", SAVE_DATASET, str(data)], check=True)
+        progress = {"setting": args.setting, "recipe": args.recipe, "draftsmith_run": str(run), "data": written, "segments": []}
+        write_json(progress_file, progress)
+    else:
+        written = progress["data"]
+        done_epochs = [p.name for p in (out / "checkpoints").glob("[0-9]*") if p.is_dir()] if (out / "checkpoints").is_dir() else []
+        print(f"resuming in {out}: the data is written, speculators continues after epoch {max(map(int, done_epochs), default=-1)} "
+              f"({len(progress['segments'])} earlier segment(s), {sum(s['seconds'] for s in progress['segments']):.0f} s)", flush=True)  # fmt: skip
     verifier = servable_folder(recipe.target.path, recipe.target.gguf_file)
     lengths = json.loads((data / "rows.json").read_text())["seq_len"][: written["train_examples"]]
     schedule = run_metrics(run, recipe, lengths)
@@ -239,16 +280,26 @@ def main(argv=None) -> int:
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     print(f"training speculators ({args.setting}): {steps} steps of {seq_len} packed tokens; log: {out / 'train.log'}", flush=True)
     started = time.time()
-    with open(out / "train.log", "w") as log:
-        done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    seconds = time.time() - started
+    # Appended: a resumed run's log holds every segment (speculators resumes from its last epoch
+    # checkpoint by itself, and its global_step counter goes on from there).
+    with open(out / "train.log", "a") as log:
+        log.write(f"=== segment {len(progress['segments']) + 1}, started {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
+        log.flush()
+        try:
+            done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            # Ctrl-C or a crash keeps what ran: the next call with the same --out goes on from there.
+            progress["segments"].append({"started": started, "seconds": round(time.time() - started, 1)})
+            write_json(progress_file, progress)
+    seconds = sum(s["seconds"] for s in progress["segments"])
     if done.returncode:
-        sys.exit(f"error: speculators failed (exit {done.returncode}); see {out / 'train.log'}")
+        sys.exit(f"error: speculators failed (exit {done.returncode}); see {out / 'train.log'} (run the same command again to go on from its last epoch)")
     ran = max((int(n) for n in re.findall(r"global_step=(\d+)", (out / "train.log").read_text())), default=-1) + 1
     epochs = sorted((p for p in (out / "checkpoints").iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     result = {
         "setting": args.setting, "recipe": args.recipe, "draftsmith_run": str(run), "data": written, "steps": steps, "steps_run": ran,
         "packed_tokens_per_step": seq_len, "draftsmith_tokens_per_step": schedule["tokens_per_step"], "draftsmith_trained_tokens": schedule["tokens"], "wall_seconds": round(seconds, 1),
+        "segments": len(progress["segments"]),
         "seconds_per_step": round(seconds / max(ran, 1), 3), "rows_per_epoch": rows_per_epoch,
         # Real tokens a row holds on average, times the rows trained.
         "trained_tokens": round(ran * written["train_tokens"] / rows_per_epoch),

@@ -283,3 +283,55 @@ def test_bench_eager_ops_counts_what_cuda_would_launch_eagerly(tmp_path):
     assert all(r["steps"] > 0 and r["reference_verification_per_step"] > 0 and len(r["top"]) == 3 for r in rows.values())
     assert 0 < rows["eagle3"]["eager_ops_per_step"] < rows["dflash"]["eager_ops_per_step"]
     assert "| tiny | eagle3 |" in out.read_text()
+
+
+def test_speculators_script_resumes_an_interrupted_run(peers, tmp_path, monkeypatch):
+    """A run cut short (here: speculators exits 1 after its first epoch) goes on when called again
+    with the same --out: the data is not written again, the log gains a segment, the wall time adds
+    the segments; another setting into the same folder is refused."""
+    import draftsmith.serving
+
+    out, run = tmp_path / "out", tmp_path / "run"
+    run.mkdir()
+    writes, trainings, fail_next = [], [], [True]
+
+    def write_offline_data(recipe, run, data, hidden_dtype, device=None):
+        writes.append(hidden_dtype)
+        data.mkdir(parents=True)
+        (data / "rows.json").write_text(json.dumps({"seq_len": [100, 200, 300]}))
+        return {"train_examples": 2, "eval_examples": 1, "train_tokens": 300, "train_data_ratio": 0.8, "aux_layer_ids": [2, 15, 27]}
+
+    def fake_run(command, env=None, stdout=None, stderr=None, check=False):
+        if "-c" in command:  # SAVE_DATASET
+            return __import__("subprocess").CompletedProcess(command, 0)
+        trainings.append(command)
+        epoch = len(trainings) - 1
+        (out / "checkpoints" / str(epoch)).mkdir(parents=True)
+        stdout.write(f"global_step={epoch}\n")
+        return __import__("subprocess").CompletedProcess(command, 1 if fail_next and fail_next.pop() else 0)
+
+    monkeypatch.setattr(peers, "speculators_venv", lambda venv: tmp_path / "python")
+    monkeypatch.setattr(peers, "write_offline_data", write_offline_data)
+    monkeypatch.setattr(peers, "run_metrics", lambda run, recipe, lengths: {"steps": 2, "tokens": 300, "tokens_per_step": 150.0})
+    monkeypatch.setattr(peers.subprocess, "run", fake_run)
+    monkeypatch.setattr(draftsmith.serving, "servable_folder", lambda path, gguf: tmp_path / "verifier")
+    argv = [str(REPO / "recipes/eagle3/smollm2-135m.yaml"), "--draftsmith-run", str(run), "--setting", "defaults", "--out", str(out), "--device", "cpu"]
+    with pytest.raises(SystemExit, match="run the same command again"):
+        peers.main(argv)
+    assert writes == ["bfloat16"] and not (out / "result.json").exists()
+    assert len(json.loads((out / "progress.json").read_text())["segments"]) == 1
+    with pytest.raises(BadInput, match="unfinished run with setting 'defaults', not 'same-schedule'"):
+        peers.main([*argv[:4], "same-schedule", *argv[5:]])
+    assert peers.main(argv) == 0
+    assert writes == ["bfloat16"]  # written once
+    result = json.loads((out / "result.json").read_text())
+    assert result["segments"] == 2 and result["steps_run"] == 2 and result["drafter"] == str(out / "checkpoints" / "1")
+    segments = json.loads((out / "progress.json").read_text())["segments"]
+    assert result["wall_seconds"] == pytest.approx(sum(s["seconds"] for s in segments), abs=0.2)
+    log = (out / "train.log").read_text()
+    assert log.count("=== segment") == 2 and "global_step=0" in log and "global_step=1" in log
+    # Called again after it finished: a new run from scratch, the old one's outputs replaced.
+    trainings.clear()
+    assert peers.main(argv) == 0
+    assert writes == ["bfloat16", "bfloat16"] and json.loads((out / "result.json").read_text())["segments"] == 1
+    assert (out / "train.log").read_text().count("=== segment") == 1
