@@ -14,7 +14,23 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["CapturedForward", "capture_or_none"]
+__all__ = ["CapturedForward", "can_capture", "capture_or_none", "graph_pool"]
+
+# What captures on a device other than CUDA: None (nothing does), or, inside a test's
+# ``draftsmith.testing.simulated_cuda_graphs()``, a stand-in with CapturedForward's contract that
+# runs on the CPU (a traced replay), so the CPU suite decodes through every capture as CUDA would.
+_simulation: Optional[Callable[..., Any]] = None
+
+
+def can_capture(device) -> bool:
+    """Whether forwards on ``device`` are captured as graphs: on CUDA (or while a test simulates
+    CUDA graphs on the CPU)."""
+    return torch.device(device).type == "cuda" or _simulation is not None
+
+
+def graph_pool(device):
+    """A memory pool for the graphs of one cache (None where there is no CUDA)."""
+    return torch.cuda.graph_pool_handle() if torch.device(device).type == "cuda" else None
 
 
 class CapturedForward:
@@ -50,8 +66,9 @@ class CapturedForward:
 def capture_or_none(fn: Callable[..., Any], inputs: Sequence[Tensor], what: str, pool=None) -> Optional[CapturedForward]:
     """``CapturedForward(fn, inputs, pool)``, or None, with one note on stderr naming ``what``, where
     the forward holds an operation a CUDA graph cannot capture: the caller then runs it eagerly."""
+    capture = CapturedForward if inputs[0].is_cuda or _simulation is None else _simulation
     try:
-        return CapturedForward(fn, inputs, pool)
+        return capture(fn, inputs, pool)
     except RuntimeError as err:
         print(f"note: {what}: CUDA graph capture failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); going on without graphs", file=sys.stderr)
         return None

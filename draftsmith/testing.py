@@ -484,3 +484,68 @@ class SimulatedDevice(torch.overrides.TorchFunctionMode):
         elif not tensors:
             where = self.HOST  # a factory without device=: the default device, the host
         return self._mark(out, where)
+
+
+class TracedGraph:
+    """``draftsmith.graphs.CapturedForward``'s contract kept on the CPU, so that a CPU test fails
+    where replaying a CUDA graph would go wrong.
+
+    A CUDA graph records the kernels of one run and replays them: a value the function read to the
+    host, or took from Python state, is frozen at capture, and what it returns are the same buffers
+    at every replay. Here the function runs its warm-ups, then is traced once with ``make_fx``,
+    which records the aten operations with their shapes and constants and refuses a host read
+    (RuntimeError, as a capture fails); each call copies the new inputs into the first inputs'
+    buffers, replays the trace and copies its results into the first call's outputs, which it
+    returns. Parameters and caches stay the module's own tensors, so their in-place writes land
+    where eager ones would."""
+
+    def __init__(self, fn, inputs, pool=None, warmup: int = 2) -> None:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        self.inputs = [x.clone() for x in inputs]
+        for _ in range(warmup):
+            fn(*self.inputs)
+        self.trace = make_fx(lambda *xs: fn(*xs))(*self.inputs)
+        self.outputs = None
+        self.replays = 0
+
+    def __call__(self, *inputs):
+        from torch.utils._pytree import tree_leaves
+
+        for buffer, value in zip(self.inputs, inputs):
+            buffer.copy_(value)
+        result = self.trace(*self.inputs)
+        self.replays += 1
+        if self.outputs is None:
+            self.outputs = result
+        else:
+            for old, new in zip(tree_leaves(self.outputs), tree_leaves(result)):
+                old.copy_(new)
+        return self.outputs
+
+
+class simulated_cuda_graphs:
+    """Inside the block, sessions made on the CPU capture their forwards as ``TracedGraph`` where a
+    GPU would capture CUDA graphs (``draftsmith.graphs.can_capture`` is true). ``captured`` lists
+    the graphs made, so a test can assert what was captured and replayed. Make the targets and
+    drafters inside the block: a session made there keeps capturing (and must not be used after)."""
+
+    def __init__(self) -> None:
+        self.captured: list[TracedGraph] = []
+
+    def __enter__(self):
+        import draftsmith.graphs as graphs
+
+        def capture(fn, inputs, pool=None):
+            graph = TracedGraph(fn, inputs, pool)
+            self.captured.append(graph)
+            return graph
+
+        self._before, graphs._simulation = graphs._simulation, capture
+        return self
+
+    def __exit__(self, *exc):
+        import draftsmith.graphs as graphs
+
+        graphs._simulation = self._before
+        return False

@@ -41,7 +41,7 @@ def graphed_callables():
     from draftsmith.heads.medusa import MedusaSession
     from draftsmith.runtime.static import StaticSession
 
-    return [(StaticSession, "_eager"), (EagleSession, "_slotted_forward"), (EagleSession, "_dynamic_tree"),
+    return [(StaticSession, "_eager"), (StaticSession, "_tree_eager"), (EagleSession, "_slotted_forward"), (EagleSession, "_dynamic_tree"),
             (DFlashSession, "_block_logits"), (MedusaSession, "_logits")]  # fmt: skip
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from draftsmith.graphs import can_capture
 from draftsmith.target import FrozenTarget, TargetDims, TargetFeatures
 
 __all__ = ["DraftHead", "HeadSession", "TargetDims", "TargetFeatures", "depth_label_weights", "depth_labels", "depth_loss", "path_tokens"]
@@ -268,7 +269,7 @@ class BufferedSession(HeadSession):
 
     def preallocate(self, capacity: int, graphs: bool) -> bool:
         device = next(self.head.parameters()).device
-        if graphs and device.type != "cuda":
+        if graphs and not can_capture(device):
             raise ValueError(f"CUDA graphs need the head on a CUDA device; it is on {device}")
         self.graphs = graphs
         self._grow(capacity)

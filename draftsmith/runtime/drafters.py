@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from draftsmith.graphs import can_capture
 from draftsmith.runtime.errors import DrafterError
 from draftsmith.runtime.static import check_cache, drafting_capacity, wants_static
 from draftsmith.runtime.tree import (
@@ -370,7 +371,7 @@ class HeadDrafter:
             return
         self.session = self.head.start_drafting(self.target.embed, self.target.lm_head)
         if preallocated:
-            self.session.preallocate(capacity, graphs=device.type == "cuda")
+            self.session.preallocate(capacity, graphs=can_capture(device))
 
     @property
     def forwards(self) -> Optional[int]:

@@ -90,7 +90,8 @@ class Verdict:
 
     accept_len: drafted tokens accepted; emitted: those tokens, then the bonus; attempted: depths
     judged (``GenerationStats``: accept_len, plus one when the node it stopped at had children);
-    draft_depth: the tree's deepest node; rooted: whether the tree's root was the decided token.
+    draft_depth: the tree's deepest node; rooted: whether the tree's root was the decided token;
+    path: the accepted path's node indices, root first.
     """
 
     accept_len: int
@@ -98,19 +99,21 @@ class Verdict:
     attempted: int
     draft_depth: int
     rooted: bool
+    path: list[int]
 
 
 def read_verdict(tree: DraftTree, result: VerifyResult, root: int) -> Verdict:
     """Everything the loop and its statistics need of a verified step, in one device read (the one
-    sync a step needs). B = 1."""
-    best = result.best_node[:1]
+    sync a step needs: one copy of the step's small tensors, judged on the host). B = 1."""
+    depths = [] if tree.known_max_depth is not None else [tree.depths[0]]
+    row = torch.cat([result.accept_len[:1], result.bonus[:1], tree.tokens[0, :1], result.path[0], result.accepted_tokens[0], tree.parents[0], *depths])
+    a, bonus, first, *rest = row.tolist()
+    P, D = result.path.shape[1], result.accepted_tokens.shape[1]
+    path, accepted, parents = rest[:P][: a + 1], rest[P : P + D], rest[P + D : P + D + tree.size]
+    draft_depth = tree.known_max_depth if tree.known_max_depth is not None else max(rest[P + D + tree.size :])
     # Padding and the root have parent -1, so only a real child of the best node matches.
-    judged_deeper = (tree.parents[0] == best).any().view(1)
-    depth = tree.depths[0].max().view(1) if tree.known_max_depth is None else tree.depths.new_full((1,), tree.known_max_depth)
-    rooted = (tree.tokens[0, :1] == root).view(1)
-    head = torch.cat([result.accept_len[:1], judged_deeper.long(), depth, rooted.long(), result.bonus[:1], result.accepted_tokens[0]])
-    a, deeper, draft_depth, rooted_flag, bonus, *accepted = head.tolist()
-    return Verdict(accept_len=a, emitted=accepted[:a] + [bonus], attempted=a + deeper, draft_depth=draft_depth, rooted=bool(rooted_flag))
+    deeper = int(path[-1] in parents)
+    return Verdict(accept_len=a, emitted=accepted[:a] + [bonus], attempted=a + deeper, draft_depth=draft_depth, rooted=first == root, path=path)
 
 
 class TargetSession:
@@ -205,6 +208,10 @@ class TargetSession:
         compact_cache(self.cache, self._tree_base, path)
         self.length = self._tree_base + int(path.numel())
         self._tree_base = None
+
+    def keep_first(self, n: int) -> None:
+        """``keep(range(n))``: the first n tree nodes are the accepted path."""
+        self.keep(list(range(n)))
 
 
 def open_session(target, layers: Sequence[int], cache: str, capacity: int, self_drafting: bool = False):
@@ -358,8 +365,14 @@ def speculative_generate(
         stats.record_step(verdict)
 
         a, emitted = verdict.accept_len, verdict.emitted
-        path = result.path[0, : a + 1]
-        session.keep(path)
+        # Where the accepted nodes are the tree's first (a chain, or nothing accepted), their cache
+        # entries and features already sit in place: nothing to move or gather.
+        in_place = verdict.path == list(range(a + 1))
+        path = None if in_place else result.path[0, : a + 1]
+        if in_place:
+            session.keep_first(a + 1)
+        else:
+            session.keep(path)
         for token in emitted:
             new.append(token)
             if token in eos or len(new) >= max_new_tokens:
@@ -369,9 +382,11 @@ def speculative_generate(
         tokens = torch.cat([tokens, result.accepted_tokens[:, :a].to(tokens.dtype), result.bonus[:1].view(1, 1).to(tokens.dtype)], dim=1)
         root = emitted[-1]
         # The next drafter sees the target's features of the positions just cached: the path.
-        path = path.to(tree_hidden.device)
-        hidden = tree_hidden[:, path]
-        layers = {i: h[:, path] for i, h in tree_layers.items()}
+        if in_place:
+            hidden, layers = tree_hidden[:, : a + 1], {i: h[:, : a + 1] for i, h in tree_layers.items()}
+        else:
+            path = path.to(tree_hidden.device)
+            hidden, layers = tree_hidden[:, path], {i: h[:, path] for i, h in tree_layers.items()}
     stats.new_tokens = len(new)
     stats.wall_time = time.perf_counter() - start
     stats.draft_forwards = getattr(drafter, "forwards", None)

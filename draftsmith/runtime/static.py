@@ -26,12 +26,12 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from draftsmith.graphs import CapturedForward, capture_or_none
+from draftsmith.graphs import CapturedForward, can_capture, capture_or_none, graph_pool
 from draftsmith.runtime.errors import DrafterError
 from draftsmith.runtime.tree import DraftTree, ancestor_mask
 from draftsmith.target import TargetLoadError, decoder_stack
 
-__all__ = ["CACHES", "StaticCache", "StaticSession", "check_cache", "drafting_capacity", "static_session_supported", "wants_static"]
+__all__ = ["CACHES", "StaticCache", "StaticSession", "check_cache", "drafting_capacity", "static_session_supported", "tree_visibility", "wants_static"]
 
 # Slots reserved past prompt + new tokens for the largest tree a step may send.
 TREE_ROOM = 256
@@ -96,6 +96,18 @@ class StaticCache:
             buffer[:, :, :, start : start + m] = buffer.index_select(3, sources)
 
 
+def tree_visibility(columns: Tensor, parents: Tensor, base: Tensor) -> Tensor:
+    """visible [N, C] bool over a static cache's C slots (``columns`` = arange(C)) for N tree nodes
+    written at slots base .. base+N-1 (``parents`` [N], topological, -1 for the root): every slot
+    before ``base`` [1] and, among the tree's slots, the node's ancestors and itself. No host
+    value: the same kernels whatever ``base`` and the tree's shape."""
+    n = parents.shape[0]
+    relative = columns - base  # a slot's node index in the tree (negative: the cache before it)
+    ancestors = ancestor_mask(parents.unsqueeze(0))[0]  # [N,N]
+    in_tree = (relative >= 0) & (relative < n)
+    return (relative < 0) | (ancestors.index_select(1, relative.clamp(0, n - 1)) & in_tree)
+
+
 class StaticSession:
     """``TargetSession`` on a ``StaticCache`` (B = 1), with CUDA graphs on a GPU (``graphs``: None =
     where the target is on CUDA). Same interface and the same results: ``prefill`` appends tokens,
@@ -113,11 +125,12 @@ class StaticSession:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.device, self.dtype = target.device, target.dtype
-        self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        if self.graphs and self.device.type != "cuda":
+        self.graphs = can_capture(self.device) if graphs is None else graphs
+        if self.graphs and not can_capture(self.device):
             raise ValueError(f"CUDA graphs need the target on a CUDA device; it is on {self.device}")
         self.length = 0
         self._tree_base: Optional[int] = None
+        self._one: Optional[tuple[Tensor, Tensor]] = None  # a plain step's depths and parents
         self._allocate(capacity)
 
     @classmethod
@@ -146,8 +159,8 @@ class StaticSession:
             self.cache.keys[:, :, :, : self.length] = old.keys[:, :, :, : self.length]
             self.cache.values[:, :, :, : self.length] = old.values[:, :, :, : self.length]
         self.columns = torch.arange(capacity, device=self.device)
-        self._compiled: dict[int, CapturedForward] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._compiled: dict[Union[int, tuple[str, int]], Optional[CapturedForward]] = {}
+        self.pool = graph_pool(self.device) if self.graphs else None
 
     def _room(self, n: int) -> None:
         if self.length + n > self.cache.capacity:
@@ -182,6 +195,39 @@ class StaticSession:
             self._compiled[n] = capture_or_none(self._eager, inputs, "the target's forward", self.pool)
             self.graphs = self._compiled[n] is not None
         return self._compiled[n]
+
+    def _tree_eager(self, ids: Tensor, depths: Tensor, parents: Tensor, base: Tensor) -> tuple[Optional[Tensor], Tensor, list[Tensor]]:
+        """A tree's forward as one function of device tensors, ``base`` [1] (the cached length)
+        included: its rotary positions, its slots and its mask are made here, so on CUDA the whole
+        verify forward (mask included) is one graph per tree size, the same graph every step."""
+        n = ids.shape[1]
+        visible = tree_visibility(self.columns, parents[0], base)
+        mask = torch.zeros(1, 1, n, self.cache.capacity, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        return self._eager(ids, depths + base, self.columns[:n] + base, mask)
+
+    def _tree_forward(self, ids: Tensor, depths: Tensor, parents: Tensor) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
+        """N = ids.shape[1] tree nodes (depths and parents [1,N], parents topological, -1 for the
+        root) appended at slots length.., each seeing the cache and its ancestors. Replays the
+        tree-size graph where the session has graphs."""
+        n = ids.shape[1]
+        self._room(n)
+        inputs = (ids, depths, parents, self.columns[self.length : self.length + 1])
+        graph = None
+        if self.graphs:
+            key = ("tree", n)
+            if key not in self._compiled:
+                self._compiled[key] = capture_or_none(self._tree_eager, inputs, "the target's tree forward", self.pool)
+                self.graphs = self._compiled[key] is not None
+            graph = self._compiled[key]
+        if graph is not None:
+            out, final, wanted = graph(*inputs)
+            final, wanted = final.clone(), [h.clone() for h in wanted]
+        else:
+            out, final, wanted = self._tree_eager(*inputs)
+        self.length += n
+        outputs = dict(zip(self._wanted, wanted))
+        return out, final, {i: outputs[i % self.stack.num_layers] for i in self.layers}
 
     def _forward(self, ids: Tensor, positions: Tensor, visible: Tensor, logits: str = "all") -> tuple[Optional[Tensor], Tensor, dict[int, Tensor]]:
         """N = ids.shape[1] new entries at slots length.., `visible` [N,capacity] bool. A tree or a
@@ -241,16 +287,21 @@ class StaticSession:
 
     @torch.no_grad()
     def next_logits(self, ids: Tensor) -> Tensor:
-        """Append ids [1,M]; the logits [V] after the last of them (a plain decoding step)."""
-        logits, _, _ = self._append(ids, "last")
+        """Append ids [1,M]; the logits [V] after the last of them (a plain decoding step: one
+        token, the one-node tree's graph)."""
+        if ids.shape[1] == 1:
+            if self._one is None:
+                self._one = (torch.zeros(1, 1, dtype=torch.long, device=self.device), torch.full((1, 1), -1, dtype=torch.long, device=self.device))
+            logits, _, _ = self._tree_forward(ids.to(self.device), *self._one)
+        else:
+            logits, _, _ = self._append(ids, "last")
         return logits[0, -1]
 
     @torch.no_grad()
     def forward_tree(self, tree: DraftTree) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
         """One forward over a tree's nodes. Returns (logits [1,N,V], final hidden [1,N,D], layers)."""
-        n, base = tree.size, self.length
-        visible = torch.cat([torch.ones(n, base, dtype=torch.bool, device=self.device), ancestor_mask(tree.parents)[0]], dim=1)
-        out = self.append(tree.tokens, tree.depths + base, visible)
+        base = self.length
+        out = self._tree_forward(tree.tokens, tree.depths, tree.parents)
         self._tree_base = base
         return out
 
@@ -260,3 +311,10 @@ class StaticSession:
         if self._tree_base is None:
             raise DrafterError("keep() needs a forward_tree() first")
         self.pack(self._tree_base, torch.as_tensor(path, dtype=torch.long, device=self.device) + self._tree_base)
+
+    def keep_first(self, n: int) -> None:
+        """``keep(range(n))`` without moving anything: the first n tree nodes' entries are already
+        where the accepted path goes (the rest is written over)."""
+        if self._tree_base is None:
+            raise DrafterError("keep_first() needs a forward_tree() first")
+        self.length, self._tree_base = self._tree_base + n, None

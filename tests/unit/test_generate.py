@@ -71,7 +71,8 @@ def test_stats_count_attempts_and_accepts_per_depth():
 
 def test_one_read_says_the_whole_verdict():
     """read_verdict on a tree grown on the device (depth not known on the host, padding at the
-    end): the emitted tokens, the depths judged, the deepest real node, whether it was rooted."""
+    end): the emitted tokens, the depths judged, the deepest real node, whether it was rooted,
+    the accepted path."""
     tree = DraftTree(
         tokens=torch.tensor([[7, 1, 2, 3, 0]]), parents=torch.tensor([[-1, 0, 0, 1, -1]]),
         depths=torch.tensor([[0, 1, 1, 2, 0]]), num_nodes=torch.tensor([4]), known_depth_bound=4,
@@ -81,10 +82,10 @@ def test_one_read_says_the_whole_verdict():
     result = verify_greedy(tree, logits)
     assert result.accepted_tokens.shape == (1, 4)  # sized by the bound, -1 past the path
     verdict = read_verdict(tree, result, root=7)
-    assert verdict == Verdict(accept_len=2, emitted=[1, 3, 5], attempted=2, draft_depth=2, rooted=True)
+    assert verdict == Verdict(accept_len=2, emitted=[1, 3, 5], attempted=2, draft_depth=2, rooted=True, path=[0, 1, 3])
     logits[0, 3, 5], logits[0, 1, 3] = 0, 0
     logits[0, 1, 6] = 1  # accept 1 only; node 3 (its child) was judged and rejected
-    assert read_verdict(tree, verify_greedy(tree, logits), root=7) == Verdict(1, [1, 6], 2, 2, True)
+    assert read_verdict(tree, verify_greedy(tree, logits), root=7) == Verdict(1, [1, 6], 2, 2, True, [0, 1])
     assert not read_verdict(tree, result, root=8).rooted
 
 

@@ -326,3 +326,30 @@ def test_the_whole_tree_in_one_function_is_the_level_by_level_tree(monkeypatch, 
     generator = torch.Generator().manual_seed(1)
     speculative_generate(target, drafter, torch.tensor([[5, 9, 14, 20, 7, 3]]), 20, cache="static", sampling=sampling, generator=generator)
     assert len(compared) >= 5 and max(compared) > 1
+
+
+def test_tree_visibility_is_the_prefix_and_the_ancestors_and_holds_no_host_value():
+    """The verify forward's mask made on the device from (parents, base): the same as the prefix
+    columns beside ancestor_mask; traced once (make_fx, which bakes any value read to the host the
+    way a CUDA graph capture would) and replayed at another base and tree, it still agrees."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from draftsmith.runtime.static import tree_visibility
+    from draftsmith.runtime.tree import ancestor_mask
+
+    columns = torch.arange(16)
+
+    def expected(parents, base):
+        n = len(parents)
+        anc = ancestor_mask(torch.tensor([parents]))[0]
+        want = torch.zeros(n, 16, dtype=torch.bool)
+        want[:, :base] = True
+        want[:, base : base + n] = anc
+        return want
+
+    first, second = [-1, 0, 0, 1, 1, 2], [-1, 0, 1, 1, -1, -1]  # the second with padding nodes
+    traced = make_fx(tree_visibility)(columns, torch.tensor(first), torch.tensor([3]))
+    for parents, base in [(first, 3), (second, 9), (first, 0), (second, 10)]:
+        got_eager = tree_visibility(columns, torch.tensor(parents), torch.tensor([base]))
+        got_replayed = traced(columns, torch.tensor(parents), torch.tensor([base]))
+        assert torch.equal(got_eager, expected(parents, base)) and torch.equal(got_replayed, got_eager)

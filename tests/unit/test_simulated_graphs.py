@@ -1,0 +1,135 @@
+"""Decoding through every graph a GPU captures, on the CPU: ``simulated_cuda_graphs`` makes the
+static-cache sessions capture their forwards as traced replays with a CUDA graph's contract (host
+reads refused, values frozen at capture, fixed output buffers). What tests/gpu/test_static_gpu.py
+checks on CUDA, checked here on every CPU run: output token-identical to transformers' greedy
+generate() for each drafter kind, every capture taken (none fell back to eager) and replayed."""
+
+import copy
+
+import pytest
+import torch
+
+from draftsmith.heads.dflash import DFlashConfig, DFlashHead
+from draftsmith.heads.eagle import EagleConfig, EagleHead
+from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+from draftsmith.heads.medusa import MedusaConfig, MedusaHead
+from draftsmith.runtime.drafters import HeadDrafter, StandaloneDrafter
+from draftsmith.runtime.generate import autoregressive_generate, speculative_generate
+from draftsmith.runtime.tree import DynamicTreeSpec, TreeSpec, default_tree
+from draftsmith.target import FrozenTarget
+from draftsmith.testing import TracedGraph, simulated_cuda_graphs, tiny_causal_lm
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+KINDS = ["plain", "eagle-dynamic", "eagle3-dynamic", "eagle3-static", "medusa-tree", "dflash-chain", "noisy-tree", "self-chain"]
+
+
+def _perturbed(module, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std().clamp_min(1e-3).item())
+    return module
+
+
+def _drafter(kind, target, cache="static"):
+    dims, L = target.dims, target.dims.num_layers
+    torch.manual_seed(3)
+    if kind == "eagle-dynamic":
+        return HeadDrafter(EagleHead(EagleConfig(depth=4), dims).eval(), target, DynamicTreeSpec(depth=4, topk=3, budget=10), cache=cache)
+    if kind.startswith("eagle3"):
+        head = Eagle3Head(Eagle3Config(depth=4, train_depth=4, draft_vocab_size=64, aux_layer_ids=[1, 2, 3]), dims)
+        head.init_from_target(target)
+        spec = DynamicTreeSpec(depth=4, topk=3, budget=10) if kind.endswith("dynamic") else default_tree(4, (3, 2, 2, 1))
+        return HeadDrafter(head.eval(), target, spec, cache=cache)
+    if kind == "medusa-tree":
+        return HeadDrafter(_perturbed(MedusaHead(MedusaConfig(num_heads=4, num_layers=1), dims), 0.1, 4).eval(), target, default_tree(4, (4, 2, 2, 1)), cache=cache)
+    if kind == "dflash-chain":
+        head = DFlashHead(DFlashConfig(aux_layer_ids=[1, L], num_layers=1, block_size=5), dims)
+        head.init_from_target(target)
+        return HeadDrafter(_perturbed(head, 0.05, 5).eval(), target, TreeSpec.chain(4), cache=cache)
+    if kind == "noisy-tree":
+        return StandaloneDrafter(_perturbed(copy.deepcopy(target.model), 0.15, 1), default_tree(4, (3, 2, 2, 1)), cache=cache)
+    assert kind == "self-chain"
+    return StandaloneDrafter(target.model, TreeSpec.chain(4), cache=cache)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
+    prompts = [torch.tensor([[5, 9, 14, 20]]), torch.tensor([[7, 7, 30, 31, 32, 33, 34, 35, 36]])]
+    with simulated_cuda_graphs() as graphs, torch.no_grad():
+        target = FrozenTarget(tiny_causal_lm("llama", seed=0))  # made inside: its sessions capture
+        drafter = None if kind == "plain" else _drafter(kind, target)
+        for ids in prompts:
+            want = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20, pad_token_id=0, eos_token_id=None)
+            if drafter is None:
+                got, stats = autoregressive_generate(target, ids, 20, cache="static")
+            else:
+                got, stats = speculative_generate(target, drafter, ids, 20, cache="static")
+            assert got.tolist() == want.tolist(), kind
+    assert "capture failed" not in capsys.readouterr().err  # no capture fell back to eager
+    assert graphs.captured and all(graph.replays for graph in graphs.captured)
+    session = target._static_sessions[(() if drafter is None else tuple(drafter.required_layers()), target.device, target.dtype)]
+    assert session.graphs and session._compiled and all(g is not None for g in session._compiled.values())
+    assert all(isinstance(key, tuple) and key[0] == "tree" for key in session._compiled)  # the verify forwards: one graph per tree size
+    if kind.startswith("eagle"):  # the head's whole tree (dynamic) or its levels (static) replayed
+        compiled = drafter.session._compiled
+        assert drafter.session.graphs and compiled and all(g is not None for g in compiled.values())
+        if kind.endswith("dynamic"):
+            assert any(isinstance(name, tuple) and name[0] == "dynamic" for name in compiled)
+    if kind == "medusa-tree":
+        assert isinstance(drafter.session.graph, TracedGraph)
+    if kind == "dflash-chain":
+        assert isinstance(drafter.session._graph, TracedGraph)
+    if isinstance(drafter, StandaloneDrafter):  # the draft model's own forwards
+        assert drafter.static is not None and drafter.static.graphs and drafter.static._compiled
+
+
+@pytest.mark.parametrize("kind", ["eagle3-dynamic", "eagle3-static", "dflash-chain"])
+def test_a_graphed_head_drafts_what_the_eager_one_drafts(kind):
+    """Output identity cannot see a drafter (verification keeps any draft lossless): the trees a
+    head drafts through its replayed graphs are the trees it drafts on growing caches, step for
+    step, with the acceptance they got."""
+    ids = torch.tensor([[5, 9, 14, 20, 7, 3]])
+    runs = {}
+    for cache in ("dynamic", "static"):
+        with simulated_cuda_graphs(), torch.no_grad():
+            target = FrozenTarget(tiny_causal_lm("llama", seed=0))
+            drafter = _drafter(kind, target, cache)
+            proposed, propose = [], drafter.propose
+            drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
+            out, stats = speculative_generate(target, drafter, ids, 24, cache=cache)
+        runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens.tolist(), t.parents.tolist()) for t in proposed])
+    assert runs["static"] == runs["dynamic"]
+    if kind.startswith("eagle"):  # something was accepted: the caches were rolled back and kept
+        assert 0 < sum(runs["static"][1])
+
+
+def test_a_host_read_in_a_captured_function_falls_back_to_eager(capsys):
+    """A function that reads a value to the host cannot be captured: the simulation refuses it as
+    CUDA does, and the caller is told once and runs eagerly."""
+    from draftsmith.graphs import capture_or_none
+
+    def reads(x):
+        return x * int(x.sum())
+
+    with simulated_cuda_graphs() as graphs:
+        assert capture_or_none(reads, [torch.ones(3)], "a reading function") is None
+        assert capture_or_none(lambda x: x * 2, [torch.ones(3)], "a pure function") is not None
+    assert len(graphs.captured) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "note: a reading function: CUDA graph capture failed" in err
+
+
+def test_a_traced_graph_freezes_what_it_read_at_capture_and_reuses_its_outputs():
+    """The contract the simulation keeps: a Python value taken at capture stays (as in a CUDA
+    graph), the inputs are copied into its buffers, and every replay returns the same output
+    tensors, overwritten."""
+    state = {"scale": 2.0}
+    graph = TracedGraph(lambda x: (x * state["scale"], x + 1), [torch.ones(2)])
+    state["scale"] = 5.0
+    first = graph(torch.tensor([1.0, 2.0]))
+    assert first[0].tolist() == [2.0, 4.0]  # frozen at 2.0
+    kept = first[0]
+    second = graph(torch.tensor([3.0, 4.0]))
+    assert second[0] is kept and kept.tolist() == [6.0, 8.0] and second[1].tolist() == [4.0, 5.0]
