@@ -78,30 +78,37 @@ class _SoftCrossEntropy(torch.autograd.Function):
     Autograd through log_softmax keeps an fp32 [M,V] log-softmax and the product's operands for
     backward; this keeps the logits as they came (bf16 under autocast: half the bytes) and the
     targets, and its backward is a softmax and three passes in place:
-    dz = (softmax(z) sum_v p_v - p) x grad. The targets get no gradient (teachers are frozen)."""
+    dz = (softmax(z) sum_v p_v - p) x grad. The targets get no gradient (teachers are frozen).
+    Targets given as rows ``index`` [M] of a ``table`` [R,V] are gathered in forward and again in
+    backward: only the index is kept, not an [M,V] copy (the table is alive anyway)."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, probs: Tensor) -> Tensor:
-        ctx.save_for_backward(logits, probs)
+    def forward(ctx, logits: Tensor, table: Tensor, index: Optional[Tensor]) -> Tensor:
+        ctx.save_for_backward(logits, table, index)
+        probs = table if index is None else table.index_select(0, index)
         return -torch.linalg.vecdot(probs, torch.log_softmax(logits, dim=-1, dtype=probs.dtype))
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        logits, probs = ctx.saved_tensors
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        logits, table, index = ctx.saved_tensors
+        probs = table if index is None else table.index_select(0, index)
         dz = torch.softmax(logits, dim=-1, dtype=probs.dtype)
         dz.mul_(probs.sum(-1, keepdim=True)).sub_(probs).mul_(grad.unsqueeze(-1))
-        return dz.to(logits.dtype), None
+        return dz.to(logits.dtype), None, None
 
 
-def soft_cross_entropy(logits: Tensor, probs: Tensor) -> Tensor:
+def soft_cross_entropy(logits: Tensor, probs: Tensor, index: Optional[Tensor] = None) -> Tensor:
     """Cross-entropy of logits [M,V] against target distributions probs [M,V] (probs' dtype, at
-    least fp32), per row [M]: -sum_v probs log_softmax(logits). Equal to the autograd formula in
-    value and gradient (tests/unit/test_heads.py), in less memory and time; targets that need a
-    gradient take the autograd formula."""
+    least fp32), per row [M]: -sum_v probs log_softmax(logits). With ``index`` [M], the targets are
+    rows ``index`` of ``probs`` [R,V] (a teacher table shared by several losses, shifted per depth),
+    gathered twice rather than kept. Equal to the autograd formula in value and gradient
+    (tests/unit/test_heads.py), in less memory and time; targets that need a gradient take the
+    autograd formula."""
     probs = probs.to(torch.promote_types(probs.dtype, torch.float32))
     if probs.requires_grad:
-        return -(probs * torch.log_softmax(logits.to(probs.dtype), dim=-1)).sum(-1)
-    return _SoftCrossEntropy.apply(logits, probs)
+        rows = probs if index is None else probs[index]
+        return -(rows * torch.log_softmax(logits.to(probs.dtype), dim=-1)).sum(-1)
+    return _SoftCrossEntropy.apply(logits, probs, index)
 
 
 def depth_loss(
@@ -122,7 +129,8 @@ def depth_loss(
     logits [M,V] of the M positions where ``rows = valid[..., k-1]`` ([B,T] bool): only those reach
     the vocabulary projection, which dominates the cost (V >> D) while most chat positions carry no
     label. The depth's term is ``ce_weight`` x the cross-entropy against the labels, or against
-    ``soft_targets(k, rows, logits)`` (probabilities [M,V], e.g. the target's own distribution), plus
+    ``soft_targets(k, rows, logits)`` (probabilities [M,V], e.g. the target's own distribution, or
+    a (table [R,V], index [M]) pair naming them as rows of a table every depth shares), plus
     ``label_weight`` x the cross-entropy against the labels when soft targets replace them (both
     objectives at once, Hydra++'s), plus ``extra(k, rows)`` (e.g. a feature regression).
     ``predicted(logits) -> ids`` maps a draft's argmax to the labels' vocabulary (default: argmax
@@ -157,8 +165,9 @@ def depth_loss(
                 return F.cross_entropy(wide, target) if w is None else mean(F.cross_entropy(wide, target, reduction="none"))
 
             if soft_targets is not None:
-                probs = soft_targets(k, rows, logits).to(dtype)
-                depth_ce = mean(soft_cross_entropy(logits, probs))
+                teacher = soft_targets(k, rows, logits)
+                table, index = teacher if isinstance(teacher, tuple) else (teacher, None)
+                depth_ce = mean(soft_cross_entropy(logits, table.to(dtype), index))
             else:
                 depth_ce = hard_ce()
             term = ce_weight * depth_ce

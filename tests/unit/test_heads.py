@@ -183,6 +183,29 @@ def test_soft_cross_entropy_equals_the_autograd_formula_in_less_memory():
     assert p.grad is not None and p.grad.abs().sum() > 0
 
 
+def test_soft_cross_entropy_over_rows_of_a_table_keeps_no_copy_of_them():
+    """Targets named as rows of a shared table (EAGLE-3's teacher, shifted per step): the same value
+    and gradient as the gathered rows, and what backward keeps no longer holds the [M,V] rows."""
+    from draftsmith.heads.base import soft_cross_entropy
+
+    torch.manual_seed(1)
+    R, M, V = 80, 64, 300
+    table = torch.softmax(torch.randn(R, V) * 3, dim=-1)
+    index = torch.randint(0, R, (M,))
+    base = (torch.randn(M, V) * 4).to(torch.bfloat16)
+    copied_in, indexed_in = base.clone().requires_grad_(), base.clone().requires_grad_()
+    copied, copied_kept = _saved_bytes(lambda: soft_cross_entropy(copied_in, table[index]))
+    indexed, indexed_kept = _saved_bytes(lambda: soft_cross_entropy(indexed_in, table, index))
+    torch.testing.assert_close(indexed, copied, rtol=0, atol=0)
+    upstream = torch.randn(M)
+    (copied * upstream).sum().backward()
+    (indexed * upstream).sum().backward()
+    torch.testing.assert_close(indexed_in.grad, copied_in.grad, rtol=0, atol=0)
+    # The copy's M x V fp32 rows are gone (the table itself is counted: it is the caller's, alive anyway).
+    assert indexed_kept <= copied_kept - M * V * 4 + R * V * 4 + M * 8, (indexed_kept, copied_kept)
+    assert copied_kept - M * V * 4 < indexed_kept
+
+
 def test_eagle3_loss_and_gradients_are_those_of_the_log_softmax_formula():
     """The EAGLE-3 loss through the fused soft cross-entropy equals, in value and in every
     parameter's gradient, the same loss with the autograd formula patched back in."""
@@ -203,7 +226,10 @@ def test_eagle3_loss_and_gradients_are_those_of_the_log_softmax_formula():
         return loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
 
     fused_loss, fused_grads = run()
-    formula = lambda logits, probs: -(probs * torch.log_softmax(logits.to(probs.dtype), dim=-1)).sum(-1)  # noqa: E731
+    def formula(logits, probs, index=None):
+        probs = probs if index is None else probs[index]
+        return -(probs * torch.log_softmax(logits.to(probs.dtype), dim=-1)).sum(-1)
+
     original = base.soft_cross_entropy
     base.soft_cross_entropy = formula
     try:
