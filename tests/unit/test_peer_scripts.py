@@ -142,6 +142,10 @@ def test_bench_gpu_train_times_eagle3_and_dflash_training_on_the_cpu(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["peak_memory_gb"] is None and r["step_memory_gb"] is None and r["head_parameters_m"] > 0 for r in rows)
     assert len({r["final_loss"] for r in rows[:4]}) == 1 and len({r["final_loss"] for r in rows[4:]}) == 1
     assert "| tiny | dflash | cached | recompute |" in out.read_text()
+    # EAGLE-3 trains every position with a label (depth k predicts x_{t+k+1}: all but a row's last
+    # k + 1 of 32), none skipped for lying outside the draft vocabulary.
+    eagle3 = [r for r in rows if r["head"] == "eagle3"]
+    assert all(r["trained_share"] == pytest.approx(1 - ((1 + 7) / 2 + 1) / 32, abs=0.002) for r in eagle3), eagle3
     tables = sorted(p.name for p in (tmp_path / "prof").iterdir())
     assert len(tables) == 8 and "tiny-eagle3-cached-recompute.txt" in tables
     assert "aten::" in (tmp_path / "prof" / "tiny-eagle3-cached-recompute.txt").read_text()
