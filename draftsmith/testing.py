@@ -510,10 +510,15 @@ class TracedGraph:
         self.replays = 0
 
     def __call__(self, *inputs):
-        from torch.utils._pytree import tree_leaves
-
         for buffer, value in zip(self.inputs, inputs):
             buffer.copy_(value)
+        return self.replay()
+
+    def replay(self):
+        """What ``graph.replay()`` does: the recorded operations on the buffers, results into the
+        same output tensors."""
+        from torch.utils._pytree import tree_leaves
+
         result = self.trace(*self.inputs)
         self.replays += 1
         if self.outputs is None:

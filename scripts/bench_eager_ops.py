@@ -3,15 +3,19 @@
     python scripts/bench_eager_ops.py --out docs/bench/eager-ops.md
     python scripts/bench_eager_ops.py --top 30          # and where the most of them come from
 
-On a GPU at batch 1 a step costs what launching its kernels costs: the pieces captured as CUDA
-graphs are one launch each, every other operation a launch and a pass through Python. This counts
-those others on any machine: the drafters of scripts/bench_gpu.py (EAGLE-3 with its EAGLE-2 tree,
-DFlash, Medusa) at a shape on the static cache, one generation each after a warm-up one, every aten
-operation dispatched while no graphed piece runs (a TorchDispatchMode; the graphed pieces are the
-callables draftsmith captures: the target's and a draft model's forwards, a head's level forward,
-EAGLE's whole tree, DFlash's block, Medusa's heads). Views count too (they cost Python, not a
-kernel). The CPU runs the torch reference verification where CUDA runs the fused kernel; its
-operations are counted apart (``reference verification``) and left out of the total.
+On a GPU at batch 1 a step costs what launching its kernels costs: a piece captured as a CUDA
+graph is one launch, every other operation a launch and a pass through Python. This counts them on
+any machine: the drafters of scripts/bench_gpu.py (EAGLE-3 with its EAGLE-2 tree, DFlash, Medusa)
+at a shape on the static cache, one generation each after a warm-up one, every aten operation
+dispatched (a TorchDispatchMode; views count too: they cost Python, not a kernel).
+
+``--graphs simulated`` (the default) decodes as CUDA does, through the graphs
+(``draftsmith.testing.simulated_cuda_graphs``): a replay counts one, each input copied into a
+graph's buffers one, the replayed operations nothing; the greedy verification runs inside the
+target's graph, as the fused kernel does on CUDA. ``--graphs left-out`` is the count before the
+simulation existed (commits up to 2026-11-27 afternoon): no graphs, the callables CUDA captures
+left out, and the torch reference verification, which CUDA replaces with the fused kernel,
+counted apart (``reference verification``) and left out of the total.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import collections
 import functools
 import json
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -41,7 +45,7 @@ def graphed_callables():
     from draftsmith.heads.medusa import MedusaSession
     from draftsmith.runtime.static import StaticSession
 
-    return [(StaticSession, "_eager"), (StaticSession, "_tree_eager"), (EagleSession, "_slotted_forward"), (EagleSession, "_dynamic_tree"),
+    return [(StaticSession, "_eager"), (StaticSession, "_tree_eager"), (StaticSession, "_tree_verified"), (EagleSession, "_slotted_forward"), (EagleSession, "_dynamic_tree"),
             (DFlashSession, "_block_logits"), (MedusaSession, "_logits")]  # fmt: skip
 
 
@@ -73,6 +77,23 @@ class EagerOps(TorchDispatchMode):
             setattr(cls, name, inside)
             stack.callback(setattr, cls, name, original)
 
+    def patch_replays(self, stack: ExitStack, traced) -> None:
+        """Under simulated graphs: each replay counts as one operation (a graph launch), the input
+        copies before it as one each (CapturedForward's copy_ on CUDA), the replayed operations
+        not at all."""
+        original = traced.replay
+
+        def replay(graph):
+            self.lines[REPLAY] += 1
+            self.depth += 1
+            try:
+                return original(graph)
+            finally:
+                self.depth -= 1
+
+        traced.replay = replay
+        stack.callback(setattr, traced, "replay", original)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.depth:
             frame, where, reference = sys._getframe(1), None, False
@@ -90,6 +111,7 @@ class EagerOps(TorchDispatchMode):
 
 
 REFERENCE = "reference verification: "
+REPLAY = "graph replays (one launch each)"
 
 
 def reference_verification(line: str) -> bool:
@@ -100,15 +122,18 @@ def count(shape: str, kind: str, args) -> dict:
     from bench_gpu import build_head_drafter, build_target
 
     from draftsmith.runtime.generate import speculative_generate
+    from draftsmith.testing import TracedGraph, simulated_cuda_graphs
 
-    target = build_target(shape, torch.device("cpu"), torch.float32)
-    drafter = build_head_drafter(kind, target, cache="static")  # the head's own buffers too, as on CUDA
-    prompt = torch.randint(3, target.dims.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        speculative_generate(target, drafter, prompt, 8, cache="static")  # warm-up: buffers and sessions made
+    with simulated_cuda_graphs() if args.graphs == "simulated" else nullcontext(), torch.no_grad():
+        target = build_target(shape, torch.device("cpu"), torch.float32)
+        drafter = build_head_drafter(kind, target, cache="static")  # the head's own buffers too, as on CUDA
+        prompt = torch.randint(3, target.dims.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+        speculative_generate(target, drafter, prompt, args.new_tokens, cache="static")  # warm-up: buffers, sessions and graphs made (as large)
         counter = EagerOps()
         with ExitStack() as stack:
             counter.patch(stack)
+            if args.graphs == "simulated":
+                counter.patch_replays(stack, TracedGraph)
             with counter:
                 _, stats = speculative_generate(target, drafter, prompt, args.new_tokens, cache="static")
     steps = len(stats.accept_lens)
@@ -132,6 +157,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=bounded(int, 2), default=16)
     p.add_argument("--new-tokens", type=bounded(int, 1), default=40)
     p.add_argument("--top", type=bounded(int, 0), default=10, help="lines with the most eager operations, per row")
+    p.add_argument(
+        "--graphs", choices=["simulated", "left-out"], default="simulated",
+        help="simulated: decode through the graphs as CUDA does (draftsmith.testing.simulated_cuda_graphs), a replay and each input copy one operation; "
+        "left-out: no graphs, the callables CUDA captures left out of the count (the count of commits before the simulation)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="Markdown table (and .json beside it); default: print only")
     args = p.parse_args(argv)
     rows = []
@@ -142,11 +172,13 @@ def main(argv=None) -> int:
             for line, n in rows[-1]["top"]:
                 print(f"  {n:7.1f}  {line}")
     if args.out:
-        meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__, "new_tokens": args.new_tokens}
+        meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__, "new_tokens": args.new_tokens, "graphs": args.graphs}
         lines = [
             f"# Eager operations a speculative step runs outside CUDA graphs, {meta['date']}", "",
-            f"`scripts/bench_eager_ops.py`, torch {meta['torch']}, the static cache, {args.new_tokens} new tokens after a warm-up generation. "
-            "Counted on the CPU; the torch reference verification, which CUDA replaces with the fused kernel, apart.", "",
+            f"`scripts/bench_eager_ops.py --graphs {args.graphs}`, torch {meta['torch']}, the static cache, {args.new_tokens} new tokens after a warm-up generation of as many. "
+            + ("Counted on the CPU, decoding through simulated CUDA graphs: a graph replay and each input copy count one operation."
+               if args.graphs == "simulated" else
+               "Counted on the CPU without graphs, the callables CUDA captures left out; the torch reference verification, which CUDA replaces with the fused kernel, apart."), "",
             "| shape | drafter | steps | eager operations a step | reference verification a step |", "| --- | --- | --- | --- | --- |",
         ]  # fmt: skip
         lines += [f"| {r['shape']} | {r['drafter']} | {r['steps']} | {r['eager_ops_per_step']} | {r['reference_verification_per_step']} |" for r in rows]

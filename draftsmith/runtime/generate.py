@@ -324,6 +324,7 @@ def speculative_generate(
     """
     _check_prompt(input_ids, max_new_tokens)
     caller, input_ids = input_ids.device, input_ids.to(target.device)
+    chosen = verify_fn
     verify_fn = verify if sampling.mode == "typical" else verify_fn or default_verify_fn(input_ids.device)
     verify_fn = _with_workspace(verify_fn)
     eos = _eos_set(eos_token_id)
@@ -335,6 +336,9 @@ def speculative_generate(
     if shares_cache:
         drafter.bind(session)
     drafter.reset(input_ids)
+    # A static session with graphs verifies greedily inside its tree forward's graph (the default
+    # verification only: a caller's verify_fn runs as given).
+    in_graph = chosen is None and sampling.mode == "greedy" and not shares_cache and getattr(session, "graphs", False)
     tokens = input_ids
     # The last prompt token is the first root: it enters the cache with the first tree.
     hidden, layers = None, {}
@@ -353,9 +357,13 @@ def speculative_generate(
         stats.draft_time += time.perf_counter() - t0
         if tree.batch_size != 1:
             raise DrafterError(f"{type(drafter).__name__} proposed {tree.batch_size} trees for one sequence")
-        logits, tree_hidden, tree_layers = drafter.verify_forward(tree) if shares_cache else session.forward_tree(tree)
+        if in_graph:
+            # Greedy on graphs: the verification replays inside the tree forward's graph.
+            logits, tree_hidden, tree_layers, result = session.forward_tree_verified(tree)
+        else:
+            logits, tree_hidden, tree_layers = drafter.verify_forward(tree) if shares_cache else session.forward_tree(tree)
+            result = verify_fn(tree, logits, sampling, generator=generator)
         stats.target_forwards += 1
-        result = verify_fn(tree, logits, sampling, generator=generator)
         verdict = read_verdict(tree, result, root)  # the step's one read from the device
         if not verdict.rooted:
             raise DrafterError(f"{type(drafter).__name__} proposed a tree whose root is not the last decided token")

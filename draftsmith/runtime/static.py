@@ -29,6 +29,7 @@ from torch import Tensor
 from draftsmith.graphs import CapturedForward, can_capture, capture_or_none, graph_pool
 from draftsmith.runtime.errors import DrafterError
 from draftsmith.runtime.tree import DraftTree, ancestor_mask
+from draftsmith.runtime.verify import VerifyResult, verify_greedy_on_device
 from draftsmith.target import TargetLoadError, decoder_stack
 
 __all__ = ["CACHES", "StaticCache", "StaticSession", "check_cache", "drafting_capacity", "static_session_supported", "tree_visibility", "wants_static"]
@@ -94,6 +95,18 @@ class StaticCache:
         m = sources.numel()
         for buffer in (self.keys, self.values):
             buffer[:, :, :, start : start + m] = buffer.index_select(3, sources)
+
+
+def greedy_in_graph(tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: Tensor, logits: Tensor, depth_bound: int) -> VerifyResult:
+    """Greedy verification with no value read to the host: the fused kernel where it runs (CUDA
+    with triton), ``verify_greedy_on_device`` elsewhere. Both equal ``verify_greedy``."""
+    if logits.is_cuda:
+        from draftsmith.runtime.kernels import _kernels, kernel_available
+
+        if kernel_available(logits.device):
+            accept_len, best, bonus, path, accepted = _kernels().greedy(tokens, parents, num_nodes, logits, depth_bound + 1, token_pad=-1)
+            return VerifyResult(accept_len=accept_len, best_node=best, path=path, accepted_tokens=accepted, bonus=bonus)
+    return verify_greedy_on_device(tokens, parents, depths, depth_bound, logits)
 
 
 def tree_visibility(columns: Tensor, parents: Tensor, base: Tensor) -> Tensor:
@@ -206,28 +219,51 @@ class StaticSession:
         mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
         return self._eager(ids, depths + base, self.columns[:n] + base, mask)
 
-    def _tree_forward(self, ids: Tensor, depths: Tensor, parents: Tensor) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
+    def _tree_verified(self, ids: Tensor, depths: Tensor, parents: Tensor, base: Tensor, num_nodes: Tensor, depth_bound: int):
+        """``_tree_eager``, then the tree's greedy verification on its logits, in the same function
+        (one graph on CUDA: the fused kernel's launches replay with the forward). Returns the
+        forward's outputs and the VerifyResult's five tensors."""
+        out, final, wanted = self._tree_eager(ids, depths, parents, base)
+        result = greedy_in_graph(ids, parents, depths, num_nodes, out, depth_bound)
+        return out, final, wanted, (result.accept_len, result.best_node, result.path, result.accepted_tokens, result.bonus)
+
+    def _tree_forward(self, ids: Tensor, depths: Tensor, parents: Tensor, verify: Optional[tuple[Tensor, int]] = None):
         """N = ids.shape[1] tree nodes (depths and parents [1,N], parents topological, -1 for the
         root) appended at slots length.., each seeing the cache and its ancestors. Replays the
-        tree-size graph where the session has graphs."""
+        tree-size graph where the session has graphs. ``verify`` (num_nodes [1], depth bound):
+        verify greedily in the same graph and return the VerifyResult too."""
         n = ids.shape[1]
         self._room(n)
         inputs = (ids, depths, parents, self.columns[self.length : self.length + 1])
+        if verify is None:
+            fn, key, what = self._tree_eager, ("tree", n), "the target's tree forward"
+        else:
+            num_nodes, bound = verify
+            inputs += (num_nodes,)
+
+            def fn(ids, depths, parents, base, num_nodes):
+                return self._tree_verified(ids, depths, parents, base, num_nodes, bound)
+
+            key, what = ("tree-verify", n, bound), "the target's tree forward and verification"
         graph = None
         if self.graphs:
-            key = ("tree", n)
             if key not in self._compiled:
-                self._compiled[key] = capture_or_none(self._tree_eager, inputs, "the target's tree forward", self.pool)
+                self._compiled[key] = capture_or_none(fn, inputs, what, self.pool)
                 self.graphs = self._compiled[key] is not None
             graph = self._compiled[key]
         if graph is not None:
-            out, final, wanted = graph(*inputs)
+            # The features a drafter may keep are copied (small); the logits and the verdict are
+            # read before the next forward overwrites them.
+            out, final, wanted, *checked = graph(*inputs)
             final, wanted = final.clone(), [h.clone() for h in wanted]
         else:
-            out, final, wanted = self._tree_eager(*inputs)
+            out, final, wanted, *checked = fn(*inputs)
         self.length += n
         outputs = dict(zip(self._wanted, wanted))
-        return out, final, {i: outputs[i % self.stack.num_layers] for i in self.layers}
+        layers = {i: outputs[i % self.stack.num_layers] for i in self.layers}
+        if verify is None:
+            return out, final, layers
+        return out, final, layers, VerifyResult(*checked[0])
 
     def _forward(self, ids: Tensor, positions: Tensor, visible: Tensor, logits: str = "all") -> tuple[Optional[Tensor], Tensor, dict[int, Tensor]]:
         """N = ids.shape[1] new entries at slots length.., `visible` [N,capacity] bool. A tree or a
@@ -302,6 +338,16 @@ class StaticSession:
         """One forward over a tree's nodes. Returns (logits [1,N,V], final hidden [1,N,D], layers)."""
         base = self.length
         out = self._tree_forward(tree.tokens, tree.depths, tree.parents)
+        self._tree_base = base
+        return out
+
+    @torch.no_grad()
+    def forward_tree_verified(self, tree: DraftTree) -> tuple[Tensor, Tensor, dict[int, Tensor], VerifyResult]:
+        """``forward_tree`` and greedy verification of the tree in one graph: (logits, final
+        hidden, layers, VerifyResult). The result equals ``verify_greedy``'s (the fused kernel's
+        on CUDA) and lives in the graph's buffers until the next forward."""
+        base = self.length
+        out = self._tree_forward(tree.tokens, tree.depths, tree.parents, verify=(tree.num_nodes, tree.depth_bound))
         self._tree_base = base
         return out
 

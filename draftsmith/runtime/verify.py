@@ -172,24 +172,24 @@ class VerifyResult:
 
 def _result(tree: DraftTree, best: Tensor, bonus: Tensor, anc: Optional[Tensor] = None) -> VerifyResult:
     """Assemble a VerifyResult from the best node [B] and bonus [B]."""
-    B, N = tree.tokens.shape
-    D = tree.depth_bound
+    return result_on_device(tree.tokens, tree.parents, tree.depths, tree.depth_bound, best, bonus, anc)
+
+
+def result_on_device(tokens: Tensor, parents: Tensor, depths: Tensor, depth_bound: int, best: Tensor, bonus: Tensor, anc: Optional[Tensor] = None) -> VerifyResult:
+    """``_result`` from the tree's tensors, every shape fixed by [B,N] and ``depth_bound`` and no
+    value read to the host: the path's node at depth d is the one ancestor-or-self of ``best`` at
+    that depth (what a CUDA graph can hold)."""
+    B, N = tokens.shape
     rows = torch.arange(B, device=best.device)
     if anc is None:
-        anc = ancestor_mask(tree.parents)
+        anc = ancestor_mask(parents)
     on_path = anc[rows, best]  # [B,N]
-    path = torch.full((B, D + 1), -1, dtype=torch.long, device=best.device)
-    b, j = on_path.nonzero(as_tuple=True)
-    path[b, tree.depths[b, j]] = j
+    levels = torch.arange(depth_bound + 1, device=best.device).view(1, -1, 1)
+    at = on_path.unsqueeze(1) & (depths.unsqueeze(1) == levels)  # [B,D+1,N]: at most one node each
+    path = torch.where(at.any(-1), at.int().argmax(-1), torch.full_like(at[..., 0], -1, dtype=torch.long))
     steps = path[:, 1:]
-    accepted_tokens = torch.where(steps >= 0, tree.tokens.gather(1, steps.clamp_min(0)), torch.full_like(steps, -1))
-    return VerifyResult(
-        accept_len=tree.depths[rows, best].clone(),
-        best_node=best,
-        path=path,
-        accepted_tokens=accepted_tokens,
-        bonus=bonus,
-    )
+    accepted_tokens = torch.where(steps >= 0, tokens.gather(1, steps.clamp_min(0)), torch.full_like(steps, -1))
+    return VerifyResult(accept_len=depths.gather(1, best.unsqueeze(1)).squeeze(1), best_node=best, path=path, accepted_tokens=accepted_tokens, bonus=bonus)
 
 
 def verify_greedy(tree: DraftTree, target_logits: Tensor) -> VerifyResult:
@@ -203,18 +203,24 @@ def verify_greedy(tree: DraftTree, target_logits: Tensor) -> VerifyResult:
     B, N = tree.tokens.shape
     if target_logits.shape[:2] != (B, N):
         raise ValueError(f"target_logits has shape {tuple(target_logits.shape)}; the trees need [{B},{N},V]")
-    parents = tree.parents
+    return verify_greedy_on_device(tree.tokens, tree.parents, tree.depths, tree.depth_bound, target_logits)
+
+
+def verify_greedy_on_device(tokens: Tensor, parents: Tensor, depths: Tensor, depth_bound: int, target_logits: Tensor) -> VerifyResult:
+    """``verify_greedy`` on a tree's tensors without its checks: no value read to the host, so a
+    CUDA graph can hold it (StaticSession verifies inside the graph of its tree forward)."""
+    B, N = tokens.shape
     pred = target_logits.argmax(-1)  # [B,N]
-    match = (tree.tokens == pred.gather(1, parents.clamp_min(0))) & (parents >= 0)
+    match = (tokens == pred.gather(1, parents.clamp_min(0))) & (parents >= 0)
     match[:, 0] = True  # the root is decided already
     anc = ancestor_mask(parents)
     # Accepted iff every ancestor-or-self matches: one reduction instead of a walk down the tree.
     accepted = ~(anc & ~match.unsqueeze(1)).any(-1)
     index = torch.arange(N, device=parents.device)
-    score = torch.where(accepted, tree.depths * (N + 1) + (N - index), torch.full_like(tree.depths, -1))
+    score = torch.where(accepted, depths * (N + 1) + (N - index), torch.full_like(depths, -1))
     best = score.argmax(-1)
     bonus = pred.gather(1, best.unsqueeze(1)).squeeze(1)
-    return _result(tree, best, bonus, anc)
+    return result_on_device(tokens, parents, depths, depth_bound, best, bonus, anc)
 
 
 # The three rules of the rejection walk, as functions so that a test can swap in a broken rule and

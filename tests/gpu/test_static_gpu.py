@@ -90,6 +90,8 @@ def test_graphed_decoding_equals_hf_greedy(target, kind):
     layers = () if drafter is None else tuple(drafter.required_layers())
     session = target._static_sessions[(layers, target.device, target.dtype)]
     assert session.graphs and session._compiled, "auto did not take the graphed static cache on CUDA"
+    if drafter is not None:  # the fused greedy verification replays inside the tree forward's graph
+        assert {key[0] for key in session._compiled} == {"tree-verify"} and all(g is not None for g in session._compiled.values())
     if isinstance(drafter, StandaloneDrafter):  # the draft model's own forwards are graphed too
         assert drafter.static is not None and drafter.static.graphs and drafter.static._compiled
     if kind == "eagle-dynamic":  # and an EAGLE head's tree levels

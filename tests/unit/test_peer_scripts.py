@@ -273,20 +273,32 @@ def test_speculators_script_counts_the_draftsmith_runs_tokens_by_replaying_its_b
 
 
 def test_bench_eager_ops_counts_what_cuda_would_launch_eagerly(tmp_path):
-    """scripts/bench_eager_ops.py at the tiny shape: a row per drafter with the reference
-    verification apart, the graphed callables restored afterwards, and EAGLE-3, its whole tree one
-    graph, running fewer eager operations a step than DFlash (its eager tree once ran 4.5x as many)."""
+    """scripts/bench_eager_ops.py at the tiny shape, both ways. Simulated graphs: the step's graphs
+    replayed (counted one each), the verification inside the target's graph (no reference
+    verification left), no capture during the counted generation. Graphs left out: the reference
+    verification apart. The graphed callables are restored afterwards, and either way EAGLE-3, its
+    whole tree one graph, runs fewer eager operations a step than DFlash."""
     from draftsmith.heads.eagle import EagleSession
+    from draftsmith.testing import TracedGraph
 
     bench = load_script("scripts/bench_eager_ops.py")
-    before = EagleSession._dynamic_tree
-    out = tmp_path / "ops.md"
-    assert bench.main(["--drafters", "eagle3", "dflash", "--new-tokens", "16", "--top", "3", "--out", str(out)]) == 0
-    assert EagleSession._dynamic_tree is before
-    rows = {r["drafter"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
-    assert all(r["steps"] > 0 and r["reference_verification_per_step"] > 0 and len(r["top"]) == 3 for r in rows.values())
-    assert 0 < rows["eagle3"]["eager_ops_per_step"] < rows["dflash"]["eager_ops_per_step"]
-    assert "| tiny | eagle3 |" in out.read_text()
+    before, replay = EagleSession._dynamic_tree, TracedGraph.replay
+    for graphs in ("simulated", "left-out"):
+        out = tmp_path / f"ops-{graphs}.md"
+        assert bench.main(["--drafters", "eagle3", "dflash", "--new-tokens", "16", "--top", "40", "--graphs", graphs, "--out", str(out)]) == 0
+        assert EagleSession._dynamic_tree is before and TracedGraph.replay is replay
+        rows = {r["drafter"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+        assert all(r["steps"] > 0 and len(r["top"]) > 3 for r in rows.values())
+        assert 0 < rows["eagle3"]["eager_ops_per_step"] < rows["dflash"]["eager_ops_per_step"]
+        assert "| tiny | eagle3 |" in out.read_text()
+        for r in rows.values():
+            lines = dict(r["top"])
+            if graphs == "simulated":
+                # The target's tree forward with its verification, and the drafter's graph: replayed every step.
+                assert r["reference_verification_per_step"] == 0 and lines[bench.REPLAY] >= 2
+                assert not any("__init__" in line for line in lines)  # nothing captured while counting
+            else:
+                assert r["reference_verification_per_step"] > 0 and bench.REPLAY not in lines
 
 
 def test_speculators_script_resumes_an_interrupted_run(peers, tmp_path, monkeypatch):
