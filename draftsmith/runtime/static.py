@@ -104,7 +104,8 @@ def greedy_in_graph(tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: 
         from draftsmith.runtime.kernels import _kernels, kernel_available
 
         if kernel_available(logits.device):
-            accept_len, best, bonus, path, accepted = _kernels().greedy(tokens, parents, num_nodes, logits, depth_bound + 1, token_pad=-1)
+            with torch.cuda.device(logits.device):  # triton launches on the current device
+                accept_len, best, bonus, path, accepted = _kernels().greedy(tokens, parents, num_nodes, logits, depth_bound + 1, token_pad=-1)
             return VerifyResult(accept_len=accept_len, best_node=best, path=path, accepted_tokens=accepted, bonus=bonus)
     return verify_greedy_on_device(tokens, parents, depths, depth_bound, logits)
 
