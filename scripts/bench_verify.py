@@ -13,8 +13,10 @@ greedy mode and are drawn without replacement from the draft distribution in sam
 
 Each cell times the whole public call (`fused_verify` vs `verify`: preprocessing, allocations and
 the one host sync both make for the path length) with CUDA events after warm-up, and reports the
-median; `fused_verify` also with a `VerifyWorkspace`, as the decoding loop calls it (its buffers
-made once, no allocation per call). Before timing, each cell checks that both give the same result (greedy: identical;
+median; `fused_verify` also with a `VerifyWorkspace` (its buffers made once, no allocation per
+call) and, on CUDA, with a graphed one (`VerifyWorkspace(graphs=True)`: the same call on the same
+tensors replays one CUDA graph, as a loop over static buffers gets; the decoding loop itself runs
+greedy verification inside the target's graph). Before timing, each cell checks that both give the same result (greedy: identical;
 sampling: same uniforms, identical but for float boundary cases, counted in the `mismatch` column).
 
 Writes a Markdown table to --out and the same rows as JSON next to it (.json). With --small and
@@ -163,17 +165,18 @@ def markdown(info: dict, rows: list[dict]) -> str:
         "`mismatch`: trees whose fused result differs from the reference's (greedy must be 0; "
         "sampling uses the same uniforms and may differ only at float boundaries).",
         "",
-        "| mode | B | nodes | V | mean accepted | reference ms | fused ms | fused, workspace ms | speedup | mismatch |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| mode | B | nodes | V | mean accepted | reference ms | fused ms | fused, workspace ms | fused, graphed workspace ms | speedup | mismatch |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         fused = "-" if r["fused_ms"] is None else f"{r['fused_ms']:.3f}"
         spaced = "-" if r.get("fused_workspace_ms") is None else f"{r['fused_workspace_ms']:.3f}"
+        graphed = "-" if r.get("fused_graphed_ms") is None else f"{r['fused_graphed_ms']:.3f}"
         speed = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
         mism = "-" if r["mismatch"] is None else str(r["mismatch"])
         lines.append(
             f"| {r['mode']} | {r['batch']} | {r['nodes']} | {r['vocab']} | {r['mean_accept']:.2f} | "
-            f"{r['reference_ms']:.3f} | {fused} | {spaced} | {speed} | {mism} |"
+            f"{r['reference_ms']:.3f} | {fused} | {spaced} | {graphed} | {speed} | {mism} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -214,13 +217,20 @@ def main(argv=None) -> int:
                     want = verify(tree, logits, sampling, **kw)
                     row = dict(mode=mode, batch=B, nodes=N, vocab=V, mean_accept=float(want.accept_len.float().mean()))
                     row["reference_ms"] = run(lambda: verify(tree, logits, sampling, **kw), warmup, reps)
-                    row["fused_ms"] = row["fused_workspace_ms"] = row["speedup"] = row["mismatch"] = None
+                    row["fused_ms"] = row["fused_workspace_ms"] = row["fused_graphed_ms"] = row["speedup"] = row["mismatch"] = None
                     if use_kernel:
                         space = VerifyWorkspace()
                         row["mismatch"] = mismatches(fused_verify(tree, logits, sampling, **kw), want)
                         row["mismatch"] += mismatches(fused_verify(tree, logits, sampling, workspace=space, **kw), want)
-                        row["fused_ms"] = run(lambda: fused_verify(tree, logits, sampling, **kw), warmup, reps)
+                        row["fused_ms"] = run(lambda: fused_verify(tree, logits, sampling, workspace=None, **kw), warmup, reps)
                         row["fused_workspace_ms"] = run(lambda: fused_verify(tree, logits, sampling, workspace=space, **kw), warmup, reps)
+                        if device.type == "cuda":
+                            # The same tensors every call (static buffers): captured at the second call, replayed after.
+                            graphed = VerifyWorkspace(graphs=True)
+                            for _ in range(3):
+                                row["mismatch"] += mismatches(fused_verify(tree, logits, sampling, workspace=graphed, **kw), want)
+                            row["fused_graphed_ms"] = run(lambda: fused_verify(tree, logits, sampling, workspace=graphed, **kw), warmup, reps)
+                            row["graph_replays"] = graphed.replays
                         row["speedup"] = row["reference_ms"] / row["fused_ms"]
                     rows.append(row)
                     print(json.dumps(row), flush=True)

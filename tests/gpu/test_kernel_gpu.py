@@ -200,3 +200,30 @@ def test_a_workspace_is_refilled_on_the_gpu_and_changes_nothing(kernels):
         assert space.allocations == made, tree.tokens.shape
         pointers.add(got.accept_len.data_ptr())
     assert len(pointers) == 1  # one buffer, refilled every call
+
+
+def test_a_graphed_workspace_replays_calls_on_the_same_tensors(kernels):
+    """VerifyWorkspace(graphs=True): a call repeated on the same tensors (static buffers, their
+    contents changed in place) is captured at its second sighting and replayed after, and every
+    result, greedy and sampled, equals the reference's; other tensors run as usual."""
+    gen = torch.Generator().manual_seed(5)
+    space = kernels.VerifyWorkspace(graphs=True)
+    B, N, V = 1, 8, 32000
+    parents, depths, num_nodes = random_structure(gen, B, N, full=True)
+    tokens = torch.zeros(B, N, dtype=torch.long, device=DEVICE)
+    logits = torch.empty(B, N, V, device=DEVICE, dtype=torch.bfloat16)
+    tree = DraftTree(tokens, parents, depths, num_nodes)
+    for step in range(5):  # the buffers refilled in place, as a decoding loop on static buffers does
+        logits.copy_(torch.randn(B, N, V, device=DEVICE))
+        drafted = torch.where(torch.rand(B, N, device=DEVICE) < 0.8, logits.argmax(-1).gather(1, parents.clamp_min(0)), 7)
+        tokens.copy_(torch.where(parents >= 0, drafted, 0))
+        assert_same(kernels.fused_verify(tree, logits, workspace=space), verify_greedy(tree, logits))
+    assert space.captures == 1 and space.replays == 4
+    # Sampled: the replay against the same kernel launched as is, on the same uniforms (identical).
+    sampled, sample_logits = sample_tree(gen, 2, 12, 32000, 1.0, 0, 1.0)
+    uniforms = torch.empty(2, 13, device=DEVICE)
+    for step in range(3):
+        uniforms.uniform_()
+        got = kernels.fused_verify(sampled, sample_logits, SamplingParams("sample"), uniforms=uniforms, workspace=space)
+        assert_same(got, kernels.fused_verify(sampled, sample_logits, SamplingParams("sample"), uniforms=uniforms.clone()))
+    assert space.captures == 2 and space.replays == 5

@@ -475,3 +475,45 @@ def test_interpreter_switched_on_after_triton_was_imported():
     assert len(lines) == 2, out.stdout
     assert "TRITON_INTERPRET=unset" in lines[0] and "before anything imports triton" in lines[0]
     assert lines[1].startswith("the fused verification kernel cannot run on cpu: triton was imported"), lines[1]
+
+
+def test_a_graphed_workspace_captures_a_repeated_call_once_and_replays_it(monkeypatch, capsys):
+    """VerifyWorkspace.graphed's policy, with the CUDA capture stood in for (the capture itself is
+    tests/gpu's): a call seen once runs as is, seen twice is captured and replayed, then replayed;
+    a capture that fails is said once and that call runs as is from then on; callers that never
+    repeat a call keep a bounded number of entries."""
+    import draftsmith.runtime.kernels as kernels
+
+    class FakeGraph:
+        def __init__(self, launch):
+            self.launch = launch
+
+        def replay(self):
+            self.outputs[0].append("replayed")
+
+    class FakeCaptured:
+        def __init__(self, launch, device):
+            if launch() == "refuse":
+                raise RuntimeError("operation not permitted when stream is capturing")
+            self.graph = FakeGraph(launch)
+            self.outputs = self.graph.outputs = (["captured"],)
+
+    monkeypatch.setattr(kernels, "_Captured", FakeCaptured)
+    space = kernels.VerifyWorkspace(graphs=True)
+    launches = []
+
+    def launch():
+        launches.append(1)
+        return "eager"
+
+    assert space.graphed(("a",), launch, None) == "eager" and len(launches) == 1  # first sighting
+    out = space.graphed(("a",), launch, None)  # second: captured (its warm-up launch), then replayed
+    assert out == (["captured", "replayed"],) and len(launches) == 2 and space.captures == 1 and space.replays == 1
+    assert space.graphed(("a",), launch, None) is out and len(launches) == 2 and space.replays == 2
+    assert space.graphed(("b",), lambda: "refuse", None) == "refuse"
+    assert space.graphed(("b",), lambda: "refuse", None) == "refuse"  # capture failed: as is
+    assert space.graphed(("b",), lambda: "refuse", None) == "refuse" and space.captures == 1
+    assert capsys.readouterr().err.count("CUDA graph capture failed") == 1
+    for i in range(40):
+        space.graphed(("fresh", i), launch, None)
+    assert len(space._graphs) <= kernels._GRAPHS_KEPT

@@ -110,9 +110,39 @@ class VerifyWorkspace:
     its buffers until the next call with the same workspace; a decoding loop, which reads each
     verdict before it verifies again, keeps one per run. Needs torch only, not triton."""
 
-    def __init__(self) -> None:
+    def __init__(self, graphs: bool = False) -> None:
         self._buffers: dict[str, Tensor] = {}
         self.allocations = 0  # buffers made so far (tests: none once the shapes stop growing)
+        # graphs=True, on CUDA: a call that comes again on the same tensors (same addresses, shapes
+        # and strides, same settings: what a loop over static buffers does, as serving engines
+        # keep them) replays its kernels as one CUDA graph; its result then lives in the graph's
+        # own outputs until the same call comes again.
+        self.graphs = graphs
+        self._graphs: dict[tuple, object] = {}
+        self.captures = self.replays = 0
+
+    def graphed(self, key: tuple, launch, device: torch.device):
+        """``launch()`` (the kernels on this call's tensors, allocating their own outputs), run as
+        is the first time ``key`` is seen, captured as a CUDA graph the second time, replayed from
+        then on. A launch that cannot be captured runs as is (said once)."""
+        entry = self._graphs.get(key)
+        if entry is None:
+            if len(self._graphs) >= _GRAPHS_KEPT:  # callers that never repeat do not pile graphs up
+                self._graphs.pop(next(iter(self._graphs)))
+            self._graphs[key] = _SEEN
+            return launch()
+        if entry is _SEEN:
+            try:
+                entry = self._graphs[key] = _Captured(launch, device)
+                self.captures += 1
+            except RuntimeError as err:
+                print(f"note: fused verification: CUDA graph capture failed ({str(err).splitlines()[0][:200]}); launching it as is", file=sys.stderr)
+                entry = self._graphs[key] = _UNCAPTURABLE
+        if entry is _UNCAPTURABLE:
+            return launch()
+        entry.graph.replay()
+        self.replays += 1
+        return entry.outputs
 
     def take(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
         need = math.prod(shape)
@@ -121,6 +151,30 @@ class VerifyWorkspace:
             buf = self._buffers[name] = torch.empty(need, dtype=dtype, device=device)
             self.allocations += 1
         return buf[:need].view(shape)
+
+
+_GRAPHS_KEPT = 16
+_SEEN, _UNCAPTURABLE = object(), object()
+
+
+class _Captured:
+    """``launch()`` captured once (after a warm-up on a side stream) as a CUDA graph on the tensors
+    it closes over; ``outputs`` are the graph's, rewritten by each replay."""
+
+    def __init__(self, launch, device: torch.device) -> None:
+        side, current = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            launch()
+        current.wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = launch()
+
+
+def _signature(*tensors: Optional[Tensor]) -> tuple:
+    """Tensors as a graph sees them: where they are and how they are laid out."""
+    return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
 
 
 def _kernel_logits(target_logits: Tensor, temperature: float, top_k: int, top_p: float) -> tuple[Tensor, float]:
@@ -192,7 +246,21 @@ def fused_verify(
     path_len = tree.depth_bound + 1
     args = (tree.tokens, tree.parents, tree.num_nodes)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        if sampling.greedy:
+        graphed = workspace is not None and workspace.graphs and device.type == "cuda"
+        plain = sampling.greedy or ((top_k <= 0 or top_k >= target_logits.shape[-1]) and top_p >= 1.0 and temperature > 0)
+        if graphed and plain and (sampling.greedy or (uniforms is not None and uniforms.device == device)):
+            # The same call on the same tensors replays one CUDA graph: no launches, no Python
+            # per kernel. The kernels allocate their own outputs there (the graph keeps them).
+            draft = None if (sampling.greedy or tree.deterministic) else tree.draft_probs
+            if not sampling.greedy and draft is None and not tree.deterministic:
+                raise ValueError("sampled verification needs tree.draft_probs (the drafter's processed distributions)")
+            key = (sampling.greedy, float(temperature), path_len, *_signature(*args, target_logits, draft, None if sampling.greedy else uniforms))
+            if sampling.greedy:
+                launch = lambda: vk.greedy(*args, target_logits, path_len, token_pad=-1)  # noqa: E731
+            else:
+                launch = lambda: vk.sample(*args, target_logits, float(temperature), draft, uniforms, path_len, token_pad=-1)  # noqa: E731
+            outs = workspace.graphed(key, launch, device)
+        elif sampling.greedy:
             outs = vk.greedy(*args, target_logits, path_len, token_pad=-1, workspace=workspace)
         else:
             if tree.draft_probs is None and not tree.deterministic:
