@@ -301,13 +301,43 @@ class EagleSession(BufferedSession):
 
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
         M, start = hidden.shape[1], self.decided
-        feature = self.head.feature(hidden, layers)
-        positions = torch.arange(start, start + M, device=hidden.device)
-        visible = torch.ones(M, start + M, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
-        out = self._forward(feature, tokens, positions, visible)
+        if self.capacity and self.graphs and M <= 32:
+            # A step's few accepted positions: the feature, the masks and the forward in one graph per count.
+            root = self._extend_graphed(hidden, layers, tokens)
+        else:
+            feature = self.head.feature(hidden, layers)
+            positions = torch.arange(start, start + M, device=hidden.device)
+            visible = torch.ones(M, start + M, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
+            root = self._forward(feature, tokens, positions, visible)[:, -1:]
         self.forwards += 1
         self.decided = self.length = start + M
-        self.outputs, self.slots = {0: out[:, -1:]}, {}  # the root's output comes from the last decided position
+        self.outputs, self.slots = {0: root}, {}  # the root's output comes from the last decided position
+
+    def _extend_graphed(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> Tensor:
+        """``extend``'s forward on the preallocated caches as one function of device tensors (the
+        decided length a tensor), captured once per number of new positions; returns the root's
+        output [1,1,D]. The new entries follow the decided ones (the tree's were rolled back)."""
+        M, start = tokens.shape[1], self.decided
+        if start + M > self.capacity:
+            self._grow(max(2 * self.capacity, start + M + 64))  # drops the captured graphs
+        keys = sorted(layers)
+        inputs = (hidden, *(layers[k] for k in keys), tokens, self.columns[start : start + 1])
+
+        def extend(hidden: Tensor, *rest: Tensor) -> Tensor:
+            *states, tokens, start = rest
+            feature = self.head.feature(hidden, dict(zip(keys, states)))
+            positions = start + torch.arange(tokens.shape[1], device=tokens.device)
+            # Each new position sees the decided entries, the new ones before it and itself.
+            visible = self.columns.unsqueeze(0) <= positions.unsqueeze(1)
+            return self._slotted_forward(feature, tokens, positions, visible, positions)[:, -1:]
+
+        name = ("extend", M, tuple(keys))
+        if name not in self._compiled:
+            self._compiled[name] = capture_or_none(extend, inputs, f"the {self.head.cfg.kind} head's extend")
+            self.graphs = self._compiled[name] is not None
+        graph = self._compiled[name]
+        # A graph's output is overwritten by its next replay: the root's output is copied.
+        return graph(*inputs).clone() if graph is not None else extend(*inputs)
 
     def expand(self, frontier: Any) -> Tensor:
         todo = [n for n in frontier.nodes if n not in self.outputs]

@@ -80,6 +80,7 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
         assert drafter.session.graphs and compiled and all(g is not None for g in compiled.values())
         if kind.endswith("dynamic"):
             assert any(isinstance(name, tuple) and name[0] == "dynamic" for name in compiled)
+        assert any(isinstance(name, tuple) and name[0] == "extend" for name in compiled)  # a step's accepted positions
     if kind == "medusa-tree":
         assert isinstance(drafter.session.graph, TracedGraph)
     if kind == "dflash-chain":
