@@ -516,7 +516,8 @@ class DFlashSession(BufferedSession):
         self.kv: list[Optional[tuple[Tensor, Tensor]]] = [None for _ in head.layers]
         self.slot_logits: Optional[Tensor] = None  # [K,V] of the current step
         self.forwards = 0  # one block forward per step; the context's keys/values are projections, not a pass
-        self._graph = None
+        self._graph = None  # the block alone, after a prompt's context (its length varies)
+        self._steps: dict[tuple, Any] = {}  # a step's context entries and block, per number of new positions
 
     def _forget(self) -> None:
         self.slot_logits = None
@@ -535,6 +536,7 @@ class DFlashSession(BufferedSession):
         self.kv, self.capacity = grown, capacity
         self.columns = torch.arange(capacity, device=device)
         self._graph = None
+        self._steps = {}
 
     def _block_logits(self, block: Tensor, positions: Tensor, visible: Tensor) -> Tensor:
         out = self.head.run_blocks(block, positions, self.kv, visible, self.embed)
@@ -543,6 +545,11 @@ class DFlashSession(BufferedSession):
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
         head, M, start = self.head, hidden.shape[1], self.decided
         device = hidden.device
+        if self.capacity and self.graphs and M <= 32:
+            # A step's few accepted positions: their context entries and the block in one graph per count.
+            self.slot_logits = self._step_graphed(layers, tokens)
+            self.forwards += 1
+            return
         new = head.context_kv(head.context(layers), torch.arange(start, start + M, device=device))
         if self.capacity:
             if start + M > self.capacity:
@@ -566,6 +573,38 @@ class DFlashSession(BufferedSession):
             # A graph's logits are overwritten by its next replay; the tree reads them before that.
             self.slot_logits = self._graph(*inputs) if self.graphs else self._block_logits(*inputs)
         self.forwards += 1
+
+    def _step_graphed(self, layers: dict[int, Tensor], tokens: Tensor) -> Tensor:
+        """``extend`` on the preallocated context as one function of device tensors (the decided
+        length a tensor): the new positions' keys and values written at their slots, then the
+        block after them; captured once per number of new positions. Returns the slots' logits."""
+        head, M, start = self.head, tokens.shape[1], self.decided
+        if start + M > self.capacity:
+            self._grow(max(2 * self.capacity, start + M + 64))  # drops the captured graphs
+        keys = sorted(layers)
+        inputs = (*(layers[k] for k in keys), tokens, self.columns[start : start + 1])
+        S = head.cfg.block_size
+
+        def step(*rest: Tensor) -> Tensor:
+            *states, tokens, start = rest
+            slots = start + torch.arange(tokens.shape[1], device=tokens.device)
+            for (k, v), (nk, nv) in zip(self.kv, head.context_kv(head.context(dict(zip(keys, states))), slots)):
+                k.index_copy_(2, slots, nk)
+                v.index_copy_(2, slots, nv)
+            decided = start + tokens.shape[1]
+            root = tokens[:, -1:]
+            block = torch.cat([root, root.new_full((1, S - 1), head.mask_id)], dim=1).view(1, 1, S)
+            positions = (decided + torch.arange(S, device=tokens.device)).view(1, 1, S)
+            return self._block_logits(block, positions, (self.columns < decided).view(1, 1, -1))
+
+        self.decided = start + M
+        name = ("step", M, tuple(keys))
+        if name not in self._steps:
+            self._steps[name] = capture_or_none(step, inputs, "the dflash head's step")
+            self.graphs = self._steps[name] is not None
+        graph = self._steps[name]
+        # A graph's logits are overwritten by its next replay; the tree reads them before that.
+        return graph(*inputs) if graph is not None else step(*inputs)
 
     def expand(self, frontier: Any) -> Tensor:
         return self.slot_logits[[frontier.depths[n] for n in frontier.nodes]]

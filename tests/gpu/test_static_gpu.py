@@ -99,7 +99,8 @@ def test_graphed_decoding_equals_hf_greedy(target, kind):
     if kind == "medusa-tree":  # and Medusa's heads
         assert drafter.session.graphs and drafter.session.graph is not None
     if kind == "dflash-chain":  # and DFlash's block forward
-        assert drafter.session.capacity and drafter.session.graphs and drafter.session._graph is not None
+        assert drafter.session.capacity and drafter.session.graphs and drafter.session._steps
+        assert all(graph is not None for graph in drafter.session._steps.values())
 
 
 def test_a_graphed_eagle_head_drafts_what_the_eager_one_drafts(target):
