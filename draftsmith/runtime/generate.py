@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from draftsmith.runtime.drafters import Drafter, DrafterError, DraftState, compact_cache
 from draftsmith.runtime.static import CACHES, check_cache
 from draftsmith.runtime.tree import DraftTree, tree_attention_mask, tree_positions
-from draftsmith.runtime.verify import GREEDY, SamplingParams, VerifyResult, logits_to_probs, verify
+from draftsmith.runtime.verify import GREEDY, SamplingParams, VerifyResult, logits_to_probs, verdict_row, verify
 from draftsmith.target import DecoderStack, decoder_stack
 
 __all__ = [
@@ -105,8 +105,9 @@ class Verdict:
 def read_verdict(tree: DraftTree, result: VerifyResult, root: int) -> Verdict:
     """Everything the loop and its statistics need of a verified step, in one device read (the one
     sync a step needs: one copy of the step's small tensors, judged on the host). B = 1."""
-    depths = [] if tree.known_max_depth is not None else [tree.depths[0]]
-    row = torch.cat([result.accept_len[:1], result.bonus[:1], tree.tokens[0, :1], result.path[0], result.accepted_tokens[0], tree.parents[0], *depths])
+    row = result.verdict
+    if row is None:
+        row = verdict_row(tree.tokens, tree.parents, None if tree.known_max_depth is not None else tree.depths, result)
     a, bonus, first, *rest = row.tolist()
     P, D = result.path.shape[1], result.accepted_tokens.shape[1]
     path, accepted, parents = rest[:P][: a + 1], rest[P : P + D], rest[P + D : P + D + tree.size]

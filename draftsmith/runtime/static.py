@@ -29,7 +29,7 @@ from torch import Tensor
 from draftsmith.graphs import CapturedForward, can_capture, capture_or_none, graph_pool
 from draftsmith.runtime.errors import DrafterError
 from draftsmith.runtime.tree import DraftTree, ancestor_mask
-from draftsmith.runtime.verify import VerifyResult, verify_greedy_on_device
+from draftsmith.runtime.verify import VerifyResult, verdict_row, verify_greedy_on_device
 from draftsmith.target import TargetLoadError, decoder_stack
 
 __all__ = ["CACHES", "StaticCache", "StaticSession", "check_cache", "drafting_capacity", "static_session_supported", "tree_visibility", "wants_static"]
@@ -226,7 +226,8 @@ class StaticSession:
         forward's outputs and the VerifyResult's five tensors."""
         out, final, wanted = self._tree_eager(ids, depths, parents, base)
         result = greedy_in_graph(ids, parents, depths, num_nodes, out, depth_bound)
-        return out, final, wanted, (result.accept_len, result.best_node, result.path, result.accepted_tokens, result.bonus)
+        row = verdict_row(ids, parents, depths, result)  # the step's one read, made in the graph
+        return out, final, wanted, (result.accept_len, result.best_node, result.path, result.accepted_tokens, result.bonus, row)
 
     def _tree_forward(self, ids: Tensor, depths: Tensor, parents: Tensor, verify: Optional[tuple[Tensor, int]] = None):
         """N = ids.shape[1] tree nodes (depths and parents [1,N], parents topological, -1 for the
