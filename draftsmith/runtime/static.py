@@ -246,7 +246,7 @@ class StaticSession:
             def fn(ids, depths, parents, base, num_nodes):
                 return self._tree_verified(ids, depths, parents, base, num_nodes, bound)
 
-            key, what = ("tree-verify", n, bound), "the target's tree forward and verification"
+            key, what = ("tree-verify", n), "the target's tree forward and verification"
         graph = None
         if self.graphs:
             if key not in self._compiled:
@@ -347,9 +347,12 @@ class StaticSession:
     def forward_tree_verified(self, tree: DraftTree) -> tuple[Tensor, Tensor, dict[int, Tensor], VerifyResult]:
         """``forward_tree`` and greedy verification of the tree in one graph: (logits, final
         hidden, layers, VerifyResult). The result equals ``verify_greedy``'s (the fused kernel's
-        on CUDA) and lives in the graph's buffers until the next forward."""
+        on CUDA), its path and accepted tokens padded to N - 1 steps, and lives in the graph's
+        buffers until the next forward."""
         base = self.length
-        out = self._tree_forward(tree.tokens, tree.depths, tree.parents, verify=(tree.num_nodes, tree.depth_bound))
+        # Paths sized for the deepest tree of N nodes (N - 1), not this tree's bound: one graph per
+        # tree size, whatever depth each step's tree reaches (a lookup's trees vary).
+        out = self._tree_forward(tree.tokens, tree.depths, tree.parents, verify=(tree.num_nodes, tree.size - 1))
         self._tree_base = base
         return out
 

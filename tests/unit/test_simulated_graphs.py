@@ -16,13 +16,14 @@ from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead
 from draftsmith.runtime.drafters import HeadDrafter, StandaloneDrafter
 from draftsmith.runtime.generate import autoregressive_generate, speculative_generate
+from draftsmith.runtime.lookup import HybridDrafter, LookupDrafter, SuffixMatcher
 from draftsmith.runtime.tree import DynamicTreeSpec, TreeSpec, default_tree
 from draftsmith.target import FrozenTarget
 from draftsmith.testing import TracedGraph, simulated_cuda_graphs, tiny_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-KINDS = ["plain", "eagle-dynamic", "eagle3-dynamic", "eagle3-static", "medusa-tree", "dflash-chain", "noisy-tree", "self-chain"]
+KINDS = ["plain", "eagle-dynamic", "eagle3-dynamic", "eagle3-static", "medusa-tree", "dflash-chain", "noisy-tree", "self-chain", "suffix", "hybrid"]
 
 
 def _perturbed(module, scale, seed):
@@ -51,6 +52,10 @@ def _drafter(kind, target, cache="static"):
         return HeadDrafter(_perturbed(head, 0.05, 5).eval(), target, TreeSpec.chain(4), cache=cache)
     if kind == "noisy-tree":
         return StandaloneDrafter(_perturbed(copy.deepcopy(target.model), 0.15, 1), default_tree(4, (3, 2, 2, 1)), cache=cache)
+    if kind == "suffix":  # trees of every size and depth, step to step
+        return LookupDrafter(SuffixMatcher())
+    if kind == "hybrid":
+        return HybridDrafter(_drafter("eagle3-dynamic", target, cache), SuffixMatcher())
     assert kind == "self-chain"
     return StandaloneDrafter(target.model, TreeSpec.chain(4), cache=cache)
 
@@ -75,6 +80,8 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
     # One graph per tree size: a plain step's one-node forward, or a tree's forward with its greedy
     # verification inside.
     assert {key[0] for key in session._compiled} == {"tree" if drafter is None else "tree-verify"}
+    if kind == "suffix":  # trees of several sizes: one graph each, whatever depth a tree reached
+        assert len(session._compiled) > 1
     if kind.startswith("eagle"):  # the head's whole tree (dynamic) or its levels (static) replayed
         compiled = drafter.session._compiled
         assert drafter.session.graphs and compiled and all(g is not None for g in compiled.values())
