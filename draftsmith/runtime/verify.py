@@ -162,7 +162,7 @@ class VerifyResult:
 
     D is ``tree.depth_bound``: the deepest node, or for a tree grown on the device its spec's depth.
     verdict [3+(D+1)+D+2N] long or None: what a decoding step reads of tree 0, in one row
-    (``verdict_row``), where the verification made it alongside (inside a CUDA graph).
+    (``runtime.generate.verdict_row``), where the verification made it alongside (inside a CUDA graph).
     """
 
     accept_len: Tensor
@@ -172,12 +172,6 @@ class VerifyResult:
     bonus: Tensor
     verdict: Optional[Tensor] = None
 
-
-def verdict_row(tokens: Tensor, parents: Tensor, depths: Optional[Tensor], result: VerifyResult) -> Tensor:
-    """Tree 0's step in one row, to be read to the host at once: accept_len, bonus, the root's
-    token, the path [D+1], the accepted tokens [D], the parents [N], then (unless None) the depths [N]."""
-    parts = [result.accept_len[:1], result.bonus[:1], tokens[0, :1], result.path[0], result.accepted_tokens[0], parents[0]]
-    return torch.cat(parts if depths is None else [*parts, depths[0]])
 
 
 def _result(tree: DraftTree, best: Tensor, bonus: Tensor, anc: Optional[Tensor] = None) -> VerifyResult:
