@@ -45,7 +45,7 @@ def graphed_callables():
     from draftsmith.heads.medusa import MedusaSession
     from draftsmith.runtime.static import StaticSession
 
-    return [(StaticSession, "_eager"), (StaticSession, "_tree_eager"), (StaticSession, "_tree_verified"), (EagleSession, "_slotted_forward"), (EagleSession, "_dynamic_tree"),
+    return [(StaticSession, "_eager"), (StaticSession, "_tree_eager"), (StaticSession, "_tree_verified"), (EagleSession, "_slotted_forward"), (EagleSession, "_tree_function"),
             (DFlashSession, "_block_logits"), (MedusaSession, "_logits")]  # fmt: skip
 
 

@@ -252,6 +252,12 @@ class HeadSession:
         the caller grows it level by level through ``expand_level``."""
         return None
 
+    def static_tree(self, spec: Any, root: int, build: Callable[..., Any]) -> Optional[tuple[Tensor, ...]]:
+        """A greedy static tree of a step grown by the session itself, as ``dynamic_tree``
+        (``build``: ``runtime.drafters.grow_static_tree_on_device``); None (the default) where the
+        session does not."""
+        return None
+
     def expand_level(self, frontier: Any) -> Tensor:
         """``expand`` for a frontier held on the device (``runtime.tree.LevelFrontier``: one tree
         level, its nodes' parents in the level before), where ``levels_on_device``."""

@@ -408,8 +408,38 @@ class EagleSession(BufferedSession):
         CUDA graph, every level's forward, top-k and the tree's assembly in a single launch;
         elsewhere, or where capture fails, it runs eagerly. Returns the tree's (tokens, parents,
         depths, num_nodes): the tree grown level by level (tests/unit/test_static_session.py)."""
+
+        def grow(expand: Callable[[Any], Tensor], root_token: Tensor, device) -> tuple[Tensor, ...]:
+            tree, _ = build(expand, root_token, spec.depth, spec.topk, spec.budget, device, deterministic)
+            return tree.tokens, tree.parents, tree.depths, tree.num_nodes
+
+        # The levels' forwards write topk entries each after the decided ones.
+        name = ("dynamic", spec.depth, spec.topk, spec.budget, key)
+        return self._whole_tree(name, (spec.depth - 1) * spec.topk, spec.depth - 1, root, logp, grow, "EAGLE-2 tree")
+
+    def static_tree(self, spec: Any, root: int, build: Callable[..., Any]) -> Optional[tuple[Tensor, ...]]:
+        """A greedy static tree (``build``: ``runtime.drafters.grow_static_tree_on_device``) grown
+        as ``dynamic_tree`` grows an EAGLE-2 one: one function of device tensors, one CUDA graph a
+        step on CUDA. None where a rank of the spec is not below the vocabulary (the caller then
+        grows the tree on the host, which leaves such nodes out)."""
+        if max(spec.ranks) >= self.head.dims.vocab_size:
+            return None
+
+        def grow(expand: Callable[[Any], Tensor], root_token: Tensor, device) -> tuple[Tensor, ...]:
+            tree = build(spec, root_token, expand, device)
+            return tree.tokens, tree.parents, tree.depths, tree.num_nodes
+
+        # Levels 2.. forward the nodes below the root that get children, one entry each.
+        entries = sum(1 for n in range(1, spec.num_nodes) if spec.children(n))
+        return self._whole_tree(("static", spec), entries, spec.max_depth - 1, root, lambda logits: logits, grow, "static tree")
+
+    def _whole_tree(
+        self, name: tuple, entries: int, forwards: int, root: int, rank: Callable[[Tensor], Tensor], grow: Callable[..., tuple[Tensor, ...]], what: str
+    ) -> tuple[Tensor, ...]:
+        """A tree grown through ``_tree_function`` (``grow(expand, root_token, device)`` over levels
+        ranked by ``rank``), captured once per ``name`` where the session has graphs. ``entries``:
+        what the levels' forwards write after the decided ones; ``forwards``: how many they are."""
         device = self.outputs[0].device
-        entries = (spec.depth - 1) * spec.topk  # what the levels' forwards write after the decided entries
         if self.decided + entries > self.capacity:
             self._grow(max(2 * self.capacity, self.decided + entries + 64))  # drops the captured graphs
         inputs = (
@@ -418,25 +448,24 @@ class EagleSession(BufferedSession):
             torch.full((), self.decided, dtype=torch.long, device=device),
         )
 
-        def grow(root_out: Tensor, root_token: Tensor, decided: Tensor) -> tuple[Tensor, ...]:
-            return self._dynamic_tree(spec, logp, deterministic, build, root_out, root_token, decided)
+        def tree_function(root_out: Tensor, root_token: Tensor, decided: Tensor) -> tuple[Tensor, ...]:
+            return self._tree_function(rank, grow, root_out, root_token, decided)
 
         graph = None
         if self.graphs:
-            name = ("dynamic", spec.depth, spec.topk, spec.budget, key)
             if name not in self._compiled:
-                self._compiled[name] = capture_or_none(grow, inputs, f"the {self.head.cfg.kind} head's EAGLE-2 tree")
+                self._compiled[name] = capture_or_none(tree_function, inputs, f"the {self.head.cfg.kind} head's {what}")
             graph = self._compiled[name]
         # A graph's outputs are overwritten by its next replay: the tree gets its own copies.
-        tree = tuple(x.clone() for x in graph(*inputs)) if graph is not None else grow(*inputs)
-        self.forwards += spec.depth - 1
+        tree = tuple(x.clone() for x in graph(*inputs)) if graph is not None else tree_function(*inputs)
+        self.forwards += forwards
         self.length = self.decided + entries
         return tree
 
-    def _dynamic_tree(
-        self, spec: Any, logp: Callable[[Tensor], Tensor], deterministic: bool, build: Callable[..., Any], root_out: Tensor, root_token: Tensor, decided: Tensor
+    def _tree_function(
+        self, rank: Callable[[Tensor], Tensor], grow: Callable[..., tuple[Tensor, ...]], root_out: Tensor, root_token: Tensor, decided: Tensor
     ) -> tuple[Tensor, ...]:
-        """``dynamic_tree``'s function: ``expand_level`` with the decided length a tensor, so the
+        """``_whole_tree``'s function: ``expand_level`` with the decided length a tensor, so the
         visibility is over the whole buffer ([F, capacity]: the decided columns, then the tree's
         columns so far) and the slots and rotary positions are computed on the device."""
         device = root_out.device
@@ -455,10 +484,9 @@ class EagleSession(BufferedSession):
                 return self._slotted_forward(feature, tokens, positions, visible, slots)
 
             level_state["level"], logits = self._tree_level(frontier, root_out, level_state["level"], forward)
-            return logp(logits)
+            return rank(logits)
 
-        tree, _ = build(expand, root_token, spec.depth, spec.topk, spec.budget, device, deterministic)
-        return tree.tokens, tree.parents, tree.depths, tree.num_nodes
+        return grow(expand, root_token, device)
 
     def rollback(self) -> None:
         if not self.capacity:

@@ -221,7 +221,7 @@ def static_tree_on_device(spec: TreeSpec, root: int, levels: Tensor) -> Optional
     return DraftTree(tokens, *_shape_on(spec, device), known_max_depth=depth)
 
 
-def grow_static_tree_on_device(spec: TreeSpec, root: int, level_logits: Callable[[LevelFrontier], Tensor], device) -> Optional[DraftTree]:
+def grow_static_tree_on_device(spec: TreeSpec, root: Union[int, Tensor], level_logits: Callable[[LevelFrontier], Tensor], device) -> Optional[DraftTree]:
     """Greedy drafting of the static tree ``spec`` by a drafter whose nodes condition on their
     path and that expands a level held on the device (``HeadSession.expand_level``): the tree
     ``grow_static_tree`` makes, node for node (spec order), with no host read; each level's
@@ -238,7 +238,10 @@ def grow_static_tree_on_device(spec: TreeSpec, root: int, level_logits: Callable
                 frontier, [spec.parents[n] for n in frontier], [k for _, k in kids], [row for row, _ in kids], [spec.ranks[k] for _, k in kids],
             )) + (max(spec.ranks[k] for _, k in kids) + 1,))  # fmt: skip
         _STATIC_LEVELS[key] = levels
-    tokens = torch.full((spec.num_nodes,), int(root), dtype=torch.long, device=device)
+    if isinstance(root, Tensor):  # a device tensor (the whole tree as one graph): no host read
+        tokens = root.to(torch.long).reshape(1).expand(spec.num_nodes).clone()
+    else:
+        tokens = torch.full((spec.num_nodes,), int(root), dtype=torch.long, device=device)
     for level, (nodes, node_parents, kids, rows, ranks, widest) in enumerate(_STATIC_LEVELS[key], start=1):
         logits = level_logits(LevelFrontier(level, nodes, node_parents, tokens[nodes]))
         if level == 1 and max(spec.ranks) >= logits.shape[-1]:
@@ -417,7 +420,13 @@ class HeadDrafter:
                 else:
                     tree = grow_dynamic_tree_on_device(self.tree, state, self.session.expand_level, device)
             elif isinstance(self.tree, TreeSpec) and not state.sampling.sampled:
-                tree = grow_static_tree_on_device(self.tree, state.root, self.session.expand_level, device)
+                # The session grows the whole tree itself where it can (EAGLE: one CUDA graph a step).
+                parts = self.session.static_tree(self.tree, state.root, grow_static_tree_on_device)
+                if parts is not None:
+                    tokens, parents, depths, num_nodes = parts
+                    tree = DraftTree(tokens=tokens, parents=parents, depths=depths, num_nodes=num_nodes, known_max_depth=self.tree.max_depth)
+                else:
+                    tree = grow_static_tree_on_device(self.tree, state.root, self.session.expand_level, device)
         if tree is None:
             tree, _ = grow_tree(self.tree, state, self.session.expand, device)
         return tree

@@ -282,11 +282,11 @@ def test_bench_eager_ops_counts_what_cuda_would_launch_eagerly(tmp_path):
     from draftsmith.testing import TracedGraph
 
     bench = load_script("scripts/bench_eager_ops.py")
-    before, replay = EagleSession._dynamic_tree, TracedGraph.replay
+    before, replay = EagleSession._tree_function, TracedGraph.replay
     for graphs in ("simulated", "left-out"):
         out = tmp_path / f"ops-{graphs}.md"
         assert bench.main(["--drafters", "eagle3", "dflash", "--new-tokens", "16", "--top", "40", "--graphs", graphs, "--out", str(out)]) == 0
-        assert EagleSession._dynamic_tree is before and TracedGraph.replay is replay
+        assert EagleSession._tree_function is before and TracedGraph.replay is replay
         rows = {r["drafter"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
         assert all(r["steps"] > 0 and len(r["top"]) > 3 for r in rows.values())
         assert 0 < rows["eagle3"]["eager_ops_per_step"] < rows["dflash"]["eager_ops_per_step"]
