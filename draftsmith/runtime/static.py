@@ -7,9 +7,11 @@ move: every decoder layer's keys and values live in one buffer [L,1,H,capacity,D
 its N entries at given slots, and every query attends over the whole buffer through an additive
 mask that hides the slots not (yet) part of its context. Shapes then depend only on N, so on CUDA
 each N's forward (embedding, decoder layers, final norm, LM head) is captured once as a CUDA graph
-and replayed: one launch instead of hundreds. The inputs of a replay (ids, positions, slots, mask)
-are copied into the graph's own buffers; its outputs are the graph's buffers too, valid until the
-next forward.
+and replayed: one launch instead of hundreds. A tree's forward takes its tokens, depths, parents
+and the cached length as device tensors and makes its positions, slots and mask inside the graph;
+with ``forward_tree_verified`` the greedy verification runs in the same graph. The inputs of a
+replay are copied into the graph's own buffers; its outputs are the graph's buffers too, valid until
+the next forward.
 
 On the CPU the same code runs eagerly (no graphs): it is the reference path's twin, token-identical
 to ``TargetSession`` (tests/unit/test_static_session.py), which is what makes the CUDA path testable
@@ -223,7 +225,7 @@ class StaticSession:
     def _tree_verified(self, ids: Tensor, depths: Tensor, parents: Tensor, base: Tensor, num_nodes: Tensor, depth_bound: int):
         """``_tree_eager``, then the tree's greedy verification on its logits, in the same function
         (one graph on CUDA: the fused kernel's launches replay with the forward). Returns the
-        forward's outputs and the VerifyResult's five tensors."""
+        forward's outputs and the VerifyResult's tensors, its verdict row last."""
         from draftsmith.runtime.generate import verdict_row  # (generate imports this module)
 
         out, final, wanted = self._tree_eager(ids, depths, parents, base)
