@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from draftsmith.runtime.drafters import Drafter, DrafterError, DraftState, compact_cache
 from draftsmith.runtime.static import CACHES, check_cache
 from draftsmith.runtime.tree import DraftTree, tree_attention_mask, tree_positions
+from draftsmith.runtime.verdict import verdict_row
 from draftsmith.runtime.verify import GREEDY, SamplingParams, VerifyResult, logits_to_probs, verify
 from draftsmith.target import DecoderStack, decoder_stack
 
@@ -100,13 +101,6 @@ class Verdict:
     draft_depth: int
     rooted: bool
     path: list[int]
-
-
-def verdict_row(tokens: Tensor, parents: Tensor, depths: Optional[Tensor], result: VerifyResult) -> Tensor:
-    """Tree 0's step in one row, to be read to the host at once: accept_len, bonus, the root's
-    token, the path [D+1], the accepted tokens [D], the parents [N], then (unless None) the depths [N]."""
-    parts = [result.accept_len[:1], result.bonus[:1], tokens[0, :1], result.path[0], result.accepted_tokens[0], parents[0]]
-    return torch.cat(parts if depths is None else [*parts, depths[0]])
 
 
 def read_verdict(tree: DraftTree, result: VerifyResult, root: int) -> Verdict:

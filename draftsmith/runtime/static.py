@@ -31,6 +31,7 @@ from torch import Tensor
 from draftsmith.graphs import CapturedForward, can_capture, capture_or_none, graph_pool
 from draftsmith.runtime.errors import DrafterError
 from draftsmith.runtime.tree import DraftTree, ancestor_mask
+from draftsmith.runtime.verdict import verdict_row
 from draftsmith.runtime.verify import VerifyResult, verify_greedy_on_device
 from draftsmith.target import TargetLoadError, decoder_stack
 
@@ -226,8 +227,6 @@ class StaticSession:
         """``_tree_eager``, then the tree's greedy verification on its logits, in the same function
         (one graph on CUDA: the fused kernel's launches replay with the forward). Returns the
         forward's outputs and the VerifyResult's tensors, its verdict row last."""
-        from draftsmith.runtime.generate import verdict_row  # (generate imports this module)
-
         out, final, wanted = self._tree_eager(ids, depths, parents, base)
         result = greedy_in_graph(ids, parents, depths, num_nodes, out, depth_bound)
         row = verdict_row(ids, parents, depths, result)  # the step's one read, made in the graph

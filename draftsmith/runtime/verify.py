@@ -162,7 +162,7 @@ class VerifyResult:
 
     D is ``tree.depth_bound``: the deepest node, or for a tree grown on the device its spec's depth.
     verdict [3+(D+1)+D+2N] long or None: what a decoding step reads of tree 0, in one row
-    (``runtime.generate.verdict_row``), where the verification made it alongside (inside a CUDA graph).
+    (``runtime.verdict.verdict_row``), where the verification made it alongside (inside a CUDA graph).
     """
 
     accept_len: Tensor
