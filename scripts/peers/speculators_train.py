@@ -11,8 +11,8 @@ Runs INSIDE the speculators venv (see docs/ENVIRONMENT: `pip install torch==2.13
 argument after the script name goes unchanged to `speculators train`
 (`speculators.train.cli.main(TrainConfig.resolve(argv))`); `--help` lists them all.
 
-speculators assumes an accelerator in three places of `speculators/train/trainer.py`. This
-wrapper patches them in memory (the installed package is not edited), and only when
+speculators assumes an accelerator in three places of `speculators/train/trainer.py` and, when it
+resumes, a fourth in `checkpointer.py`. This wrapper patches them in memory (the installed package is not edited), and only when
 `torch.accelerator.is_available()` is False, so on a GPU machine it changes nothing:
 
 1. `Trainer.__init__` takes `self.local_rank = get_local_rank()` (an int, 0) and later calls
@@ -28,6 +28,10 @@ wrapper patches them in memory (the installed package is not edited), and only w
    `--norm-before-fc` the fp32 RMSNorm weight silently promotes the bf16 hidden states and
    everything runs in fp32; with `--no-norm-before-fc`, `fc` fails ("expected m1 and m2 to
    have the same dtype"). The device type is set to "cpu" after `__init__`.
+4. Resuming from an epoch checkpoint, `SingleGPUCheckpointer` loads it onto
+   `get_current_device()`, which answers "cuda:0" without an accelerator; safetensors then asks
+   for pinned memory and fails ("pin_memory=True requires a CUDA or other accelerator backend").
+   The checkpointer module's `get_current_device` returns "cpu".
 
 The flags in the command above are needed too: `--loss-implementation eager` (the fused losses
 import Triton), `--draft-attn-impl sdpa` (flex attention has no CPU backward),
@@ -68,6 +72,12 @@ def apply_cpu_patches() -> None:
         self.device_type = "cpu"
 
     trainer_module.Trainer.__init__ = init_on_cpu
+
+    # Resuming: its checkpointer loads the last epoch onto get_current_device(), which answers
+    # "cuda:0" where there is no accelerator (safetensors then asks for pinned memory and fails).
+    import speculators.train.checkpointer as checkpointer_module
+
+    checkpointer_module.get_current_device = lambda: "cpu"
 
 
 def main(argv: list[str]) -> None:
