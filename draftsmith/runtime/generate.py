@@ -11,15 +11,17 @@ flip near-ties), and sampled output follows the target's processed distribution.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import DynamicCache
 
+from draftsmith.packed import packed_linears
 from draftsmith.runtime.drafters import Drafter, DrafterError, DraftState, compact_cache
 from draftsmith.runtime.static import CACHES, check_cache
 from draftsmith.runtime.tree import DraftTree, tree_attention_mask, tree_positions
@@ -297,7 +299,41 @@ def _check_prompt(input_ids: Tensor, max_new_tokens: int) -> None:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
 
 
+def _drafting_modules(drafter, depth: int = 2) -> list[nn.Module]:
+    """The modules a drafter drafts with: a head, a draft model, a hybrid's head's head."""
+    found = []
+    for name in ("head", "model"):
+        part = getattr(drafter, name, None)
+        if isinstance(part, nn.Module):
+            found.append(part)
+        elif part is not None and depth:
+            found += _drafting_modules(part, depth - 1)
+    return found
+
+
+def _on_packed_weights(with_drafter: bool) -> Callable[[Callable], Callable]:
+    """Runs ``generate(target, drafter?, ...)`` with the target's linear layers (and the drafter's)
+    on packed weights where they decode in fp32 on a CPU (``draftsmith.packed``): the speculative
+    loop and the plain baseline alike, so their speeds compare on the same matrix products."""
+
+    def wrap(generate: Callable) -> Callable:
+        @functools.wraps(generate)
+        def run(target, *args, **kwargs):
+            modules = [target.model]
+            if with_drafter:
+                modules += _drafting_modules(kwargs["drafter"] if "drafter" in kwargs else args[0])
+            with contextlib.ExitStack() as stack:
+                for module in modules:
+                    stack.enter_context(packed_linears(module))
+                return generate(target, *args, **kwargs)
+
+        return run
+
+    return wrap
+
+
 @torch.no_grad()
+@_on_packed_weights(with_drafter=True)
 def speculative_generate(
     target,
     drafter: Drafter,
@@ -405,6 +441,7 @@ def speculative_generate(
 
 
 @torch.no_grad()
+@_on_packed_weights(with_drafter=False)
 def autoregressive_generate(
     target,
     input_ids: Tensor,

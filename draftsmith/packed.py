@@ -1,0 +1,116 @@
+"""Linear layers on prepacked MKL weights while a frozen model decodes in fp32 on a CPU.
+
+A speculative step's verify forward multiplies a few rows (the tree's nodes) by every weight of
+the target. On a CPU ``F.linear`` with more than one row packs the weight into MKL's blocked layout
+on every call, so a forward over 11 rows cost 2.1x a one-row forward here (scripts/bench_tree_forward.py,
+docs/lookup.md). Packed once, the same products run from MKL's packed format (``cblas_sgemm_compute``,
+the path torch's inductor takes for frozen CPU weights): on the 2-core Xeon of docs/lookup.md an
+11-node SmolLM2-135M forward went from 106 to 73 ms and a one-token step from 51 to 46.
+
+``packed_linears(model)`` is a context: inside it every fp32 ``nn.Linear`` of ``model`` on the CPU
+runs from its packed copy, outside it the module is untouched (so transformers' own ``generate``,
+the reference the tests compare with, runs as it always did). The packs are made on first entry and
+kept with the model; a weight that changed since (its version counter or its storage) is packed
+again. Results differ from ``F.linear`` by rounding only; with gradients on, the layers run as usual. The packs hold a second copy of the linear weights: a model whose linear
+weights exceed a quarter of the memory available runs unpacked, and ``DRAFTSMITH_PACKED_LINEARS=0``
+in the environment turns packing off (to compare, or to save the memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["packed_linears", "packing_available"]
+
+# The row count MKL is told to pack for; it only tunes the layout (any row count multiplies
+# correctly). 16 measured faster than 1 at both one row and eleven (docs/lookup.md).
+PACK_ROWS = 16
+
+_packs: "weakref.WeakKeyDictionary[nn.Module, dict[nn.Linear, _Packed]]" = weakref.WeakKeyDictionary()
+_depth: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()  # nested entries
+
+
+def packing_available() -> bool:
+    """Whether this torch build has MKL's packed matrix products (x86 builds do)."""
+    try:
+        return torch.backends.mkl.is_available() and bool(torch.ops.mkl._mkl_linear) and bool(torch.ops.mkl._mkl_reorder_linear_weight)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class _Packed:
+    """One linear layer's packed weight, and the forward that uses it."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        self.layer = layer
+        self.pack()
+
+    def pack(self) -> None:
+        weight = self.layer.weight.detach()
+        self.stamp = (weight._version, weight.data_ptr())
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS)
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight, bias = self.layer.weight, self.layer.bias
+        if x.dtype != torch.float32 or x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+            return nn.functional.linear(x, weight, bias)
+        rows = x.numel() // x.shape[-1]
+        if rows == 0:
+            return nn.functional.linear(x, weight, bias)
+        if (weight._version, weight.data_ptr()) != self.stamp:
+            self.pack()
+        # The last argument is the row count the pack is used for: given the call's own, MKL's
+        # packed product always runs (torch otherwise falls back to F.linear on a mismatch).
+        out = torch.ops.mkl._mkl_linear(x.reshape(rows, x.shape[-1]), self.packed, weight.detach(), None if bias is None else bias.detach(), rows)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _eligible(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+
+
+def _memory_available() -> Optional[int]:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _packs_for(model: nn.Module) -> dict[nn.Linear, _Packed]:
+    packs = _packs.get(model)
+    if packs is None:
+        layers = _eligible(model)
+        size = sum(layer.weight.numel() * 4 for layer in layers)
+        free = _memory_available()
+        packs = {} if free is not None and size > free // 4 else {layer: _Packed(layer) for layer in layers}
+        _packs[model] = packs
+    return packs
+
+
+@contextlib.contextmanager
+def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Inside, ``model``'s fp32 CPU linear layers run from packed weights (see the module). Yields
+    how many layers do (0 where packing is unavailable, disabled, or the model is elsewhere)."""
+    enabled = enabled and os.environ.get("DRAFTSMITH_PACKED_LINEARS", "1") != "0"
+    packs = _packs_for(model) if enabled and packing_available() else {}
+    if not packs:
+        yield 0
+        return
+    depth = _depth.get(model, 0)
+    if depth == 0:
+        for layer, packed in packs.items():
+            layer.forward = packed.forward
+    _depth[model] = depth + 1
+    try:
+        yield len(packs)
+    finally:
+        _depth[model] = depth
+        if depth == 0:
+            for layer in packs:
+                del layer.forward  # the class's forward again
