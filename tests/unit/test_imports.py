@@ -1,7 +1,7 @@
 """Imports flow one way (../shared/DESIGN.md, section 2), with no cycle at all.
 
 atomic (all-or-nothing writes), runs (a run folder read back), graphs (a forward replayed as a
-CUDA graph) and sampling (temperature, top-k, top-p) are the floor everyone may stand on; target and heads build on them; recipe checks head configs against HEADS; distill is pure
+CUDA graph), packed (linear layers on packed CPU weights) and sampling (temperature, top-k, top-p) are the floor everyone may stand on; target and heads build on them; recipe checks head configs against HEADS; distill is pure
 tensors; data uses recipe and target; layouts (the engines' folder layouts) build on heads and
 artifacts reads through them; trainers use all of those; runtime drafts with heads; export and eval
 use the runtime and read checkpoints through runs, never a trainer; cli uses everything.
@@ -16,10 +16,11 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "draftsmith"
 
 # What each part may import from draftsmith (any import, lazy ones included).
-FLOOR = {"atomic", "runs", "graphs", "sampling"}
+FLOOR = {"atomic", "runs", "graphs", "packed", "sampling"}
 ALLOWED = {
     "atomic": set(),
     "graphs": set(),
+    "packed": set(),
     "sampling": set(),
     "runs": {"atomic"},
     "target": FLOOR,
