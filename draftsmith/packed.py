@@ -1,25 +1,27 @@
 """Linear layers on prepacked MKL weights while a frozen model decodes in fp32 on a CPU.
 
 A speculative step's verify forward multiplies a few rows (the tree's nodes) by every weight of
-the target. On a CPU ``F.linear`` with more than one row packs the weight into MKL's blocked layout
-on every call, so a forward over 11 rows cost 2.1x a one-row forward here (scripts/bench_tree_forward.py,
-docs/lookup.md). Packed once, the same products run from MKL's packed format (``cblas_sgemm_compute``,
-the path torch's inductor takes for frozen CPU weights): on the 2-core Xeon of docs/lookup.md an
-11-node SmolLM2-135M forward went from 106 to 73 ms and a one-token step from 51 to 46.
+the target. On a CPU in fp32 ``F.linear`` does that poorly at a few rows: on the 2-core Xeon of
+docs/lookup.md, SmolLM2-135M's LM head (49,152 x 576) took 4.0 ms for one row and 18.1 ms for 11.
+From a weight packed once into MKL's own layout (``cblas_sgemm_compute``, the path torch's inductor
+takes for frozen CPU weights) the same products took 2.8 and 6.0 ms, and a whole 11-node forward of
+that model went from 106 to 73 ms, a one-token step from 51 to 46 (that machine, a busy day).
 
 ``packed_linears(model)`` is a context: inside it every fp32 ``nn.Linear`` of ``model`` on the CPU
 runs from its packed copy, outside it the module is untouched (so transformers' own ``generate``,
 the reference the tests compare with, runs as it always did). The packs are made on first entry and
 kept with the model; a weight that changed since (its version counter or its storage) is packed
-again. Results differ from ``F.linear`` by rounding only; with gradients on, the layers run as usual. The packs hold a second copy of the linear weights: a model whose linear
-weights exceed a quarter of the memory available runs unpacked, and ``DRAFTSMITH_PACKED_LINEARS=0``
-in the environment turns packing off (to compare, or to save the memory).
+again. Results differ from ``F.linear`` by rounding only; with gradients on, the layers run as
+usual. The packs hold a second copy of the linear weights: a model whose linear weights exceed a
+quarter of the memory available runs unpacked (said once), and ``DRAFTSMITH_PACKED_LINEARS=0`` in
+the environment turns packing off (to compare, or to save the memory).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import weakref
 from typing import Iterator, Optional
 
@@ -34,6 +36,7 @@ PACK_ROWS = 16
 
 _packs: "weakref.WeakKeyDictionary[nn.Module, dict[nn.Linear, _Packed]]" = weakref.WeakKeyDictionary()
 _depth: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()  # nested entries
+_noted: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models whose note on memory was printed
 
 
 def packing_available() -> bool:
@@ -76,20 +79,30 @@ def _eligible(model: nn.Module) -> list[nn.Linear]:
 
 
 def _memory_available() -> Optional[int]:
+    """Bytes the kernel could hand out now (MemAvailable: free pages and reclaimable cache)."""
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _packs_for(model: nn.Module) -> dict[nn.Linear, _Packed]:
     packs = _packs.get(model)
     if packs is None:
         layers = _eligible(model)
-        size = sum(layer.weight.numel() * 4 for layer in layers)
+        size = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
         free = _memory_available()
-        packs = {} if free is not None and size > free // 4 else {layer: _Packed(layer) for layer in layers}
-        _packs[model] = packs
+        if free is not None and size > free // 4:
+            # Not kept: a later entry, with more memory free, packs. Said once a model.
+            if model not in _noted:
+                _noted.add(model)
+                print(f"note: the model's linear weights ({size / 2**30:.1f} GiB) run unpacked: their packed copy would take over a quarter of the {free / 2**30:.1f} GiB available", file=sys.stderr)  # fmt: skip
+            return {}
+        packs = _packs[model] = {layer: _Packed(layer) for layer in layers}
     return packs
 
 

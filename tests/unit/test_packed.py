@@ -93,3 +93,16 @@ def test_the_environment_turns_packing_off(monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_PACKED_LINEARS", "0")
     with packed_linears(model()) as count:
         assert count == 0
+
+
+def test_too_little_memory_leaves_the_model_unpacked_and_says_so(monkeypatch, capsys):
+    import draftsmith.packed as packed
+
+    net = model()
+    monkeypatch.setattr(packed, "_memory_available", lambda: 1000)
+    with packed_linears(net) as count:
+        assert count == 0 and "forward" not in net[0].__dict__
+    assert "run unpacked" in capsys.readouterr().err
+    monkeypatch.setattr(packed, "_memory_available", lambda: 2**34)
+    with packed_linears(net) as count:  # not remembered: with memory, the next entry packs
+        assert count == 2
