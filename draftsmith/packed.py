@@ -64,7 +64,9 @@ class _Packed:
         if x.dtype != torch.float32 or x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return nn.functional.linear(x, weight, bias)
         rows = x.numel() // x.shape[-1]
-        if rows == 0:
+        if rows <= 1:
+            # One row is a matrix-vector product, which F.linear already runs at memory speed: a
+            # whole one-token step measured no faster packed (docs/lookup.md).
             return nn.functional.linear(x, weight, bias)
         if (weight._version, weight.data_ptr()) != self.stamp:
             self.pack()

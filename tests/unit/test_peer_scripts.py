@@ -220,7 +220,7 @@ def test_bench_script_names_its_real_options_for_an_out_it_will_not_replace(benc
 def test_bench_tree_forward_times_each_tree_size_against_a_plain_step(tiny_llama_dir, tmp_path):
     bench = load_script("scripts/bench_tree_forward.py")
     out = tmp_path / "tree"
-    sys_argv = ["bench_tree_forward.py", "--target", str(tiny_llama_dir), "--context", "12", "--nodes", "1", "5", "--reps", "2", "--out", str(out)]
+    sys_argv = ["bench_tree_forward.py", "--target", str(tiny_llama_dir), "--context", "12", "--nodes", "1", "5", "--reps", "2", "--unpacked-too", "--out", str(out)]
     import unittest.mock
 
     with unittest.mock.patch.object(sys, "argv", sys_argv):
@@ -229,6 +229,9 @@ def test_bench_tree_forward_times_each_tree_size_against_a_plain_step(tiny_llama
     assert [r["nodes"] for r in result["rows"]] == [1, 5] and result["plain_ms"] > 0
     assert all(r["verify_ms"] > 0 and r["lm_head_ms"] > 0 and r["ratio_to_plain"] == pytest.approx(r["verify_ms"] / result["plain_ms"]) for r in result["rows"])
     assert "| 5 |" in (out / "results.md").read_text()
+    # The fp32 target ran packed, and unpacked in turns with it.
+    assert result["packed_layers"] > 0 and result["unpacked_plain_ms"] > 0
+    assert all(r["unpacked_verify_ms"] > 0 and r["unpacked_ratio_to_plain"] == pytest.approx(r["unpacked_verify_ms"] / result["unpacked_plain_ms"]) for r in result["rows"])
 
 
 def test_bench_vllm_per_prompt_rows_give_tokens_per_forward_and_paired_figures(bench):
