@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import weakref
 from typing import Iterator, Optional
 
@@ -37,6 +38,7 @@ PACK_ROWS = 16
 _packs: "weakref.WeakKeyDictionary[nn.Module, dict[nn.Linear, _Packed]]" = weakref.WeakKeyDictionary()
 _depth: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()  # nested entries
 _noted: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models whose note on memory was printed
+_lock = threading.Lock()  # entries and exits from several threads patch and restore once
 
 
 def packing_available() -> bool:
@@ -77,7 +79,12 @@ class _Packed:
 
 
 def _eligible(model: nn.Module) -> list[nn.Linear]:
-    return [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+    """The fp32 CPU linear layers whose weights stay put: not those DeepSpeed ZeRO-3 partitions
+    (``ds_id``), whose weights it gathers anew for each forward."""
+    return [
+        m for m in model.modules()
+        if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu" and m.weight.numel() and not hasattr(m.weight, "ds_id")
+    ]  # fmt: skip
 
 
 def _memory_available() -> Optional[int]:
@@ -117,15 +124,17 @@ def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[int]:
     if not packs:
         yield 0
         return
-    depth = _depth.get(model, 0)
-    if depth == 0:
-        for layer, packed in packs.items():
-            layer.forward = packed.forward
-    _depth[model] = depth + 1
+    with _lock:
+        depth = _depth.get(model, 0)
+        if depth == 0:
+            for layer, packed in packs.items():
+                layer.forward = packed.forward
+        _depth[model] = depth + 1
     try:
         yield len(packs)
     finally:
-        _depth[model] = depth
-        if depth == 0:
-            for layer in packs:
-                del layer.forward  # the class's forward again
+        with _lock:
+            _depth[model] -= 1
+            if _depth[model] == 0:
+                for layer in packs:
+                    del layer.forward  # the class's forward again

@@ -106,3 +106,10 @@ def test_too_little_memory_leaves_the_model_unpacked_and_says_so(monkeypatch, ca
     monkeypatch.setattr(packed, "_memory_available", lambda: 2**34)
     with packed_linears(net) as count:  # not remembered: with memory, the next entry packs
         assert count == 2
+
+
+def test_weights_deepspeed_partitions_are_left_alone():
+    net = model()
+    net[0].weight.ds_id = 7  # how ZeRO-3 marks a parameter it partitions and gathers per forward
+    with packed_linears(net) as count:
+        assert count == 1 and "forward" not in net[0].__dict__ and "forward" in net[2].__dict__
