@@ -9,12 +9,12 @@ on caches that never move (runtime/static.py, heads/eagle.py).
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["CapturedForward", "can_capture", "capture_or_none", "graph_pool"]
+__all__ = ["CapturedForward", "Graphs", "can_capture", "capture_or_none", "graph_pool"]
 
 # What captures on a device other than CUDA: None (nothing does), or, inside a test's
 # ``draftsmith.testing.simulated_cuda_graphs()``, a stand-in with CapturedForward's contract that
@@ -72,3 +72,39 @@ def capture_or_none(fn: Callable[..., Any], inputs: Sequence[Tensor], what: str,
     except RuntimeError as err:
         print(f"note: {what}: CUDA graph capture failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); going on without graphs", file=sys.stderr)
         return None
+
+
+class Graphs:
+    """The graphs one session captures, by name, each on its first use, and whether it still does:
+    true while every capture has worked, false for good after one fails (the session then runs
+    eagerly, said once by ``capture_or_none``), so a model with an operation a graph cannot hold
+    still decodes. Truthy as that flag. ``captured`` maps each name to its graph (None: it failed)."""
+
+    def __init__(self, enabled: bool, pool=None) -> None:
+        self.enabled = enabled
+        self.pool = pool
+        self.captured: dict[Hashable, Optional[CapturedForward]] = {}
+
+    def __bool__(self) -> bool:
+        return self.enabled
+
+    def get(self, name: Hashable, fn: Callable[..., Any], inputs: Sequence[Tensor], what: str) -> Optional[CapturedForward]:
+        """The graph ``name``, captured now from ``fn(*inputs)`` where it is new; None where the
+        session runs eagerly (graphs off, or a capture failed). ``what`` names it in the note."""
+        if not self.enabled:
+            return None
+        if name not in self.captured:
+            self.captured[name] = capture_or_none(fn, inputs, what, self.pool)
+            self.enabled = self.captured[name] is not None
+        return self.captured[name]
+
+    def run(self, name: Hashable, fn: Callable[..., Any], inputs: Sequence[Tensor], what: str) -> tuple[Any, bool]:
+        """``fn(*inputs)``: the graph ``name`` replayed (captured first where it is new), or ``fn``
+        run eagerly where the session runs so. Returns (outputs, replayed); a replay's outputs are
+        the graph's own buffers, overwritten by its next replay: copy what must outlive it."""
+        graph = self.get(name, fn, inputs, what)
+        return (graph(*inputs), True) if graph is not None else (fn(*inputs), False)
+
+    def clear(self) -> None:
+        """Drop every graph (the buffers they replay on are gone); the flag stays."""
+        self.captured.clear()

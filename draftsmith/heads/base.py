@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.graphs import can_capture
+from draftsmith.graphs import Graphs, can_capture
 from draftsmith.target import FrozenTarget, TargetDims, TargetFeatures
 
 __all__ = ["DraftHead", "HeadSession", "TargetDims", "TargetFeatures", "depth_label_weights", "depth_labels", "depth_loss", "path_tokens"]
@@ -205,6 +205,7 @@ class HeadSession:
     """
 
     forwards: Optional[int] = None
+    graphs = Graphs(False)  # the session's CUDA graphs: none until preallocate asks (this one never captures)
 
     def __init__(self, head: "DraftHead", embed: Callable[[Tensor], Tensor], lm_head: Callable[[Tensor], Tensor]) -> None:
         self.head = head
@@ -280,13 +281,12 @@ class BufferedSession(HeadSession):
     resets besides the counters)."""
 
     capacity = 0  # preallocated entries (0: growing caches)
-    graphs = False
 
     def preallocate(self, capacity: int, graphs: bool) -> bool:
         device = next(self.head.parameters()).device
         if graphs and not can_capture(device):
             raise ValueError(f"CUDA graphs need the head on a CUDA device; it is on {device}")
-        self.graphs = graphs
+        self.graphs = Graphs(graphs)
         self._grow(capacity)
         return True
 

@@ -48,7 +48,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.graphs import capture_or_none
 from draftsmith.heads.base import BufferedSession, DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels
 from draftsmith.heads.eagle3 import resolve_aux_layer_ids
 from draftsmith.heads.layers import DecoderLayer, LayerShape, RMSNorm, Rotary, attend_in_training, causal_allowed
@@ -516,8 +515,6 @@ class DFlashSession(BufferedSession):
         self.kv: list[Optional[tuple[Tensor, Tensor]]] = [None for _ in head.layers]
         self.slot_logits: Optional[Tensor] = None  # [K,V] of the current step
         self.forwards = 0  # one block forward per step; the context's keys/values are projections, not a pass
-        self._graph = None  # the block alone, after a prompt's context (its length varies)
-        self._steps: dict[tuple, Any] = {}  # a step's context entries and block, per number of new positions
 
     def _forget(self) -> None:
         self.slot_logits = None
@@ -535,8 +532,7 @@ class DFlashSession(BufferedSession):
             grown.append((k, v))
         self.kv, self.capacity = grown, capacity
         self.columns = torch.arange(capacity, device=device)
-        self._graph = None
-        self._steps = {}
+        self.graphs.clear()
 
     def _block_logits(self, block: Tensor, positions: Tensor, visible: Tensor) -> Tensor:
         out = self.head.run_blocks(block, positions, self.kv, visible, self.embed)
@@ -567,11 +563,9 @@ class DFlashSession(BufferedSession):
             self.slot_logits = self._block_logits(block, positions, torch.ones(1, 1, self.decided, dtype=torch.bool, device=device))
         else:
             inputs = (block, positions, (self.columns < self.decided).view(1, 1, -1))
-            if self.graphs and self._graph is None:
-                self._graph = capture_or_none(self._block_logits, inputs, "the dflash head's block")
-                self.graphs = self._graph is not None
-            # A graph's logits are overwritten by its next replay; the tree reads them before that.
-            self.slot_logits = self._graph(*inputs) if self.graphs else self._block_logits(*inputs)
+            # The block alone, after a prompt's context (its length varies); a graph's logits are
+            # overwritten by its next replay, and the tree reads them before that.
+            self.slot_logits, _ = self.graphs.run("block", self._block_logits, inputs, "the dflash head's block")
         self.forwards += 1
 
     def _step_graphed(self, layers: dict[int, Tensor], tokens: Tensor) -> Tensor:
@@ -598,13 +592,9 @@ class DFlashSession(BufferedSession):
             return self._block_logits(block, positions, (self.columns < decided).view(1, 1, -1))
 
         self.decided = start + M
-        name = ("step", M, tuple(keys))
-        if name not in self._steps:
-            self._steps[name] = capture_or_none(step, inputs, "the dflash head's step")
-            self.graphs = self._steps[name] is not None
-        graph = self._steps[name]
-        # A graph's logits are overwritten by its next replay; the tree reads them before that.
-        return graph(*inputs) if graph is not None else step(*inputs)
+        # One graph per number of new positions; its logits are overwritten by its next replay,
+        # and the tree reads them before that.
+        return self.graphs.run(("step", M, tuple(keys)), step, inputs, "the dflash head's step")[0]
 
     def expand(self, frontier: Any) -> Tensor:
         return self.slot_logits[[frontier.depths[n] for n in frontier.nodes]]

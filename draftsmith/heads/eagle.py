@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.graphs import capture_or_none
 from draftsmith.heads.base import BufferedSession, DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels, depth_loss
 from draftsmith.heads.layers import DecoderLayer, LayerShape, Rotary, ancestor_slots, causal_allowed, tree_visibility, truncate_cache
 
@@ -249,7 +248,6 @@ class EagleSession(BufferedSession):
         self.slots: dict[int, int] = {}  # node id -> cache entry
         self.forwards = 0
         self.length = 0  # entries the caches hold: the decided positions, then this step's tree
-        self._compiled: dict[int, Any] = {}
 
     def _forget(self) -> None:
         self.length = 0
@@ -268,7 +266,7 @@ class EagleSession(BufferedSession):
                 cache["v"][:, :, : self.length] = old[1][:, :, : self.length]
         self.capacity = capacity
         self.columns = torch.arange(capacity, device=device)
-        self._compiled = {}
+        self.graphs.clear()
 
     def _forward(self, feature: Tensor, tokens: Tensor, positions: Tensor, visible: Tensor) -> Tensor:
         """draft_forward over P new entries after the caches' ``length``; visible [P, length+P]."""
@@ -293,11 +291,7 @@ class EagleSession(BufferedSession):
     def _graph(self, inputs: tuple[Tensor, ...]):
         """The graph of this frontier size, captured on first use (its warm-ups write the slots the
         forward is about to write anyway); None, and eager from then on, where capture fails."""
-        P = inputs[1].shape[1]
-        if P not in self._compiled:
-            self._compiled[P] = capture_or_none(self._slotted_forward, inputs, f"the {self.head.cfg.kind} head's tree level")
-            self.graphs = self._compiled[P] is not None
-        return self._compiled[P]
+        return self.graphs.get(inputs[1].shape[1], self._slotted_forward, inputs, f"the {self.head.cfg.kind} head's tree level")
 
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
         M, start = hidden.shape[1], self.decided
@@ -331,13 +325,9 @@ class EagleSession(BufferedSession):
             visible = self.columns.unsqueeze(0) <= positions.unsqueeze(1)
             return self._slotted_forward(feature, tokens, positions, visible, positions)[:, -1:]
 
-        name = ("extend", M, tuple(keys))
-        if name not in self._compiled:
-            self._compiled[name] = capture_or_none(extend, inputs, f"the {self.head.cfg.kind} head's extend")
-            self.graphs = self._compiled[name] is not None
-        graph = self._compiled[name]
+        root, replayed = self.graphs.run(("extend", M, tuple(keys)), extend, inputs, f"the {self.head.cfg.kind} head's extend")
         # A graph's output is overwritten by its next replay: the root's output is copied.
-        return graph(*inputs).clone() if graph is not None else extend(*inputs)
+        return root.clone() if replayed else root
 
     def expand(self, frontier: Any) -> Tensor:
         todo = [n for n in frontier.nodes if n not in self.outputs]
@@ -451,13 +441,9 @@ class EagleSession(BufferedSession):
         def tree_function(root_out: Tensor, root_token: Tensor, decided: Tensor) -> tuple[Tensor, ...]:
             return self._tree_function(rank, grow, root_out, root_token, decided)
 
-        graph = None
-        if self.graphs:
-            if name not in self._compiled:
-                self._compiled[name] = capture_or_none(tree_function, inputs, f"the {self.head.cfg.kind} head's {what}")
-            graph = self._compiled[name]
-        # A graph's outputs are overwritten by its next replay: the tree gets its own copies.
-        tree = tuple(x.clone() for x in graph(*inputs)) if graph is not None else tree_function(*inputs)
+        tree, replayed = self.graphs.run(name, tree_function, inputs, f"the {self.head.cfg.kind} head's {what}")
+        if replayed:  # a graph's outputs are overwritten by its next replay: the tree gets its own copies
+            tree = tuple(x.clone() for x in tree)
         self.forwards += forwards
         self.length = self.decided + entries
         return tree

@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor, nn
 
-from draftsmith.graphs import capture_or_none
+from draftsmith.graphs import Graphs
 from draftsmith.heads.base import DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels, depth_loss
 from draftsmith.heads.layers import ResidualBlock
 from draftsmith.target import FrozenTarget
@@ -117,16 +117,14 @@ class MedusaSession(HeadSession):
 
     head: MedusaHead
 
-    graphs = False  # preallocate on CUDA: the heads' logits captured as one graph, `graph`
-    graph = None
-
     def preallocate(self, capacity: int, graphs: bool) -> bool:
-        """Medusa keeps no cache; on CUDA its K heads and their logits replay as one CUDA graph."""
-        self.graphs = graphs
+        """Medusa keeps no cache; on CUDA its K heads and their logits replay as one CUDA graph
+        ("heads")."""
+        self.graphs = Graphs(graphs)
         return graphs
 
     def restart(self, capacity: int) -> bool:
-        if self.graph is None:
+        if self.graphs.captured.get("heads") is None:
             return False
         self.decided = 0
         return True
@@ -136,11 +134,8 @@ class MedusaSession(HeadSession):
 
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
         last = hidden[0, -1]
-        if self.graphs and self.graph is None:
-            self.graph = capture_or_none(self._logits, (last,), "the medusa heads")
-            self.graphs = self.graph is not None
         # A graph's logits are overwritten by its next replay, at the next extend: the tree reads them before.
-        self.logits = self.graph(last) if self.graph is not None else self._logits(last)
+        self.logits, _ = self.graphs.run("heads", self._logits, (last,), "the medusa heads")
         self.decided += hidden.shape[1]
 
     def expand(self, frontier: Any) -> Tensor:

@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from draftsmith.graphs import CapturedForward, can_capture, capture_or_none, graph_pool
+from draftsmith.graphs import CapturedForward, Graphs, can_capture, graph_pool
 from draftsmith.runtime.errors import DrafterError
 from draftsmith.runtime.tree import DraftTree, ancestor_mask
 from draftsmith.runtime.verdict import verdict_row
@@ -142,9 +142,10 @@ class StaticSession:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.device, self.dtype = target.device, target.dtype
-        self.graphs = can_capture(self.device) if graphs is None else graphs
-        if self.graphs and not can_capture(self.device):
+        graphs = can_capture(self.device) if graphs is None else graphs
+        if graphs and not can_capture(self.device):
             raise ValueError(f"CUDA graphs need the target on a CUDA device; it is on {self.device}")
+        self.graphs = Graphs(graphs)
         self.length = 0
         self._tree_base: Optional[int] = None
         self._one: Optional[tuple[Tensor, Tensor]] = None  # a plain step's depths and parents
@@ -176,8 +177,9 @@ class StaticSession:
             self.cache.keys[:, :, :, : self.length] = old.keys[:, :, :, : self.length]
             self.cache.values[:, :, :, : self.length] = old.values[:, :, :, : self.length]
         self.columns = torch.arange(capacity, device=self.device)
-        self._compiled: dict[Union[int, tuple[str, int]], Optional[CapturedForward]] = {}
-        self.pool = graph_pool(self.device) if self.graphs else None
+        # Graphs replay on the cache they were captured on: a new cache, new graphs.
+        self.graphs.clear()
+        self.graphs.pool = graph_pool(self.device) if self.graphs else None
 
     def _room(self, n: int) -> None:
         if self.length + n > self.cache.capacity:
@@ -207,11 +209,7 @@ class StaticSession:
         """The graph of this many tokens, captured on first use (its warm-ups write the slots the
         forward is about to write anyway); None (and eager from then on, said once) where the
         capture fails: a model with an operation that cannot be captured still decodes."""
-        n = inputs[0].shape[1]
-        if n not in self._compiled:
-            self._compiled[n] = capture_or_none(self._eager, inputs, "the target's forward", self.pool)
-            self.graphs = self._compiled[n] is not None
-        return self._compiled[n]
+        return self.graphs.get(inputs[0].shape[1], self._eager, inputs, "the target's forward")
 
     def _tree_eager(self, ids: Tensor, depths: Tensor, parents: Tensor, base: Tensor) -> tuple[Optional[Tensor], Tensor, list[Tensor]]:
         """A tree's forward as one function of device tensors, ``base`` [1] (the cached length)
@@ -250,19 +248,11 @@ class StaticSession:
                 return self._tree_verified(ids, depths, parents, base, num_nodes, bound)
 
             key, what = ("tree-verify", n), "the target's tree forward and verification"
-        graph = None
-        if self.graphs:
-            if key not in self._compiled:
-                self._compiled[key] = capture_or_none(fn, inputs, what, self.pool)
-                self.graphs = self._compiled[key] is not None
-            graph = self._compiled[key]
-        if graph is not None:
+        (out, final, wanted, *checked), replayed = self.graphs.run(key, fn, inputs, what)
+        if replayed:
             # The features a drafter may keep are copied (small); the logits and the verdict are
             # read before the next forward overwrites them.
-            out, final, wanted, *checked = graph(*inputs)
             final, wanted = final.clone(), [h.clone() for h in wanted]
-        else:
-            out, final, wanted, *checked = fn(*inputs)
         self.length += n
         outputs = dict(zip(self._wanted, wanted))
         layers = {i: outputs[i % self.stack.num_layers] for i in self.layers}

@@ -73,7 +73,7 @@ def test_graphed_forwards_match_the_dynamic_cache(target):
                 torch.testing.assert_close(t2[i], t1[i], rtol=1e-4, atol=1e-4)
             ref.keep(path)
             static.keep(path)
-    assert static.cache.capacity > 16 and sorted(static._compiled) == [("tree", 4), ("tree", 6)] and static.graphs
+    assert static.cache.capacity > 16 and sorted(static.graphs.captured) == [("tree", 4), ("tree", 6)] and static.graphs
 
 
 @pytest.mark.parametrize("kind", ["eagle-dynamic", "medusa-tree", "dflash-chain", "noisy-tree", "self-chain", "plain"])
@@ -89,18 +89,18 @@ def test_graphed_decoding_equals_hf_greedy(target, kind):
         assert got.tolist() == want.tolist(), kind
     layers = () if drafter is None else tuple(drafter.required_layers())
     session = target._static_sessions[(layers, target.device, target.dtype)]
-    assert session.graphs and session._compiled, "auto did not take the graphed static cache on CUDA"
+    assert session.graphs and session.graphs.captured, "auto did not take the graphed static cache on CUDA"
     if drafter is not None:  # the fused greedy verification replays inside the tree forward's graph
-        assert {key[0] for key in session._compiled} == {"tree-verify"} and all(g is not None for g in session._compiled.values())
+        assert {key[0] for key in session.graphs.captured} == {"tree-verify"} and all(g is not None for g in session.graphs.captured.values())
     if isinstance(drafter, StandaloneDrafter):  # the draft model's own forwards are graphed too
-        assert drafter.static is not None and drafter.static.graphs and drafter.static._compiled
+        assert drafter.static is not None and drafter.static.graphs and drafter.static.graphs.captured
     if kind == "eagle-dynamic":  # and an EAGLE head's tree levels
-        assert drafter.session.capacity and drafter.session.graphs and drafter.session._compiled
+        assert drafter.session.capacity and drafter.session.graphs and drafter.session.graphs.captured
     if kind == "medusa-tree":  # and Medusa's heads
-        assert drafter.session.graphs and drafter.session.graph is not None
+        assert drafter.session.graphs and drafter.session.graphs.captured.get("heads") is not None
     if kind == "dflash-chain":  # and DFlash's block forward
-        assert drafter.session.capacity and drafter.session.graphs and drafter.session._steps
-        assert all(graph is not None for graph in drafter.session._steps.values())
+        steps = [g for name, g in drafter.session.graphs.captured.items() if isinstance(name, tuple) and name[0] == "step"]
+        assert drafter.session.capacity and drafter.session.graphs and steps and all(graph is not None for graph in steps)
 
 
 def test_a_graphed_eagle_head_drafts_what_the_eager_one_drafts(target):
@@ -115,6 +115,6 @@ def test_a_graphed_eagle_head_drafts_what_the_eager_one_drafts(target):
         out, stats = speculative_generate(target, drafter, torch.tensor([[5, 9, 14, 20, 7, 3]], device=CUDA), 30, cache=cache)
         runs[cache] = (out.tolist(), stats.accept_lens, [t.tokens.tolist() for t in proposed])
         if cache == "static":  # the whole tree was captured as one graph, not grown eagerly after a failed capture
-            whole = [graph for name, graph in drafter.session._compiled.items() if isinstance(name, tuple) and name[0] == "dynamic"]
+            whole = [graph for name, graph in drafter.session.graphs.captured.items() if isinstance(name, tuple) and name[0] == "dynamic"]
             assert whole and all(graph is not None for graph in whole)
     assert runs["static"] == runs["dynamic"]

@@ -76,25 +76,26 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
     assert "capture failed" not in capsys.readouterr().err  # no capture fell back to eager
     assert graphs.captured and all(graph.replays for graph in graphs.captured)
     session = target._static_sessions[(() if drafter is None else tuple(drafter.required_layers()), target.device, target.dtype)]
-    assert session.graphs and session._compiled and all(g is not None for g in session._compiled.values())
+    assert session.graphs and session.graphs.captured and all(g is not None for g in session.graphs.captured.values())
     # One graph per tree size: a plain step's one-node forward, or a tree's forward with its greedy
     # verification inside.
-    assert {key[0] for key in session._compiled} == {"tree" if drafter is None else "tree-verify"}
+    assert {key[0] for key in session.graphs.captured} == {"tree" if drafter is None else "tree-verify"}
     if kind == "suffix":  # trees of several sizes: one graph each, whatever depth a tree reached
-        assert len(session._compiled) > 1
+        assert len(session.graphs.captured) > 1
     if kind.startswith("eagle"):  # the head's extend and its whole tree replayed
-        compiled = drafter.session._compiled
+        compiled = drafter.session.graphs.captured
         assert drafter.session.graphs and compiled and all(g is not None for g in compiled.values())
         # The whole tree of a step, EAGLE-2's or a static one, is one graph.
         whole = "dynamic" if kind.endswith("dynamic") else "static"
         assert any(isinstance(name, tuple) and name[0] == whole for name in compiled)
         assert any(isinstance(name, tuple) and name[0] == "extend" for name in compiled)  # a step's accepted positions
     if kind == "medusa-tree":
-        assert isinstance(drafter.session.graph, TracedGraph)
+        assert isinstance(drafter.session.graphs.captured.get("heads"), TracedGraph)
     if kind == "dflash-chain":  # a step's context entries and block, one graph per number of new positions
-        assert drafter.session._steps and all(isinstance(g, TracedGraph) for g in drafter.session._steps.values())
+        steps = [g for name, g in drafter.session.graphs.captured.items() if isinstance(name, tuple) and name[0] == "step"]
+        assert steps and all(isinstance(g, TracedGraph) for g in steps)
     if isinstance(drafter, StandaloneDrafter):  # the draft model's own forwards
-        assert drafter.static is not None and drafter.static.graphs and drafter.static._compiled
+        assert drafter.static is not None and drafter.static.graphs and drafter.static.graphs.captured
 
 
 @pytest.mark.parametrize("kind", ["eagle3-dynamic", "eagle3-static", "dflash-chain"])
@@ -131,6 +132,32 @@ def test_a_host_read_in_a_captured_function_falls_back_to_eager(capsys):
     assert len(graphs.captured) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "note: a reading function: CUDA graph capture failed" in err
+
+
+def test_a_sessions_graphs_replay_by_name_and_stop_for_good_after_a_failed_capture(capsys):
+    """``Graphs``, what every session captures with: a name is captured once and replayed after;
+    once a capture fails the session runs everything eagerly, the graphs it holds included."""
+    from draftsmith.graphs import Graphs
+
+    calls = []
+
+    def double(x):
+        calls.append(1)
+        return x * 2
+
+    with simulated_cuda_graphs():
+        graphs = Graphs(True)
+        first, replayed = graphs.run("double", double, [torch.ones(3)], "doubling")
+        traced = len(calls)
+        again, replayed_again = graphs.run("double", double, [torch.full((3,), 5.0)], "doubling")
+        assert replayed and replayed_again and len(calls) == traced  # the second call replays: fn not run
+        assert again.tolist() == [10.0, 10.0, 10.0] and again is first  # the graph's own buffer, overwritten
+        out, replayed = graphs.run("reads", lambda x: x * int(x.sum()), [torch.ones(3)], "a reading function")
+        assert not replayed and out.tolist() == [3.0, 3.0, 3.0] and not graphs
+        out, replayed = graphs.run("double", double, [torch.ones(3)], "doubling")
+        assert not replayed and len(calls) == traced + 1  # eager from then on
+    assert capsys.readouterr().err.count("capture failed") == 1
+    assert not Graphs(False).run("double", double, [torch.ones(3)], "doubling")[1]  # off: eager, nothing captured
 
 
 def test_a_traced_graph_freezes_what_it_read_at_capture_and_reuses_its_outputs():
