@@ -385,6 +385,7 @@ def cmd_eval(args) -> int:
     from draftsmith.atomic import check_destination
     from draftsmith.eval.report import report_folder, write_report
     from draftsmith.eval.run import evaluate, fitting_prompts, load_prompts
+    from draftsmith.packed import packed_layers
     from draftsmith.runtime.generate import cache_in_use, verification_kernel
 
     sampling = _sampling(args)
@@ -425,6 +426,7 @@ def cmd_eval(args) -> int:
         "device": str(loaded.target.device),
         "verification_kernel": verification_kernel(loaded.target.device, sampling),
         "kv_cache": cache_in_use(loaded.target, loaded.cache),
+        "target_linears_packed": packed_layers(loaded.target.model),  # draftsmith.packed: fp32 on a CPU
         **extra,
     }
     report = write_report(stats, args.out, meta)

@@ -29,7 +29,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["packed_linears", "packing_available"]
+__all__ = ["packed_layers", "packed_linears", "packing_available"]
 
 # The row count MKL is told to pack for; it only tunes the layout (any row count multiplies
 # correctly). 16 measured faster than 1 at both one row and eleven (docs/lookup.md).
@@ -113,6 +113,12 @@ def _packs_for(model: nn.Module) -> dict[nn.Linear, _Packed]:
             return {}
         packs = _packs[model] = {layer: _Packed(layer) for layer in layers}
     return packs
+
+
+def packed_layers(model: nn.Module) -> int:
+    """How many of ``model``'s linear layers decoding runs from packed weights (reports say it)."""
+    with packed_linears(model) as count:
+        return count
 
 
 @contextlib.contextmanager

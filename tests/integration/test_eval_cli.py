@@ -41,6 +41,10 @@ def test_eval_head_export_writes_report_and_is_lossless(head_export, prompts, tm
     assert (tmp_path / "report" / "report.md").is_file() and (tmp_path / "report" / "report.png").stat().st_size > 1000
     assert "report.md" in proc.stdout
     assert report["kv_cache"] == "dynamic cache (transformers)"  # auto on the CPU
+    # fp32 on a CPU (the suite pins fp32): the target decodes from packed weights, and the report says so.
+    from draftsmith.packed import packing_available
+
+    assert report["target_dtype"] == "float32" and (report["target_linears_packed"] > 0 or not packing_available())
 
 
 def test_the_static_cache_is_chosen_by_flag_and_decodes_the_same(head_export, prompts, tmp_path):
