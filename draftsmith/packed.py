@@ -29,16 +29,12 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["packed_layers", "packed_linears", "packing_available"]
+__all__ = ["packed_layers", "packed_linears", "packing_available", "suspended"]
 
-# The row count MKL is told to pack for; it only tunes the layout (any row count multiplies
-# correctly). 16 measured faster than 1 at both one row and eleven (docs/lookup.md).
+# The row count MKL is told to pack for. It tunes the layout; the pack multiplies other row counts
+# too (tests/unit/test_packed.py checks 2-40 rows on 1 and 2 threads against F.linear). 16 measured
+# faster than 1 at both one row and eleven (docs/lookup.md).
 PACK_ROWS = 16
-
-_packs: "weakref.WeakKeyDictionary[nn.Module, dict[nn.Linear, _Packed]]" = weakref.WeakKeyDictionary()
-_depth: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()  # nested entries
-_noted: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models whose note on memory was printed
-_lock = threading.Lock()  # entries and exits from several threads patch and restore once
 
 
 def packing_available() -> bool:
@@ -47,6 +43,12 @@ def packing_available() -> bool:
         return torch.backends.mkl.is_available() and bool(torch.ops.mkl._mkl_linear) and bool(torch.ops.mkl._mkl_reorder_linear_weight)
     except (AttributeError, RuntimeError):
         return False
+
+
+def _packed_product(x: Tensor, packed: Tensor, weight: Tensor, bias: Optional[Tensor], rows: int) -> Tensor:
+    # The last argument is the row count the pack is used for: given the call's own, MKL's packed
+    # product always runs (torch otherwise falls back to F.linear when it differs from the pack's).
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
 
 
 class _Packed:
@@ -61,29 +63,36 @@ class _Packed:
         self.stamp = (weight._version, weight.data_ptr())
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (nn.Linear's own name: layer(input=...) works)
         weight, bias = self.layer.weight, self.layer.bias
-        if x.dtype != torch.float32 or x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-            return nn.functional.linear(x, weight, bias)
-        rows = x.numel() // x.shape[-1]
-        if rows <= 1:
-            # One row is a matrix-vector product, which F.linear already runs at memory speed: a
-            # whole one-token step measured no faster packed (docs/lookup.md).
-            return nn.functional.linear(x, weight, bias)
+        trains = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        rows = input.numel() // input.shape[-1] if input.dim() else 0
+        # One row is a matrix-vector product, which F.linear already runs at memory speed: a whole
+        # one-token step measured no faster packed (docs/lookup.md).
+        if trains or rows <= 1 or input.dtype != torch.float32 or input.device.type != "cpu" or weight.device.type != "cpu":
+            return nn.functional.linear(input, weight, bias)
         if (weight._version, weight.data_ptr()) != self.stamp:
             self.pack()
-        # The last argument is the row count the pack is used for: given the call's own, MKL's
-        # packed product always runs (torch otherwise falls back to F.linear on a mismatch).
-        out = torch.ops.mkl._mkl_linear(x.reshape(rows, x.shape[-1]), self.packed, weight.detach(), None if bias is None else bias.detach(), rows)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        out = _packed_product(input.reshape(rows, input.shape[-1]), self.packed, weight.detach(), None if bias is None else bias.detach(), rows)
+        return out.view(*input.shape[:-1], out.shape[-1])
+
+
+_packs: "weakref.WeakKeyDictionary[nn.Module, dict[nn.Linear, _Packed]]" = weakref.WeakKeyDictionary()
+_depth: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()  # nested entries
+_noted: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models a note was printed for
+_lock = threading.Lock()  # entries and exits from several threads patch and restore once
+_suspended = 0  # > 0 inside ``suspended()``
 
 
 def _eligible(model: nn.Module) -> list[nn.Linear]:
-    """The fp32 CPU linear layers whose weights stay put: not those DeepSpeed ZeRO-3 partitions
-    (``ds_id``), whose weights it gathers anew for each forward."""
+    """The fp32 CPU linear layers whose weights stay put and whose forward is nn.Linear's own: not
+    those DeepSpeed ZeRO-3 partitions (``ds_id``: gathered anew for each forward), not inference
+    tensors (no version counter to notice a change by), not a layer whose forward something else
+    (an accelerate hook) already replaced."""
     return [
         m for m in model.modules()
-        if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu" and m.weight.numel() and not hasattr(m.weight, "ds_id")
+        if type(m) is nn.Linear and "forward" not in m.__dict__ and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+        and m.weight.numel() and not hasattr(m.weight, "ds_id") and not m.weight.is_inference()
     ]  # fmt: skip
 
 
@@ -99,19 +108,32 @@ def _memory_available() -> Optional[int]:
     return None
 
 
+def _note_once(model: nn.Module, text: str) -> None:
+    if model not in _noted:
+        _noted.add(model)
+        print(f"note: {text}", file=sys.stderr)
+
+
 def _packs_for(model: nn.Module) -> dict[nn.Linear, _Packed]:
+    """The model's packs, made on first use. Nothing is kept while there is nothing to pack (the
+    model elsewhere or in another dtype, too little memory): a later entry looks again."""
     packs = _packs.get(model)
-    if packs is None:
-        layers = _eligible(model)
-        size = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
-        free = _memory_available()
-        if free is not None and size > free // 4:
-            # Not kept: a later entry, with more memory free, packs. Said once a model.
-            if model not in _noted:
-                _noted.add(model)
-                print(f"note: the model's linear weights ({size / 2**30:.1f} GiB) run unpacked: their packed copy would take over a quarter of the {free / 2**30:.1f} GiB available", file=sys.stderr)  # fmt: skip
-            return {}
-        packs = _packs[model] = {layer: _Packed(layer) for layer in layers}
+    if packs is not None:
+        return packs
+    layers = _eligible(model)
+    if not layers:
+        return {}
+    size = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
+    free = _memory_available()
+    if free is not None and size > free // 4:
+        _note_once(model, f"the model's linear weights ({size / 2**30:.1f} GiB) run unpacked: their packed copy would take over a quarter of the {free / 2**30:.1f} GiB available")  # fmt: skip
+        return {}
+    try:
+        packs = {layer: _Packed(layer) for layer in layers}
+    except RuntimeError as err:  # a torch whose MKL packing refuses these weights: decode as before
+        _note_once(model, f"the model's linear layers run unpacked: MKL packing failed ({str(err).splitlines()[0][:200]})")
+        packs = {}
+    _packs[model] = packs
     return packs
 
 
@@ -122,10 +144,23 @@ def packed_layers(model: nn.Module) -> int:
 
 
 @contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """No packing inside (``draftsmith.testing.simulated_cuda_graphs``: a CUDA device never packs)."""
+    global _suspended
+    with _lock:
+        _suspended += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _suspended -= 1
+
+
+@contextlib.contextmanager
 def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[int]:
     """Inside, ``model``'s fp32 CPU linear layers run from packed weights (see the module). Yields
     how many layers do (0 where packing is unavailable, disabled, or the model is elsewhere)."""
-    enabled = enabled and os.environ.get("DRAFTSMITH_PACKED_LINEARS", "1") != "0"
+    enabled = enabled and not _suspended and os.environ.get("DRAFTSMITH_PACKED_LINEARS", "1") != "0"
     packs = _packs_for(model) if enabled and packing_available() else {}
     if not packs:
         yield 0
@@ -143,4 +178,4 @@ def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[int]:
             _depth[model] -= 1
             if _depth[model] == 0:
                 for layer in packs:
-                    del layer.forward  # the class's forward again
+                    layer.__dict__.pop("forward", None)  # the class's forward again

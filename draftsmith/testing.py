@@ -533,13 +533,19 @@ class simulated_cuda_graphs:
     """Inside the block, sessions made on the CPU capture their forwards as ``TracedGraph`` where a
     GPU would capture CUDA graphs (``draftsmith.graphs.can_capture`` is true). ``captured`` lists
     the graphs made, so a test can assert what was captured and replayed. Make the targets and
-    drafters inside the block: a session made there keeps capturing (and must not be used after)."""
+    drafters inside the block: a session made there keeps capturing (and must not be used after).
+    Linear layers are not packed inside (``draftsmith.packed``: CPU-only), so the traces hold what
+    a CUDA device runs."""
 
     def __init__(self) -> None:
         self.captured: list[TracedGraph] = []
 
     def __enter__(self):
         import draftsmith.graphs as graphs
+        from draftsmith.packed import suspended
+
+        self._unpacked = suspended()
+        self._unpacked.__enter__()
 
         def capture(fn, inputs, pool=None):
             graph = TracedGraph(fn, inputs, pool)
@@ -553,4 +559,5 @@ class simulated_cuda_graphs:
         import draftsmith.graphs as graphs
 
         graphs._simulation = self._before
+        self._unpacked.__exit__(*exc)
         return False

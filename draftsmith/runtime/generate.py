@@ -11,14 +11,13 @@ flip near-ties), and sampled output follows the target's processed distribution.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from transformers import DynamicCache
 
 from draftsmith.packed import packed_linears
@@ -299,41 +298,23 @@ def _check_prompt(input_ids: Tensor, max_new_tokens: int) -> None:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
 
 
-def _drafting_modules(drafter, depth: int = 2) -> list[nn.Module]:
-    """The modules a drafter drafts with: a head, a draft model, a hybrid's head's head."""
-    found = []
-    for name in ("head", "model"):
-        part = getattr(drafter, name, None)
-        if isinstance(part, nn.Module):
-            found.append(part)
-        elif part is not None and depth:
-            found += _drafting_modules(part, depth - 1)
-    return found
+def _on_packed_weights(generate: Callable) -> Callable:
+    """Runs ``generate(target, ...)`` with the target's linear layers on packed weights where it
+    decodes in fp32 on a CPU (``draftsmith.packed``): the speculative loop and the plain baseline
+    alike, so their speeds compare on the same matrix products. Only the frozen target: a drafter's
+    weights may change under it (the online trainer's), and packing its small head measured no
+    gain."""
 
+    @functools.wraps(generate)
+    def run(target, *args, **kwargs):
+        with packed_linears(target.model):
+            return generate(target, *args, **kwargs)
 
-def _on_packed_weights(with_drafter: bool) -> Callable[[Callable], Callable]:
-    """Runs ``generate(target, drafter?, ...)`` with the target's linear layers (and the drafter's)
-    on packed weights where they decode in fp32 on a CPU (``draftsmith.packed``): the speculative
-    loop and the plain baseline alike, so their speeds compare on the same matrix products."""
-
-    def wrap(generate: Callable) -> Callable:
-        @functools.wraps(generate)
-        def run(target, *args, **kwargs):
-            modules = [target.model]
-            if with_drafter:
-                modules += _drafting_modules(kwargs["drafter"] if "drafter" in kwargs else args[0])
-            with contextlib.ExitStack() as stack:
-                for module in modules:
-                    stack.enter_context(packed_linears(module))
-                return generate(target, *args, **kwargs)
-
-        return run
-
-    return wrap
+    return run
 
 
 @torch.no_grad()
-@_on_packed_weights(with_drafter=True)
+@_on_packed_weights
 def speculative_generate(
     target,
     drafter: Drafter,
@@ -441,7 +422,7 @@ def speculative_generate(
 
 
 @torch.no_grad()
-@_on_packed_weights(with_drafter=False)
+@_on_packed_weights
 def autoregressive_generate(
     target,
     input_ids: Tensor,
