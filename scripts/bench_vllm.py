@@ -25,6 +25,13 @@ interval (each prompt timed on its own), and whether the outputs equal the plain
 drafter: draftsmith's runtime on the same prompts drafting the same chain of K (`draftsmith eval`'s
 figures), and how far its mean accepted length is from vLLM's. Writes results.json, results.md
 and acceptance.csv (the RedHatAI speculator-benchmark columns, one row per run) into --out.
+
+`--against DIR` pairs this benchmark's runs with an earlier one's on the same target, prompts and
+token budget (its job.json and vllm.json), so a drafter trained later compares with drafters
+benchmarked before without serving them again: greedy decoding is deterministic, which the plain
+runs of both check (their outputs, prompt by prompt). Each run here gets its paired difference
+from each trained or model-free run there, in tokens per target forward and in vLLM's mean
+acceptance length.
 """
 
 from __future__ import annotations
@@ -67,6 +74,40 @@ def tokens_and_seconds(got: dict) -> list[tuple[float, float]] | None:
     return [(len(out), t) for out, t in zip(got["outputs"], seconds)] if seconds else None
 
 
+def earlier_job(folder: Path, job: dict) -> tuple[dict, dict]:
+    """(job, vllm results) of the benchmark in ``folder``, refused unless it served the same target,
+    prompts and token budget as ``job``."""
+    try:
+        before = json.loads((folder / "job.json").read_text())
+        results = json.loads((folder / "vllm.json").read_text())
+    except (OSError, ValueError) as err:
+        raise BadInput(f"--against {folder}: no finished benchmark there (job.json and vllm.json): {err}") from None
+    for key, what in (("target", "target"), ("prompts", "prompts"), ("max_tokens", "--max-new-tokens")):
+        if before.get(key) != job[key]:
+            raise BadInput(f"--against {folder}: it ran other {what} than this benchmark; pairing needs the same target, prompts and token budget")
+    if "plain" not in results:
+        raise BadInput(f"--against {folder}: its vllm.json has no plain run to check determinism against")
+    return before, results
+
+
+def against_rows(now: dict, earlier: dict) -> dict:
+    """Every run of ``now`` (vllm.json results, plain left out) paired with every run of ``earlier``
+    on the same prompts: {"plain_identical": "n/N", "tokens_per_forward": {"a - b": [2.5 %, 50 %,
+    97.5 %]}, "acceptance_length": {...}} (this run minus that one, prompts resampled together)."""
+    from draftsmith.eval.acceptance import paired_tau_difference
+
+    mine = [name for name in now if name != "plain"]
+    theirs = [name for name in earlier if name != "plain"]
+    same = sum(a == b for a, b in zip(now["plain"]["outputs"], earlier["plain"]["outputs"]))
+    return {
+        "plain_identical": f"{same}/{len(now['plain']['outputs'])}",
+        "tokens_per_forward": {f"{a} - {b}": paired_tau_difference(forward_rows(now[a]), forward_rows(earlier[b])) for a in mine for b in theirs},
+        "acceptance_length": {
+            f"{a} - {b}": paired_tau_difference(per_prompt_rows(now[a]["per_prompt"]), per_prompt_rows(earlier[b]["per_prompt"])) for a in mine for b in theirs
+        },
+    }
+
+
 def parse_ngram(text: str) -> tuple[int, dict]:
     """--ngram K or K:MIN-MAX (K >= 1 tokens drafted from n-grams of 1 <= MIN <= MAX tokens)."""
     k, _, window = text.partition(":")
@@ -97,6 +138,7 @@ def main(argv=None) -> int:
     p.add_argument("--draftsmith-limit", type=bounded(int, 1), default=None, help="decode only the first N prompts in draftsmith's runtime (compared with vLLM on the same N)")
     p.add_argument("--out", required=True)
     p.add_argument("--resume", action="store_true", help="continue an interrupted benchmark in --out: the same job, its finished vLLM runs kept")
+    p.add_argument("--against", type=Path, default=None, help="an earlier benchmark's --out on the same target, prompts and budget: paired differences with its runs")
     args = p.parse_args(argv)
 
     from draftsmith.artifacts import HeadArtifact, open_drafter
@@ -162,6 +204,7 @@ def main(argv=None) -> int:
         if {k: v for k, v in before.items() if k != "resume"} != job:
             raise BadInput(f"--resume: {out / 'job.json'} holds another benchmark (other prompts, runs or settings); give another --out")
         job["resume"] = True
+    against = earlier_job(args.against, job) if args.against else None
     # Nothing is written before every check has passed.
     out.mkdir(parents=True, exist_ok=True)
     for d in drafters:
@@ -245,6 +288,8 @@ def main(argv=None) -> int:
     results["paired_tokens_per_forward"] = {
         f"{run['name']} - {reference}": paired_tau_difference(forward_rows(vllm[run["name"]]), forward_rows(vllm[reference])) for run in runs[2:]
     }
+    if against is not None:
+        results["against"] = {"folder": str(args.against), **against_rows(vllm, against[1])}
     (out / "results.json").write_text(json.dumps(results, indent=2))
     write_acceptance_csv(out / "acceptance.csv", rows)
     lines = [
@@ -274,6 +319,13 @@ def main(argv=None) -> int:
         lines += ["", f"Paired differences of tokens per target forward against {reference} (median [95% interval], prompts resampled together):", ""]
         for label, q in results["paired_tokens_per_forward"].items():
             lines.append(f"- {label}: {q[1]:+.3f} [{q[0]:+.3f}, {q[2]:+.3f}]" if q else f"- {label}: too few prompts")
+    if against is not None:
+        paired = results["against"]
+        lines += ["", f"Against {args.against} (the same prompts; plain outputs identical there and here: {paired['plain_identical']}), this run minus that one, "
+                  "median [95% interval], prompts resampled together:", "", "| pair | tokens per target forward | vLLM mean acceptance length |", "| --- | --- | --- |"]  # fmt: skip
+        for label, q in paired["tokens_per_forward"].items():
+            a = paired["acceptance_length"][label]
+            lines.append(f"| {label} | " + (f"{q[1]:+.3f} [{q[0]:+.3f}, {q[2]:+.3f}]" if q else "too few prompts") + " | " + (f"{a[1]:+.3f} [{a[0]:+.3f}, {a[2]:+.3f}]" if a else "too few prompts") + " |")  # fmt: skip
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"results: {out.resolve()}/results.json, results.md, acceptance.csv")

@@ -253,6 +253,32 @@ def test_bench_vllm_per_prompt_rows_give_tokens_per_forward_and_paired_figures(b
     assert paired_ratio(bench.tokens_and_seconds(faster), bench.tokens_and_seconds(got)) == pytest.approx([2.0, 2.0, 2.0])
 
 
+def test_bench_vllm_pairs_a_run_with_an_earlier_benchmark_on_the_same_prompts(bench, tmp_path):
+    from draftsmith.cli import BadInput
+
+    got = {"outputs": [[1] * 10, [2] * 10], "per_prompt": [{"drafts": 5, "accepted": 4}, {"drafts": 3, "accepted": 0}]}
+    better = {"outputs": [[1] * 10, [2] * 10], "per_prompt": [{"drafts": 5, "accepted": 5}, {"drafts": 3, "accepted": 1}]}
+    now = {"plain": {"outputs": got["outputs"]}, "new": better}
+    earlier = {"plain": {"outputs": [[1] * 10, [3] * 10]}, "old": got, "lookup": better}
+    paired = bench.against_rows(now, earlier)
+    assert paired["plain_identical"] == "1/2"  # the check is reported, prompt by prompt
+    assert set(paired["tokens_per_forward"]) == {"new - old", "new - lookup"}
+    assert paired["tokens_per_forward"]["new - lookup"] == [0.0, 0.0, 0.0]  # the same counts: exactly no difference
+    low, mid, high = paired["tokens_per_forward"]["new - old"]
+    assert 0 < low <= mid <= high  # one more accepted token on each prompt: better on every resample
+    assert paired["acceptance_length"]["new - lookup"] == [0.0, 0.0, 0.0]
+    # The earlier benchmark must have served the same target, prompts and budget.
+    job = {"target": "t", "prompts": [[1, 2]], "max_tokens": 10}
+    (tmp_path / "job.json").write_text(json.dumps(dict(job, runs=[])))
+    (tmp_path / "vllm.json").write_text(json.dumps(earlier))
+    assert bench.earlier_job(tmp_path, job)[1] == earlier
+    for key, value, words in (("prompts", [[1, 3]], "prompts"), ("max_tokens", 20, "--max-new-tokens"), ("target", "u", "target")):
+        with pytest.raises(BadInput, match=words):
+            bench.earlier_job(tmp_path, dict(job, **{key: value}))
+    with pytest.raises(BadInput, match="no finished benchmark"):
+        bench.earlier_job(tmp_path / "missing", job)
+
+
 def test_speculators_script_counts_the_draftsmith_runs_tokens_by_replaying_its_batch_order(peers, tmp_path):
     from types import SimpleNamespace
 
