@@ -181,6 +181,7 @@ def main() -> int:
     from draftsmith.runtime.load import LookupOptions, load_drafter
     from draftsmith.runtime.lookup import LOOKUP_KINDS
     from draftsmith.eval.report import write_bench_results
+    from draftsmith.packed import packed_layers
     from draftsmith.target import cpu_machine
 
     ap = OneLineParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
@@ -249,11 +250,13 @@ def main() -> int:
     if theirs is not None:
         summary["against"], extra = against(rows, done, theirs, args.against)
     machine = cpu_machine()
+    packed = packed_layers(target.model)  # what decoding ran the target's linear layers from (draftsmith.packed)
     head_line = (
         f"{loaded.target_path} target, drafter {args.drafter} ({loaded.kind}); {args.prompts} x {len(done)}, {args.max_new_tokens} new tokens, "
-        f"greedy {args.dtype}; lookup n-grams {args.prompt_lookup_min}-{args.prompt_lookup_max}; {machine['cpu']} ({machine['capability']}), {machine['threads']} threads"
+        f"greedy {args.dtype}; lookup n-grams {args.prompt_lookup_min}-{args.prompt_lookup_max}; {machine['cpu']} ({machine['capability']}), {machine['threads']} threads; "
+        f"the target's linear layers {f'on packed weights ({packed})' if packed else 'unpacked'}"
     )
-    payload = {"settings": settings, "rows": rows, "machine": machine, "summary": summary, "command": sys.argv}
+    payload = {"settings": settings, "rows": rows, "machine": machine, "target_linears_packed": packed, "summary": summary, "command": sys.argv}
     write_bench_results(out, payload, [head_line, "", *table(rows, summary), *([""] + extra if extra else [])])
     print(f"per prompt: {log_path}", file=sys.stderr)
     return 0
