@@ -4,14 +4,16 @@ A speculative step's verify forward multiplies a few rows (the tree's nodes) by 
 the target. On a CPU in fp32 ``F.linear`` does that poorly at a few rows: on the 2-core Xeon of
 docs/lookup.md, SmolLM2-135M's LM head (49,152 x 576) took 4.0 ms for one row and 18.1 ms for 11.
 From a weight packed once into MKL's own layout (``cblas_sgemm_compute``, the path torch's inductor
-takes for frozen CPU weights) the same products took 2.8 and 6.0 ms, and a whole 11-node forward of
-that model went from 106 to 73 ms, a one-token step from 51 to 46 (that machine, a busy day).
+takes for frozen CPU weights) the 11 rows took 6.0 ms, and a whole 11-node forward of that model
+went from 91.7 to 75.8 ms (``scripts/bench_tree_forward.py --unpacked-too``). One row stays on
+``F.linear``: a one-token step measured no faster packed.
 
 ``packed_linears(model)`` is a context: inside it every fp32 ``nn.Linear`` of ``model`` on the CPU
 runs from its packed copy, outside it the module is untouched (so transformers' own ``generate``,
 the reference the tests compare with, runs as it always did). The packs are made on first entry and
 kept with the model; a weight that changed since (its version counter or its storage) is packed
-again. Results differ from ``F.linear`` by rounding only; with gradients on, the layers run as
+again, but a write through ``weight.data`` moves neither and goes unseen: pack only weights that
+stay put (decoding packs the frozen target alone). Results differ from ``F.linear`` by rounding only; with gradients on, the layers run as
 usual. The packs hold a second copy of the linear weights: a model whose linear weights exceed a
 quarter of the memory available runs unpacked (said once), and ``DRAFTSMITH_PACKED_LINEARS=0`` in
 the environment turns packing off (to compare, or to save the memory).
