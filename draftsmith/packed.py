@@ -122,6 +122,9 @@ def _packs_for(model: nn.Module) -> dict[nn.Linear, _Packed]:
     packs = _packs.get(model)
     if packs is not None:
         return packs
+    first = next(model.parameters(), None)
+    if first is None or first.device.type != "cpu":  # a GPU's model: nothing to look through
+        return {}
     layers = _eligible(model)
     if not layers:
         return {}
