@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from draftsmith.packed import packed_linears
+from draftsmith.packed import packed_layers, packed_linears
 
 
 def median_ms(fn, reps: int, model, modes: tuple[bool, ...]) -> list[float]:
@@ -58,9 +58,8 @@ def main() -> int:
     args = ap.parse_args()
 
     target = FrozenTarget.load(args.target, args.dtype)
-    with packed_linears(target.model) as packed_layers:
-        pass  # packs the weights (if they can be), outside the timings
-    modes = (True, False) if args.unpacked_too and packed_layers else (True,)
+    packed = packed_layers(target.model)  # packs the weights (where they can be), outside the timings
+    modes = (True, False) if args.unpacked_too and packed else (True,)
     vocab = target.dims.vocab_size
     session = TargetSession(target)
     session.prefill(torch.randint(3, min(vocab, 20000), (1, args.context), generator=torch.Generator().manual_seed(0)))
@@ -95,7 +94,7 @@ def main() -> int:
         print(json.dumps(rows[-1]), flush=True)
 
     machine = cpu_machine()
-    packed_words = f"{packed_layers} linear layers on packed weights" if packed_layers else "linear layers unpacked"
+    packed_words = f"{packed} linear layers on packed weights" if packed else "linear layers unpacked"
     lines = [
         f"{args.target}, {args.dtype}, {args.context} tokens cached; {machine['cpu']} ({machine['capability']}), {machine['threads']} threads; "
         f"plain step {plain_ms[0]:.1f} ms (median of {args.reps}); {packed_words}"
@@ -115,7 +114,7 @@ def main() -> int:
             "| --- | --- | --- | --- |",
             *(f"| {r['nodes']} | {r['verify_ms']:.1f} | {r['lm_head_ms']:.1f} | {r['ratio_to_plain']:.2f} |" for r in rows),
         ]
-    write_bench_results(args.out, {"args": vars(args), "machine": machine, "packed_layers": packed_layers, "plain_ms": plain_ms[0], "unpacked_plain_ms": plain_ms[1] if len(modes) == 2 else None, "rows": rows, "command": sys.argv}, lines)
+    write_bench_results(args.out, {"args": vars(args), "machine": machine, "packed_layers": packed, "plain_ms": plain_ms[0], "unpacked_plain_ms": plain_ms[1] if len(modes) == 2 else None, "rows": rows, "command": sys.argv}, lines)
     return 0
 
 
