@@ -17,6 +17,14 @@ torch.cuda.max_memory_allocated over the timed steps, the target's weights inclu
 is that peak less what was allocated as the timed steps began (weights, optimizer state, cached
 features): a step's activations and transients, what speculators' script reports by the same name.
 
+``--lm-head frozen`` (the default) keeps each head's own 32,000-token LM head at the target's rows,
+as speculators 0.9.0 always does (its ``lm_head`` has ``requires_grad = False``), so the two
+trainers do the same work; ``trained`` is our recipes' default (``train_lm_head: true``: a weight
+gradient through the LM head at every depth and AdamW over its 131M parameters at the 8B shape);
+both for a row each. In ``cached`` mode the target's decoder layers are dropped once the features
+are computed, as ``train`` does when it reads a feature cache (trainers/features.py): what stays is
+its embedding, final norm and LM head, so peak memory counts what training from a cache holds.
+
 ``--attention`` picks the heads' training attention (draftsmith.heads.layers.TRAINING_ATTENTION:
 auto is FlexAttention on CUDA; flex, recompute, keep), several at once for a side-by-side table.
 ``--profile DIR`` writes, per row, torch.profiler's operator table over two extra steps
@@ -47,13 +55,14 @@ HEADS = {
 }
 
 
-def build_head(kind: str, target, device: torch.device):
+def build_head(kind: str, target, device: torch.device, lm_head: str = "frozen"):
     from omegaconf import OmegaConf
 
     from draftsmith.heads import HEADS as HEAD_CLASSES
 
     values = OmegaConf.to_container(OmegaConf.create(HEADS[kind]))
     values.pop("kind")
+    values["train_lm_head"] = lm_head == "trained"
     values["draft_vocab_size"] = min(values["draft_vocab_size"], target.dims.vocab_size)
     if target.dims.num_layers < 6:
         values["aux_layer_ids"] = [1, 2, 3]
@@ -65,23 +74,25 @@ def build_head(kind: str, target, device: torch.device):
     return head.train()
 
 
-def bench(shape: str, kind: str, mode: str, attention: str, device: torch.device, args) -> dict:
+def bench(shape: str, kind: str, mode: str, attention: str, lm_head: str, device: torch.device, args) -> dict:
     """One row: `_bench` with the heads' training attention set to `attention` for its length."""
     import draftsmith.heads.layers as layers
 
     previous, layers.TRAINING_ATTENTION = layers.TRAINING_ATTENTION, attention
     try:
-        return _bench(shape, kind, mode, attention, device, args)
+        return _bench(shape, kind, mode, attention, lm_head, device, args)
     finally:
         layers.TRAINING_ATTENTION = previous
 
 
-def _bench(shape: str, kind: str, mode: str, attention: str, device: torch.device, args) -> dict:
+def _bench(shape: str, kind: str, mode: str, attention: str, lm_head: str, device: torch.device, args) -> dict:
     from bench_gpu import build_target, sync
+
+    from draftsmith.trainers.features import drop_decoder_layers
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = build_target(shape, device, dtype)
-    head = build_head(kind, target, device)
+    head = build_head(kind, target, device, lm_head)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, target.dims.vocab_size, (args.batch, args.seq_len), generator=gen).to(device)
@@ -95,7 +106,12 @@ def _bench(shape: str, kind: str, mode: str, attention: str, device: torch.devic
         out.hidden = {i: h.float() for i, h in out.hidden.items()}
         return out
 
-    cached = features() if mode == "cached" else None
+    cached = None
+    if mode == "cached":
+        cached = features()
+        drop_decoder_layers(target)  # as train does on a feature cache: embedding, norm and LM head stay
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     trained = []  # per step, the positions a depth trained on, as a share of the batch's (mean over depths)
 
@@ -122,14 +138,16 @@ def _bench(shape: str, kind: str, mode: str, attention: str, device: torch.devic
     sync(device)
     seconds = (time.perf_counter() - started) / args.steps
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)
     if args.profile:
-        profile(step, device, args.profile / f"{shape}-{kind}-{mode}-{attention}.txt")
+        profile(step, device, args.profile / f"{shape}-{kind}-{mode}-{attention}-{lm_head}.txt")
     row = {
-        "shape": shape, "head": kind, "mode": mode, "attention": attention, "batch": args.batch, "seq_len": args.seq_len,
+        "shape": shape, "head": kind, "mode": mode, "attention": attention, "lm_head": lm_head, "batch": args.batch, "seq_len": args.seq_len,
         "ms_per_step": round(1000 * seconds, 2), "tokens_per_s": round(args.batch * args.seq_len / seconds, 1),
         "peak_memory_gb": round(peak / 2**30, 2) if peak is not None else None,
         "step_memory_gb": round((peak - before) / 2**30, 2) if peak is not None else None,
-        "final_loss": round(float(loss), 4), "head_parameters_m": round(sum(p.numel() for p in head.parameters() if p.requires_grad) / 1e6, 1),
+        "final_loss": round(float(loss), 4), "head_parameters_m": round(trainable / 1e6, 1), "trainable_parameters": trainable,
+        "target_parameters_held": sum(p.numel() for p in target.model.parameters()),
         "trained_share": round(float(torch.stack(trained).mean()), 3) if trained else None,
     }  # fmt: skip
     del target, head, optimizer, cached
@@ -163,13 +181,14 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
         f"{meta['device_name']}; torch {meta['torch']}; batch {meta['batch']} x {meta['seq_len']} tokens; "
         f"{meta['steps']} timed steps after {meta['warmup']}; random weights of the named shapes. "
         "Trained share: the positions a depth's loss covers, over the batch's, mean over depths (depth k has no label for a row's last k + 1 positions).", "",
-        "| shape | head | features | attention | ms / step | tokens / s | peak memory (GB) | step memory (GB) | trained share | trainable params (M) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| shape | head | features | attention | LM head | ms / step | tokens / s | peak memory (GB) | step memory (GB) | trained share | trainable params (M) | target params held (M) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]  # fmt: skip
     for r in rows:
         lines.append(
-            f"| {r['shape']} | {r['head']} | {r['mode']} | {r['attention']} | {r['ms_per_step']} | {r['tokens_per_s']} | {r['peak_memory_gb'] or '-'} | "
-            f"{r['step_memory_gb'] or '-'} | {r['trained_share'] if r.get('trained_share') is not None else '-'} | {r['head_parameters_m']} |"
+            f"| {r['shape']} | {r['head']} | {r['mode']} | {r['attention']} | {r.get('lm_head', 'trained')} | {r['ms_per_step']} | {r['tokens_per_s']} | {r['peak_memory_gb'] or '-'} | "
+            f"{r['step_memory_gb'] or '-'} | {r['trained_share'] if r.get('trained_share') is not None else '-'} | {r['head_parameters_m']} | "
+            f"{round(r['target_parameters_held'] / 1e6, 1) if 'target_parameters_held' in r else '-'} |"
         )
     save(out, lines, rows, meta)
 
@@ -191,6 +210,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=bounded(int, 0), default=2)
     p.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "flex", "recompute", "keep"],
                    help="the heads' training attention (draftsmith.heads.layers.TRAINING_ATTENTION); several: a row each")
+    p.add_argument("--lm-head", nargs="+", default=["frozen"], choices=["frozen", "trained"],
+                   help="the heads' own LM head: frozen at the target's rows (speculators' setting, the default) or trained (our recipes'); several: a row each")
     p.add_argument("--profile", type=Path, default=None, help="folder for a torch.profiler operator table per row (two extra steps)")
     p.add_argument("--out", type=Path, default=None, help="Markdown table (and .json beside it); default: print only")
     args = p.parse_args(argv)
@@ -209,10 +230,11 @@ def main(argv=None) -> int:
         for kind in args.heads:
             for mode in args.modes:
                 for attention in args.attention:
-                    rows.append(bench(shape, kind, mode, attention, device, args))
-                    print(json.dumps(rows[-1]), flush=True)
-                    if args.out:  # after every row: a run cut short keeps what it measured
-                        write(args.out, rows, meta)
+                    for lm_head in args.lm_head:
+                        rows.append(bench(shape, kind, mode, attention, lm_head, device, args))
+                        print(json.dumps(rows[-1]), flush=True)
+                        if args.out:  # after every row: a run cut short keeps what it measured
+                            write(args.out, rows, meta)
     if args.out:
         print(f"results: {args.out.resolve()} (and {args.out.with_suffix('.json').name})")
     return 0

@@ -17,8 +17,8 @@ goes (DIR/<step>.log) so that a machine taken away mid-run still leaves what it 
 5. scripts/bench_gpu.py: a speculative step's cost against a plain one per drafter kind, at the
    SmolLM2-135M and Llama-3.1-8B shapes, on transformers' cache and on the graphed static one;
 6. scripts/bench_gpu_train.py: EAGLE-3 and DFlash head training at the Llama-3.1-8B shape (tokens/s,
-   ms a step, peak and step memory) on cached features, FlexAttention against attention kept, with
-   an operator profile per row;
+   ms a step, peak and step memory) on cached features with the LM head frozen as speculators keeps
+   it, FlexAttention against attention kept, with an operator profile per row;
 7. scripts/peers/speculators_gpu_train.py: the same heads, shape and schedule trained by speculators
    0.9.0 (its flex attention, fused Triton losses, or eager ones where those fail, and
    torch.compile on), on the image's own
@@ -160,9 +160,10 @@ def main(argv=None) -> int:
                    "-m", "not slow and not interop and not assets", *args.suite_tests], 0.35),
         ("bench-verify", [py, "scripts/bench_verify.py", "--reps", "10", "--out", str(out / "bench-verify.md")], 0.12),
         ("bench-gpu", [py, "scripts/bench_gpu.py", *args.bench_args.split(), "--out", str(out / "bench-gpu.md")], 0.18),
-        # Cached features only (speculators' offline case), FlexAttention against attention kept; warm-up
-        # 2 for the compiles; an operator profile per row.
-        ("bench-train", [py, "scripts/bench_gpu_train.py", "--steps", "5", "--warmup", "2", "--modes", "cached", "--attention", "flex", "keep",
+        # Cached features only (speculators' offline case), the LM head frozen as speculators keeps it
+        # (the same work), FlexAttention against attention kept; warm-up 2 for the compiles; an operator
+        # profile per row.
+        ("bench-train", [py, "scripts/bench_gpu_train.py", "--steps", "5", "--warmup", "2", "--modes", "cached", "--lm-head", "frozen", "--attention", "flex", "keep",
                          "--profile", str(out / "train-profiles"), "--out", str(out / "bench-train.md")], 0.12),  # fmt: skip
         # Its own PYTHONPATH: speculators wants transformers <= 5.19, the image's, not ours. Two warm-up
         # steps: its forward compiles and its Triton losses autotune there.

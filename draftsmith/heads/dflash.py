@@ -87,6 +87,9 @@ class DFlashConfig(LayerShape):
     # Tokens of an own LM head over the most frequent answer tokens (with d2t, as EAGLE-3's); 0:
     # the target's LM head over its whole vocabulary (the references' default).
     draft_vocab_size: int = 0
+    # That own LM head (started from the target's rows) trains; false keeps it frozen, as
+    # speculators does. The target's LM head (draft_vocab_size 0) never trains.
+    train_lm_head: bool = True
     # Blocks trained per row, anchored at answer tokens drawn without replacement.
     max_anchors: int = 512
     # Which answer tokens may anchor a block. "scored": any whose block has a scored slot, the
@@ -255,6 +258,7 @@ class DFlashHead(DraftHead):
         if cfg.draft_vocab_size:
             Vd = cfg.draft_vocab_size
             self.lm_head = nn.Linear(D, Vd, bias=False)
+            self.lm_head.weight.requires_grad_(cfg.train_lm_head)
             # The draft vocabulary (heads/vocab.py); the first Vd ids until init_from_data chooses.
             self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))
             t2d = torch.zeros(V, dtype=torch.bool)

@@ -48,6 +48,15 @@ class _DroppedDecoderLayer(nn.Module):
         raise RuntimeError(f"target decoder layer {self.index} was dropped: this run trains from the feature cache")
 
 
+def drop_decoder_layers(target: FrozenTarget) -> None:
+    """Free the target's decoder layers for a run that reads its features from a cache: only its
+    embedding, final norm and LM head stay (what a head's loss still calls). A forward through a
+    dropped layer raises, naming it."""
+    blocks = target.layers
+    for i in range(len(blocks)):
+        blocks[i] = _DroppedDecoderLayer(i)
+
+
 class FeatureSource:
     """The target's features of a collated batch of examples, from the target or the cache.
 
@@ -114,9 +123,7 @@ class FeatureSource:
                 if cache.count(split) < len(examples):
                     raise fc.FeatureCacheError(f"feature cache {folder} holds {cache.count(split)} of {len(examples)} {split} examples after building")
             if not self.shard_target:
-                blocks = self.target.layers
-                for i in range(len(blocks)):
-                    blocks[i] = _DroppedDecoderLayer(i)
+                drop_decoder_layers(self.target)
         self.cache, self.spec = cache, spec
 
     # ------------------------------------------------------------------ reading

@@ -235,6 +235,19 @@ def test_training_samples_max_anchors_per_row(target):
     assert 2 * 3 * 1 <= float(stats["count"][0]) <= 2 * 3 and float(stats["count"].sum()) <= 2 * 3 * head.depth
 
 
+def test_a_frozen_own_lm_head_gets_no_gradient_and_stays_the_targets(target):
+    head = DFlashHead(DFlashConfig(aux_layer_ids=[1, 2, 4], block_size=4, num_layers=1, mask_token_id=V - 1, draft_vocab_size=20, train_lm_head=False), target.dims)
+    head.init_from_target(target)
+    head = head.double().train()
+    assert not head.lm_head.weight.requires_grad
+    ids = torch.randint(3, V - 1, (2, 16), generator=torch.Generator().manual_seed(4))
+    loss, stats = head.loss(target.features(ids, layers=head.required_layers()), torch.ones_like(ids))
+    loss.backward()
+    assert float(stats["count"].sum()) > 0 and head.fc.weight.grad is not None and head.fc.weight.grad.abs().sum() > 0
+    assert head.lm_head.weight.grad is None
+    torch.testing.assert_close(head.lm_head.weight, target.lm_head_weight()[head.draft_ids].double())
+
+
 # ----------------------------------------------------------------------------- the mask token
 
 

@@ -139,7 +139,7 @@ def test_bench_gpu_train_times_eagle3_and_dflash_training_on_the_cpu(tmp_path):
     assert [(r["head"], r["mode"], r["attention"]) for r in rows] == [
         (head, mode, attention) for head in ("eagle3", "dflash") for mode in ("online", "cached") for attention in ("keep", "recompute")
     ]
-    assert all(r["tokens_per_s"] > 0 and r["peak_memory_gb"] is None and r["step_memory_gb"] is None and r["head_parameters_m"] > 0 for r in rows)
+    assert all(r["tokens_per_s"] > 0 and r["peak_memory_gb"] is None and r["step_memory_gb"] is None and r["trainable_parameters"] > 0 for r in rows)
     assert len({r["final_loss"] for r in rows[:4]}) == 1 and len({r["final_loss"] for r in rows[4:]}) == 1
     assert "| tiny | dflash | cached | recompute |" in out.read_text()
     # EAGLE-3 trains every position with a label (depth k predicts x_{t+k+1}: all but a row's last
@@ -147,8 +147,28 @@ def test_bench_gpu_train_times_eagle3_and_dflash_training_on_the_cpu(tmp_path):
     eagle3 = [r for r in rows if r["head"] == "eagle3"]
     assert all(r["trained_share"] == pytest.approx(1 - ((1 + 7) / 2 + 1) / 32, abs=0.002) for r in eagle3), eagle3
     tables = sorted(p.name for p in (tmp_path / "prof").iterdir())
-    assert len(tables) == 8 and "tiny-eagle3-cached-recompute.txt" in tables
-    assert "aten::" in (tmp_path / "prof" / "tiny-eagle3-cached-recompute.txt").read_text()
+    assert len(tables) == 8 and "tiny-eagle3-cached-recompute-frozen.txt" in tables
+    assert "aten::" in (tmp_path / "prof" / "tiny-eagle3-cached-recompute-frozen.txt").read_text()
+    # From cached features the target holds only its embedding, LM head and final norm, as train
+    # does on a feature cache; online it holds its decoder layers too.
+    D, V = 64, 512
+    held = {r["mode"]: r["target_parameters_held"] for r in rows}
+    assert held["cached"] == 2 * V * D + D and held["online"] > held["cached"]
+
+
+def test_bench_gpu_train_freezes_the_lm_head_as_speculators_or_trains_it(tmp_path):
+    """--lm-head: frozen (speculators' setting, the default) leaves the heads' own LM head out of the
+    trained parameters, trained (our recipes') puts it in: a row each, in the table's column."""
+    bench = load_script("scripts/bench_gpu_train.py")
+    out = tmp_path / "train.md"
+    argv = ["--device", "cpu", "--shapes", "tiny", "--steps", "1", "--warmup", "0", "--seq-len", "16", "--modes", "cached", "--attention", "keep"]
+    assert bench.main([*argv, "--lm-head", "frozen", "trained", "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["head"], r["lm_head"]) for r in rows] == [(h, m) for h in ("eagle3", "dflash") for m in ("frozen", "trained")]
+    D, Vd = 64, 512  # the tiny shape's width; its whole 512-token vocabulary is the draft vocabulary
+    for frozen, trained in (rows[:2], rows[2:]):
+        assert trained["trainable_parameters"] - frozen["trainable_parameters"] == Vd * D
+    assert "| tiny | dflash | cached | keep | trained |" in out.read_text()
 
 
 # Every script under scripts/ refuses a bad command line in one line, exit 2, before it loads a
