@@ -217,7 +217,7 @@ def flex_attend(
     pair j sits at S + j P + p, seen by position p alone (where ``own_allowed`` says). Runs in
     autocast's dtype where autocast is on (else q's), compiled on CUDA (where FlexAttention is
     fast only compiled), as written elsewhere (the CPU, where it has no backward: tests only)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
     B, H, P, Dh = q.shape
@@ -238,7 +238,7 @@ def flex_attend(
         return mask_mod(b, h, qi, kv) & ((kv < S) | own_allowed[qi, (r // P).clamp(max=n - 1)])
 
     chosen = mask_mod if own_allowed is None or n == 0 else mask_mod_own_allowed
-    block_mask = create_block_mask(chosen, B, None, P, S + n * P, device=q.device)
+    block_mask = training_block_mask(chosen, allowed, P, n, own_allowed if n else None)
     run = flex_attention
     if kind == "cuda":
         if _compiled_flex is None:
@@ -251,6 +251,47 @@ def flex_attend(
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         run = _compiled_flex
     return run(q.to(dtype), keys, values, block_mask=block_mask, scale=1.0 / math.sqrt(Dh), enable_gqa=H != k.shape[1])
+
+
+def training_block_mask(mask_mod, allowed: Tensor, P: int, n: int, own_allowed: Optional[Tensor] = None, block: int = 128):
+    """The BlockMask ``create_block_mask(mask_mod, B, None, P, S + n P)`` makes for ``flex_attend``'s
+    keys (S shared ones seen where ``allowed`` [B or 1,1,P,S] says, then n own runs of P entries,
+    entry p of run j seen by position p alone where ``own_allowed`` [P,n] says), counted block by
+    block instead of by calling ``mask_mod`` at every (position, key) pair. ``create_block_mask``
+    evaluates it over the whole [B,P,S + n P] grid: at an 8B target's bench shape (4 x 2048
+    positions, EAGLE-3's 7th step) 117M pairs with int64 intermediates, a DFlash layer's (4,096
+    slots and 8 own runs of them) 570M. Here the shared keys cost one pass over ``allowed`` and the
+    own runs P additions each. Blocks count as torch counts them: full where every pair of a
+    block x block tile is seen (tiles past the ends never are), partial where some are; the block
+    tables are those ``create_block_mask`` builds from the same counts (tests/unit/test_heads.py)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = allowed.device
+    S = allowed.shape[-1]
+    KV = S + n * P
+    nq, ns, nk = -(-P // block), -(-S // block), -(-KV // block)
+    # Seen pairs per (query tile, key tile): the shared keys' from allowed, padded to whole tiles.
+    shared = F.pad(allowed[:, 0].to(torch.int32), (0, ns * block - S, 0, nq * block - P))
+    shared = shared.view(allowed.shape[0], nq, block, ns, block).sum(dim=(2, 4), dtype=torch.int32)
+    counts = F.pad(shared, (0, nk - ns))
+    if n:
+        # Entry p of own run j is key S + j P + p, seen by position p alone.
+        p = torch.arange(P, device=device)
+        keys = S + torch.arange(n, device=device).view(n, 1) * P + p  # [n,P]
+        seen = torch.ones(n, P, dtype=torch.int32, device=device) if own_allowed is None else own_allowed.t().to(torch.int32)
+        own = torch.zeros(nq * nk, dtype=torch.int32, device=device)
+        tiles = ((p // block) * nk + keys // block).reshape(-1)
+        own.index_put_((tiles,), seen.reshape(-1), accumulate=True)
+        counts = counts + own.view(1, nq, nk)
+    full = counts == block * block
+    partial = (counts > 0) & ~full
+
+    def ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:  # per query tile: how many, then which (ascending)
+        blocks = blocks.unsqueeze(1).to(torch.int32)  # [B or 1, heads 1, nq, nk]
+        order = torch.argsort(blocks, dim=-1, descending=True, stable=True)
+        return blocks.sum(dim=-1).to(torch.int32), order.to(torch.int32)
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=(block, block), mask_mod=mask_mod, seq_lengths=(P, KV))
 
 
 def attend_in_training(

@@ -307,6 +307,45 @@ def test_flex_attention_sees_what_attend_sees():
             torch.testing.assert_close(got.float(), ref, rtol=1e-4, atol=1e-5, msg=f"{name}, {len(extra)} own, own_allowed {seen is not None}")
 
 
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
+@pytest.mark.parametrize("B, P, S, n, block", [(2, 40, 40, 0, 16), (2, 40, 40, 3, 16), (1, 70, 33, 2, 16), (3, 64, 64, 4, 16), (2, 300, 300, 2, 128)])
+def test_the_training_block_mask_is_create_block_masks(B, P, S, n, block):
+    """training_block_mask counts tiles instead of calling the mask at every pair: its block tables
+    (partial and full, by query tile and by key tile) are create_block_mask's for the same mask,
+    over shared keys with causal, packed and padded rows (one mask for all rows, or one each), own
+    runs seen by all or as own_allowed says, and lengths that are not whole tiles."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from draftsmith.heads.layers import causal_allowed, training_block_mask
+
+    g = torch.Generator().manual_seed(B * P + n)
+    segments = torch.randint(0, 3, (B, P), generator=g).sort(dim=1).values
+    padding = (torch.rand(B, P, generator=g) > 0.1).long()
+    shared = [causal_allowed(P, torch.device("cpu"))[..., :S], causal_allowed(P, torch.device("cpu"), segments, padding)[..., :S]]
+    shared.append(torch.rand(B, 1, P, S, generator=g) > 0.7)  # tiles of every kind: empty, partial, full
+    shared.append(torch.ones(1, 1, P, S, dtype=torch.bool))
+    shared.append(shared[-1].clone())
+    shared[-1][..., 0, 0] = False  # one pair short of a full tile
+    for allowed in shared:
+        for own_allowed in (None, torch.rand(P, max(n, 1), generator=g) > 0.3) if n else (None,):
+            visible = allowed.expand(allowed.shape[0], 1, P, S)
+
+            def mask_mod(b, h, qi, kv):
+                seen = (kv < S) & visible[b, 0, qi, kv.clamp(max=S - 1)]
+                r = (kv - S).clamp(min=0)
+                own = (kv >= S) & (r % P == qi)
+                if own_allowed is not None:
+                    own = own & own_allowed[qi, (r // P).clamp(max=n - 1)]
+                return seen | own
+
+            want = create_block_mask(mask_mod, allowed.shape[0], None, P, S + n * P, device="cpu", BLOCK_SIZE=block)
+            got = training_block_mask(mask_mod, allowed, P, n, own_allowed, block=block)
+            assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
+            for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), (name, allowed.shape, own_allowed is not None)
+    assert int(want.full_kv_num_blocks.sum()) > 0 or S < block  # the last masks have full tiles
+
+
 def test_a_flex_attention_that_fails_falls_back_to_recomputing_once(monkeypatch, capsys):
     """Forced onto FlexAttention where it cannot train (the CPU has no backward for it), training
     says so once and goes on with the recomputed attention: the same loss and gradients."""
