@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from draftsmith.heads.base import BufferedSession, DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels
 from draftsmith.heads.eagle3 import resolve_aux_layer_ids
-from draftsmith.heads.layers import DecoderLayer, LayerShape, RMSNorm, Rotary, attend_in_training, causal_allowed
+from draftsmith.heads.layers import BlockEntries, DecoderLayer, LayerShape, RMSNorm, Rotary, attend_in_training, causal_allowed
 from draftsmith.heads.vocab import draft_vocabulary, to_target_vocab
 from draftsmith.target import FrozenTarget
 
@@ -362,18 +362,12 @@ class DFlashHead(DraftHead):
         cos, sin = self.rotary(positions.reshape(positions.shape[0], P), x.dtype)
         allowed = visible.unsqueeze(2).expand(-1, -1, S, -1).reshape(visible.shape[0], 1, P, visible.shape[-1])
         # Slot i of a block sees slot j of the same block: always, or for j <= i when causal.
-        own_allowed = torch.ones(S, S, dtype=torch.bool, device=ids.device)
-        own_allowed = (own_allowed.tril() if self.cfg.causal else own_allowed).repeat(N, 1)
+        seen = torch.ones(S, S, dtype=torch.bool, device=ids.device)
+        seen = seen.tril() if self.cfg.causal else seen
         for layer, (ck, cv) in zip(self.layers, kv):
             attn_in, residual = layer.prepare(x)
             q, k, v = layer.self_attn.qkv(attn_in, cos, sin)
-            kb, vb = (t.view(B, t.shape[1], N, S, t.shape[-1]) for t in (k, v))
-
-            def slot(t: Tensor, j: int) -> Tensor:
-                return t[:, :, :, j : j + 1].expand(-1, -1, -1, S, -1).reshape(B, t.shape[1], P, t.shape[-1])
-
-            own = [(slot(kb, j), slot(vb, j)) for j in range(S)]
-            x = layer.finish(residual, attend_in_training(q, ck, cv, allowed, own, own_allowed))
+            x = layer.finish(residual, attend_in_training(q, ck, cv, allowed, BlockEntries(k, v, S, seen)))
         return self.norm(x).view(B, N, S, -1)
 
     def vocab_logits(self, out: Tensor, lm_head) -> Tensor:

@@ -15,7 +15,7 @@ import copy
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ from draftsmith.target import TargetDims
 __all__ = [
     "MLP",
     "Attention",
+    "BlockEntries",
     "DecoderLayer",
     "LayerShape",
     "RMSNorm",
@@ -158,16 +159,44 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + turned * sin
 
 
-def attend(
-    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: Sequence[tuple[Tensor, Tensor]] = (), own_allowed: Optional[Tensor] = None
-) -> Tensor:
+@dataclass
+class BlockEntries:
+    """The attending positions' own keys and values k, v [B,Hkv,P,Dh], seen inside blocks of
+    ``size`` consecutive positions: position p sees entry p' of its own block where ``allowed``
+    [size,size] bool says (row p % size, column p' % size). DFlash's slots, which see each other
+    (all, or causally). FlexAttention reads them as P more keys; ``attend`` as ``size`` own runs."""
+
+    k: Tensor
+    v: Tensor
+    size: int
+    allowed: Tensor
+
+    def as_runs(self) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+        """The same entries as ``attend``'s own runs and their own_allowed [P,size]: run j holds,
+        at every position, slot j of that position's block."""
+        B, Hkv, P, Dh = self.k.shape
+        N, G = P // self.size, self.size
+
+        def slot(t: Tensor, j: int) -> Tensor:
+            return t.view(B, Hkv, N, G, Dh)[:, :, :, j : j + 1].expand(-1, -1, -1, G, -1).reshape(B, Hkv, P, Dh)
+
+        return [(slot(self.k, j), slot(self.v, j)) for j in range(G)], self.allowed.repeat(N, 1)
+
+
+OwnEntries = Union[Sequence[tuple[Tensor, Tensor]], BlockEntries]
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: OwnEntries = (), own_allowed: Optional[Tensor] = None) -> Tensor:
     """Softmax attention with grouped-query key/value heads, in at least fp32.
 
     q [B,H,P,Dh]; k, v [B,Hkv,S,Dh]; allowed [B or 1,1,P,S] bool. ``own``: extra (k, v) pairs
     [B,Hkv,P,Dh] that position p alone sees, entry p of each (the training-time-test diagonal: a
-    drafted token's own earlier steps; a DFlash block's slots). ``own_allowed`` [P, len(own)] bool:
-    which of them each position sees (default: all). Returns [B,H,P,Dh].
+    drafted token's own earlier steps), with ``own_allowed`` [P, len(own)] bool saying which of
+    them each position sees (default: all); or the positions' own entries in blocks
+    (``BlockEntries``: a DFlash block's slots). Returns [B,H,P,Dh].
     """
+    if isinstance(own, BlockEntries):
+        own, own_allowed = own.as_runs()
     H, Hkv = q.shape[1], k.shape[1]
     dtype = torch.promote_types(q.dtype, torch.float32)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -209,36 +238,53 @@ def _training_attention(device: torch.device) -> str:
     return "recompute"
 
 
-def flex_attend(
-    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: Sequence[tuple[Tensor, Tensor]] = (), own_allowed: Optional[Tensor] = None
-) -> Tensor:
+def flex_attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: OwnEntries = (), own_allowed: Optional[Tensor] = None) -> Tensor:
     """``attend``'s result through FlexAttention, which never materialises the scores and skips
-    the blocks nobody sees. The ``own`` entries become keys after the S shared ones: entry p of own
-    pair j sits at S + j P + p, seen by position p alone (where ``own_allowed`` says). Runs in
+    the tiles nobody sees. The own entries become keys after the S shared ones: entry p of own run
+    j at S + j P + p, seen by position p alone (where ``own_allowed`` says); ``BlockEntries`` as
+    the P keys S .. S + P - 1, seen inside each block where its ``allowed`` says. Runs in
     autocast's dtype where autocast is on (else q's), compiled on CUDA (where FlexAttention is
     fast only compiled), as written elsewhere (the CPU, where it has no backward: tests only)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
     B, H, P, Dh = q.shape
-    S, n = k.shape[2], len(own)
+    S = k.shape[2]
     kind = q.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
-    keys = torch.cat([k, *(kd for kd, _ in own)], dim=2).to(dtype)
-    values = torch.cat([v, *(vd for _, vd in own)], dim=2).to(dtype)
     visible = allowed.expand(B, 1, P, S)
+    positions = torch.arange(P, device=q.device)
 
-    def mask_mod(b, h, qi, kv):
-        shared = (kv < S) & visible[b, 0, qi, kv.clamp(max=S - 1)]
-        r = (kv - S).clamp(min=0)
-        return shared | ((kv >= S) & (r % P == qi))
+    def shared(b, qi, kv):
+        return (kv < S) & visible[b, 0, qi, kv.clamp(max=S - 1)]
 
-    def mask_mod_own_allowed(b, h, qi, kv):
-        r = (kv - S).clamp(min=0)
-        return mask_mod(b, h, qi, kv) & ((kv < S) | own_allowed[qi, (r // P).clamp(max=n - 1)])
+    if isinstance(own, BlockEntries):
+        G, seen_in_block = own.size, own.allowed
+        extra = [(own.k, own.v)]
 
-    chosen = mask_mod if own_allowed is None or n == 0 else mask_mod_own_allowed
-    block_mask = training_block_mask(chosen, allowed, P, n, own_allowed if n else None)
+        def mask_mod(b, h, qi, kv):
+            r = (kv - S).clamp(min=0)
+            return shared(b, qi, kv) | ((kv >= S) & (r // G == qi // G) & seen_in_block[qi % G, r % G])
+
+        slots = torch.arange(G, device=q.device).view(G, 1)
+        own_keys = S + (positions // G) * G + slots  # [G,P]: slot j of each position's block
+        own_seen = seen_in_block[positions % G].t()
+    else:
+        n = len(own)
+        extra = list(own)
+
+        def mask_mod(b, h, qi, kv):
+            r = (kv - S).clamp(min=0)
+            diagonal = (kv >= S) & (r % P == qi)
+            if own_allowed is not None and n:
+                diagonal = diagonal & own_allowed[qi, (r // P).clamp(max=n - 1)]
+            return shared(b, qi, kv) | diagonal
+
+        own_keys = S + torch.arange(n, device=q.device).view(n, 1) * P + positions  # [n,P]
+        own_seen = None if own_allowed is None else own_allowed.t()
+    keys = torch.cat([k, *(kd for kd, _ in extra)], dim=2).to(dtype)
+    values = torch.cat([v, *(vd for _, vd in extra)], dim=2).to(dtype)
+    block_mask = training_block_mask(mask_mod, allowed, keys.shape[2], own_keys, own_seen)
     run = flex_attention
     if kind == "cuda":
         if _compiled_flex is None:
@@ -253,50 +299,46 @@ def flex_attend(
     return run(q.to(dtype), keys, values, block_mask=block_mask, scale=1.0 / math.sqrt(Dh), enable_gqa=H != k.shape[1])
 
 
-def training_block_mask(mask_mod, allowed: Tensor, P: int, n: int, own_allowed: Optional[Tensor] = None, block: int = 128):
-    """The BlockMask ``create_block_mask(mask_mod, B, None, P, S + n P)`` makes for ``flex_attend``'s
-    keys (S shared ones seen where ``allowed`` [B or 1,1,P,S] says, then n own runs of P entries,
-    entry p of run j seen by position p alone where ``own_allowed`` [P,n] says), counted block by
-    block instead of by calling ``mask_mod`` at every (position, key) pair. ``create_block_mask``
-    evaluates it over the whole [B,P,S + n P] grid: at an 8B target's bench shape (4 x 2048
-    positions, EAGLE-3's 7th step) 117M pairs with int64 intermediates, a DFlash layer's (4,096
-    slots and 8 own runs of them) 570M. Here the shared keys cost one pass over ``allowed`` and the
-    own runs P additions each. Blocks count as torch counts them: full where every pair of a
-    block x block tile is seen (tiles past the ends never are), partial where some are; the block
-    tables are those ``create_block_mask`` builds from the same counts (tests/unit/test_heads.py)."""
+def training_block_mask(mask_mod, allowed: Tensor, KV: int, own_keys: Optional[Tensor] = None, own_seen: Optional[Tensor] = None, block: int = 128):
+    """The BlockMask ``create_block_mask(mask_mod, B, None, P, KV)`` makes for ``flex_attend``'s keys,
+    counted tile by tile instead of by calling ``mask_mod`` at every (position, key) pair. The keys:
+    S shared ones, seen where ``allowed`` [B or 1,1,P,S] says, then own entries, each seen by one
+    position: ``own_keys`` [m,P] is the key of each position's m own entries, ``own_seen`` [m,P]
+    bool whether it sees it (default: all). ``mask_mod`` must say the same; the kernel calls it
+    inside the tiles that are partly seen.
+
+    ``create_block_mask`` evaluates the mask over the whole [B,P,KV] grid: at an 8B target's bench
+    shape (4 x 2048 positions, EAGLE-3's 7th step) 117M pairs with int64 intermediates, a DFlash
+    layer's 4,096 slots of 8-token blocks 570M where its slots were 8 own runs. Here the shared
+    keys cost one pass over ``allowed`` and the own entries m P additions. Tiles count as torch
+    counts them: full where every pair of a block x block tile is seen (tiles past the ends never
+    are), partial where some are; the tables are ``create_block_mask``'s (tests/unit/test_heads.py)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     device = allowed.device
-    S = allowed.shape[-1]
-    KV = S + n * P
+    P, S = allowed.shape[-2], allowed.shape[-1]
     nq, ns, nk = -(-P // block), -(-S // block), -(-KV // block)
     # Seen pairs per (query tile, key tile): the shared keys' from allowed, padded to whole tiles.
     shared = F.pad(allowed[:, 0].to(torch.int32), (0, ns * block - S, 0, nq * block - P))
-    shared = shared.view(allowed.shape[0], nq, block, ns, block).sum(dim=(2, 4), dtype=torch.int32)
-    counts = F.pad(shared, (0, nk - ns))
-    if n:
-        # Entry p of own run j is key S + j P + p, seen by position p alone.
-        p = torch.arange(P, device=device)
-        keys = S + torch.arange(n, device=device).view(n, 1) * P + p  # [n,P]
-        seen = torch.ones(n, P, dtype=torch.int32, device=device) if own_allowed is None else own_allowed.t().to(torch.int32)
+    counts = F.pad(shared.view(allowed.shape[0], nq, block, ns, block).sum(dim=(2, 4), dtype=torch.int32), (0, nk - ns))
+    if own_keys is not None and own_keys.numel():
+        query_tile = torch.arange(P, device=device) // block
+        seen = torch.ones_like(own_keys, dtype=torch.int32) if own_seen is None else own_seen.to(torch.int32)
         own = torch.zeros(nq * nk, dtype=torch.int32, device=device)
-        tiles = ((p // block) * nk + keys // block).reshape(-1)
-        own.index_put_((tiles,), seen.reshape(-1), accumulate=True)
+        own.index_put_(((query_tile * nk + own_keys // block).reshape(-1),), seen.reshape(-1), accumulate=True)
         counts = counts + own.view(1, nq, nk)
     full = counts == block * block
     partial = (counts > 0) & ~full
 
-    def ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:  # per query tile: how many, then which (ascending)
-        blocks = blocks.unsqueeze(1).to(torch.int32)  # [B or 1, heads 1, nq, nk]
-        order = torch.argsort(blocks, dim=-1, descending=True, stable=True)
-        return blocks.sum(dim=-1).to(torch.int32), order.to(torch.int32)
+    def ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:  # per query tile: how many, then which (ascending)
+        tiles = tiles.unsqueeze(1).to(torch.int32)  # [B or 1, heads 1, nq, nk]
+        order = torch.argsort(tiles, dim=-1, descending=True, stable=True)
+        return tiles.sum(dim=-1).to(torch.int32), order.to(torch.int32)
 
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=(block, block), mask_mod=mask_mod, seq_lengths=(P, KV))
 
 
-def attend_in_training(
-    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: Sequence[tuple[Tensor, Tensor]] = (), own_allowed: Optional[Tensor] = None
-) -> Tensor:
+def attend_in_training(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: OwnEntries = (), own_allowed: Optional[Tensor] = None) -> Tensor:
     """``attend`` where a gradient may follow. ``attend`` materialises the [B,H,P,S] scores and
     autograd keeps their fp32 softmax for backward: at an 8B target's width and 4 x 2048 tokens
     that is about 3 GB per layer call, 21 GB over EAGLE-3's 7 training-time-test steps, and a dozen
@@ -306,7 +348,7 @@ def attend_in_training(
     all it keeps: the same values and gradients); on the CPU, ``attend`` as it is. Where
     FlexAttention fails (no backward on the CPU, no Triton), one note says why and the process goes
     on with the recomputed attention."""
-    tensors = (q, k, v, *(t for pair in own for t in pair))
+    tensors = (q, k, v, *((own.k, own.v) if isinstance(own, BlockEntries) else (t for pair in own for t in pair)))
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return attend(q, k, v, allowed, own, own_allowed)
     global _flex_failed

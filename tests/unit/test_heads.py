@@ -280,12 +280,31 @@ def test_recomputed_attention_trains_the_same_and_keeps_less(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
-def test_flex_attention_sees_what_attend_sees():
+def test_flex_attention_sees_what_attend_sees(monkeypatch):
     """flex_attend (training attention on CUDA) equals attend: causal, packed segments and padding
     in the shared keys, per-row masks, grouped-query heads, and the own entries as EAGLE's
     training-time test (all seen) and DFlash's blocks (own_allowed) use them. Forward only: on the
-    CPU FlexAttention has no backward (tests/gpu holds the gradients on CUDA)."""
-    from draftsmith.heads.layers import attend, causal_allowed, flex_attend
+    CPU FlexAttention has no backward (tests/gpu holds the gradients on CUDA). The CPU's
+    FlexAttention calls the mask at every pair, so each block mask flex_attend builds is also
+    checked against create_block_mask's for the same mask: on CUDA the kernel skips the tiles the
+    block mask leaves out."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import draftsmith.heads.layers as layers
+    from draftsmith.heads.layers import BlockEntries, attend, causal_allowed, flex_attend
+
+    built = []
+
+    def checked(mask_mod, allowed, KV, own_keys=None, own_seen=None, block=128):
+        got = training_block_mask(mask_mod, allowed, KV, own_keys, own_seen, block)
+        want = create_block_mask(mask_mod, allowed.shape[0], None, allowed.shape[-2], KV, device="cpu", BLOCK_SIZE=block)
+        for table in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(got, table), getattr(want, table)), table
+        built.append(KV)
+        return got
+
+    training_block_mask = layers.training_block_mask
+    monkeypatch.setattr(layers, "training_block_mask", checked)
 
     g = torch.Generator().manual_seed(7)
     B, H, Hkv, T, Dh = 2, 4, 2, 40, 8
@@ -305,15 +324,33 @@ def test_flex_attention_sees_what_attend_sees():
             ref = attend(q, k, v, allowed, extra, seen)
             got = flex_attend(q, k, v, allowed, extra, seen)
             torch.testing.assert_close(got.float(), ref, rtol=1e-4, atol=1e-5, msg=f"{name}, {len(extra)} own, own_allowed {seen is not None}")
+    # DFlash's blocks of slots (33 blocks of 8 over P = 264 positions, past two 128-key tiles, 40
+    # context keys): as P more keys through FlexAttention, as own runs through attend, and as the
+    # runs written out by hand.
+    N, G, C = 33, 8, 40
+    q = torch.randn(B, H, N * G, Dh, generator=g)
+    kb, vb = torch.randn(B, Hkv, N * G, Dh, generator=g), torch.randn(B, Hkv, N * G, Dh, generator=g)
+    anchors = torch.randint(0, C, (B, N, 1), generator=g)
+    context = (torch.arange(C) < anchors).repeat_interleave(G, dim=1).unsqueeze(1)  # [B,1,P,C]: a block sees the context before its anchor
+    for seen_in_block in (torch.ones(G, G, dtype=torch.bool), torch.ones(G, G, dtype=torch.bool).tril()):
+        block = BlockEntries(kb, vb, G, seen_in_block)
+        runs = [tuple(t.view(B, Hkv, N, G, Dh)[:, :, :, j].repeat_interleave(G, dim=2) for t in (kb, vb)) for j in range(G)]
+        by_hand = attend(q, k, v, context, runs, seen_in_block.repeat(N, 1))
+        torch.testing.assert_close(attend(q, k, v, context, block), by_hand)
+        got = flex_attend(q, k, v, context, block)
+        torch.testing.assert_close(got.float(), by_hand, rtol=1e-4, atol=1e-5)
+    assert built == [T, T + 3 * T, T + 3 * T] * 2 + [C + N * G] * 2
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
-@pytest.mark.parametrize("B, P, S, n, block", [(2, 40, 40, 0, 16), (2, 40, 40, 3, 16), (1, 70, 33, 2, 16), (3, 64, 64, 4, 16), (2, 300, 300, 2, 128)])
+@pytest.mark.parametrize("B, P, S, n, block", [(2, 40, 40, 0, 16), (2, 42, 40, 3, 16), (1, 70, 33, 2, 16), (3, 64, 64, 4, 16), (2, 300, 300, 2, 128)])
 def test_the_training_block_mask_is_create_block_masks(B, P, S, n, block):
     """training_block_mask counts tiles instead of calling the mask at every pair: its block tables
     (partial and full, by query tile and by key tile) are create_block_mask's for the same mask,
     over shared keys with causal, packed and padded rows (one mask for all rows, or one each), own
-    runs seen by all or as own_allowed says, and lengths that are not whole tiles."""
+    entries as EAGLE's training-time test lays them out (n runs of P, seen by all or as
+    own_allowed says) and as DFlash's blocks do (P more keys seen inside blocks of n, all or
+    causally), and lengths that are not whole tiles."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from draftsmith.heads.layers import causal_allowed, training_block_mask
@@ -326,23 +363,29 @@ def test_the_training_block_mask_is_create_block_masks(B, P, S, n, block):
     shared.append(torch.ones(1, 1, P, S, dtype=torch.bool))
     shared.append(shared[-1].clone())
     shared[-1][..., 0, 0] = False  # one pair short of a full tile
+    p = torch.arange(P)
+    layouts = [("none", None, None, S)]
+    if n:
+        keys = S + torch.arange(n).view(n, 1) * P + p
+        layouts += [("runs", keys, None, S + n * P), ("runs, own_allowed", keys, torch.rand(n, P, generator=g) > 0.3, S + n * P)]
+        blocks = S + (p // n) * n + torch.arange(n).view(n, 1)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        layouts += [("blocks", blocks, None, S + P), ("causal blocks", blocks, causal[p % n].t(), S + P)]
     for allowed in shared:
-        for own_allowed in (None, torch.rand(P, max(n, 1), generator=g) > 0.3) if n else (None,):
+        for name, own_keys, own_seen, KV in layouts:
             visible = allowed.expand(allowed.shape[0], 1, P, S)
+            seen_at = torch.zeros(P, KV, dtype=torch.bool)  # each position's own keys, written out
+            if own_keys is not None:
+                seen_at[p.expand_as(own_keys), own_keys] = True if own_seen is None else own_seen
 
             def mask_mod(b, h, qi, kv):
-                seen = (kv < S) & visible[b, 0, qi, kv.clamp(max=S - 1)]
-                r = (kv - S).clamp(min=0)
-                own = (kv >= S) & (r % P == qi)
-                if own_allowed is not None:
-                    own = own & own_allowed[qi, (r // P).clamp(max=n - 1)]
-                return seen | own
+                return ((kv < S) & visible[b, 0, qi, kv.clamp(max=S - 1)]) | seen_at[qi, kv]
 
-            want = create_block_mask(mask_mod, allowed.shape[0], None, P, S + n * P, device="cpu", BLOCK_SIZE=block)
-            got = training_block_mask(mask_mod, allowed, P, n, own_allowed, block=block)
+            want = create_block_mask(mask_mod, allowed.shape[0], None, P, KV, device="cpu", BLOCK_SIZE=block)
+            got = training_block_mask(mask_mod, allowed, KV, own_keys, own_seen, block=block)
             assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
-            for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
-                assert torch.equal(getattr(got, name), getattr(want, name)), (name, allowed.shape, own_allowed is not None)
+            for table in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+                assert torch.equal(getattr(got, table), getattr(want, table)), (table, name, allowed.shape)
     assert int(want.full_kv_num_blocks.sum()) > 0 or S < block  # the last masks have full tiles
 
 
