@@ -114,7 +114,8 @@ def time_generation(fn, prompts, device) -> tuple[float, int, int]:
     return time.perf_counter() - started, tokens, steps
 
 
-def bench_shape(shape: str, device: torch.device, args) -> list[dict]:
+def bench_shape(shape: str, device: torch.device, args, saved=lambda rows: None) -> list[dict]:
+    """The rows of one shape; ``saved(rows)`` after each, so a run cut short keeps what it measured."""
     from draftsmith.runtime.drafters import HeadDrafter, StandaloneDrafter
     from draftsmith.runtime.generate import autoregressive_generate, speculative_generate, verification_kernel
     from draftsmith.runtime.tree import TreeSpec
@@ -136,6 +137,7 @@ def bench_shape(shape: str, device: torch.device, args) -> list[dict]:
         if extra.get("cache") == "static":  # did the graphs hold (a failed capture decodes on eagerly)?
             rows[-1]["graphs"] = all(session.graphs for session in target.__dict__.get("_static_sessions", {}).values())
         print(json.dumps(rows[-1]), flush=True)
+        saved(rows)
 
     def hf_greedy(cache_implementation=None):
         # "static": transformers' StaticCache, and on CUDA generate() compiles the decoding forward
@@ -190,13 +192,12 @@ def bench_shape(shape: str, device: torch.device, args) -> list[dict]:
                 if name in MEASURED_TAU:
                     rows[-1]["projected_speedup_at_measured_tau"] = round(MEASURED_TAU[name] * plain / rows[-1]["ms_per_step"], 3)
                     rows[-1]["measured_tau"] = MEASURED_TAU[name]
+                saved(rows)
         if args.profile:
             profile_step(shape, args.profile, speculative(drafters[args.profile], "static"), prompts[0], device, args)
     for row in rows:
         row.update(device=str(device), dtype=str(dtype).replace("torch.", ""), verification=verification_kernel(device), plain_ms_per_step=plain)
-    del target, drafters
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    saved(rows)
     return rows
 
 
@@ -273,9 +274,11 @@ def main(argv=None) -> int:
     }  # fmt: skip
     rows = []
     for shape in shapes:
-        rows += bench_shape(shape, device, args)
-        if args.out:  # after every shape: a run cut short keeps what it measured
-            write(args.out, rows, meta)
+        done = list(rows)
+        # After every row: a run cut short (the GPU check's time limits) keeps what it measured.
+        rows += bench_shape(shape, device, args, lambda shape_rows: args.out and write(args.out, done + shape_rows, meta))
+        if device.type == "cuda":  # the shape's target and drafters went with bench_shape's frame
+            torch.cuda.empty_cache()
     if args.out:
         print(f"results: {args.out.resolve()} (and {args.out.with_suffix('.json').name})")
     return 0

@@ -83,6 +83,8 @@ def bench(shape: str, kind: str, mode: str, attention: str, lm_head: str, device
         return _bench(shape, kind, mode, attention, lm_head, device, args)
     finally:
         layers.TRAINING_ATTENTION = previous
+        if device.type == "cuda":  # the row's target, head and optimizer went with _bench's frame
+            torch.cuda.empty_cache()
 
 
 def _bench(shape: str, kind: str, mode: str, attention: str, lm_head: str, device: torch.device, args) -> dict:
@@ -150,9 +152,6 @@ def _bench(shape: str, kind: str, mode: str, attention: str, lm_head: str, devic
         "target_parameters_held": sum(p.numel() for p in target.model.parameters()),
         "trained_share": round(float(torch.stack(trained).mean()), 3) if trained else None,
     }  # fmt: skip
-    del target, head, optimizer, cached
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return row
 
 

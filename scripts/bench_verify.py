@@ -204,38 +204,40 @@ def main(argv=None) -> int:
     run = timer(device)
     torch.manual_seed(args.seed)  # device-side draws (logits, uniforms) too
     gen = torch.Generator().manual_seed(args.seed)
+
+    def cell(mode: str, B: int, N: int, V: int) -> dict:
+        """One row of the grid: the reference, then the fused kernel three ways, on one random tree."""
+        tree, logits = random_tree(B, N, V, mode, device, gen)
+        kw = dict(uniforms=torch.rand(B, N + 1, device=device)) if mode == "sample" else {}
+        sampling = SamplingParams(mode)
+        want = verify(tree, logits, sampling, **kw)
+        row = dict(mode=mode, batch=B, nodes=N, vocab=V, mean_accept=float(want.accept_len.float().mean()))
+        row["reference_ms"] = run(lambda: verify(tree, logits, sampling, **kw), warmup, reps)
+        row["fused_ms"] = row["fused_workspace_ms"] = row["fused_graphed_ms"] = row["speedup"] = row["mismatch"] = None
+        if use_kernel:
+            space = VerifyWorkspace()
+            row["mismatch"] = mismatches(fused_verify(tree, logits, sampling, **kw), want)
+            row["mismatch"] += mismatches(fused_verify(tree, logits, sampling, workspace=space, **kw), want)
+            row["fused_ms"] = run(lambda: fused_verify(tree, logits, sampling, workspace=None, **kw), warmup, reps)
+            row["fused_workspace_ms"] = run(lambda: fused_verify(tree, logits, sampling, workspace=space, **kw), warmup, reps)
+            if device.type == "cuda":
+                # The same tensors every call (static buffers): captured at the second call, replayed after.
+                graphed = VerifyWorkspace(graphs=True)
+                for _ in range(3):
+                    row["mismatch"] += mismatches(fused_verify(tree, logits, sampling, workspace=graphed, **kw), want)
+                row["fused_graphed_ms"] = run(lambda: fused_verify(tree, logits, sampling, workspace=graphed, **kw), warmup, reps)
+                row["graph_replays"] = graphed.replays
+            row["speedup"] = row["reference_ms"] / row["fused_ms"]
+        return row
+
     rows = []
     for mode in args.modes:
         for V in grid["vocab"]:
             for N in grid["nodes"]:
                 for B in grid["batch"]:
-                    tree, logits = random_tree(B, N, V, mode, device, gen)
-                    kw = {}
-                    if mode == "sample":
-                        kw = dict(uniforms=torch.rand(B, N + 1, device=device))
-                    sampling = SamplingParams(mode)
-                    want = verify(tree, logits, sampling, **kw)
-                    row = dict(mode=mode, batch=B, nodes=N, vocab=V, mean_accept=float(want.accept_len.float().mean()))
-                    row["reference_ms"] = run(lambda: verify(tree, logits, sampling, **kw), warmup, reps)
-                    row["fused_ms"] = row["fused_workspace_ms"] = row["fused_graphed_ms"] = row["speedup"] = row["mismatch"] = None
-                    if use_kernel:
-                        space = VerifyWorkspace()
-                        row["mismatch"] = mismatches(fused_verify(tree, logits, sampling, **kw), want)
-                        row["mismatch"] += mismatches(fused_verify(tree, logits, sampling, workspace=space, **kw), want)
-                        row["fused_ms"] = run(lambda: fused_verify(tree, logits, sampling, workspace=None, **kw), warmup, reps)
-                        row["fused_workspace_ms"] = run(lambda: fused_verify(tree, logits, sampling, workspace=space, **kw), warmup, reps)
-                        if device.type == "cuda":
-                            # The same tensors every call (static buffers): captured at the second call, replayed after.
-                            graphed = VerifyWorkspace(graphs=True)
-                            for _ in range(3):
-                                row["mismatch"] += mismatches(fused_verify(tree, logits, sampling, workspace=graphed, **kw), want)
-                            row["fused_graphed_ms"] = run(lambda: fused_verify(tree, logits, sampling, workspace=graphed, **kw), warmup, reps)
-                            row["graph_replays"] = graphed.replays
-                        row["speedup"] = row["reference_ms"] / row["fused_ms"]
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    del tree, logits, want
-                    if device.type == "cuda":
+                    rows.append(cell(mode, B, N, V))
+                    print(json.dumps(rows[-1]), flush=True)
+                    if device.type == "cuda":  # the cell's tensors went with its frame
                         torch.cuda.empty_cache()
     info = environment(device)
     text = markdown(info, rows)

@@ -232,7 +232,6 @@ def train_one(head: str, args) -> dict:
     from speculators_train import apply_cpu_patches
 
     apply_cpu_patches()
-    import speculators
     import speculators.train.cli as cli
     from speculators.train.config import TrainConfig
 

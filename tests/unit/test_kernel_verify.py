@@ -368,7 +368,8 @@ def test_a_workspace_allocates_once_per_shape_and_changes_nothing(kernels):
         got = kernels.fused_verify(tree, logits, workspace=space)
         assert_same(got, verify_greedy(tree, logits), f"trial {trial}: ")
         assert space.allocations == first
-        path = got.path if trial == 0 else path
+        if trial == 0:
+            path = got.path
     assert got.path.data_ptr() == path.data_ptr()  # the same buffer, refilled
     tree, logits = greedy_case(gen, B=2, N=12, full=True)
     assert_same(kernels.fused_verify(tree, logits, workspace=space), verify_greedy(tree, logits))
