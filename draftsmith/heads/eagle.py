@@ -154,7 +154,7 @@ class EagleHead(DraftHead):
             for i, layer in enumerate(self.layers):
                 if x is not None:
                     attn_in, residual = layer.prepare(x)
-                x, kv = layer.forward_unrolled(attn_in, residual, cos.unsqueeze(0), sin.unsqueeze(0), firsts[i], diagonals[i], allowed)
+                x, kv = layer.forward_unrolled(attn_in, residual, cos.unsqueeze(0), sin.unsqueeze(0), firsts[i], diagonals[i], allowed, steps)
                 if firsts[i] is None:
                     firsts[i] = kv
                 else:

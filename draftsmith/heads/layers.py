@@ -238,16 +238,22 @@ def _training_attention(device: torch.device) -> str:
     return "recompute"
 
 
-def flex_attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: OwnEntries = (), own_allowed: Optional[Tensor] = None) -> Tensor:
+def flex_attend(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: OwnEntries = (), own_allowed: Optional[Tensor] = None, own_capacity: int = 0
+) -> Tensor:
     """``attend``'s result through FlexAttention, which never materialises the scores and skips
     the tiles nobody sees. The own entries become keys after the S shared ones: entry p of own run
     j at S + j P + p, seen by position p alone (where ``own_allowed`` says); ``BlockEntries`` as
     the P keys S .. S + P - 1, seen inside each block where its ``allowed`` says. Runs in
     autocast's dtype where autocast is on (else q's), compiled on CUDA (where FlexAttention is
-    fast only compiled), as written elsewhere (the CPU, where it has no backward: tests only)."""
-    from torch.nn.attention.flex_attention import flex_attention
+    fast only compiled: ``_flex_runner``), as written elsewhere (the CPU, where it has no
+    backward: tests only).
 
-    global _compiled_flex
+    ``own_capacity``: own runs are padded with zero entries nobody sees to that many, so calls with
+    fewer runs have the same key length. A compiled FlexAttention is compiled once per key length:
+    EAGLE-3's 7 training-time-test steps compile one kernel instead of 7 (forward and backward
+    each). The padding costs a copy, not attention work: no tile of it is in the block mask, and
+    the mask refuses it where a tile holds both."""
     B, H, P, Dh = q.shape
     S = k.shape[2]
     kind = q.device.type
@@ -272,10 +278,16 @@ def flex_attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: OwnEntrie
     else:
         n = len(own)
         extra = list(own)
+        if own_capacity > n:  # zero entries nobody sees, so every call has the same key length
+            zeros = k.new_zeros(B, k.shape[1], (own_capacity - n) * P, Dh)
+            extra.append((zeros, zeros))
+        # The real runs end here: a tensor, not an int the compiled kernel would be specialised on
+        # (filled on the device: no copy from the host, which would wait for the queue).
+        end = torch.full((), S + n * P, device=q.device)
 
         def mask_mod(b, h, qi, kv):
             r = (kv - S).clamp(min=0)
-            diagonal = (kv >= S) & (r % P == qi)
+            diagonal = (kv >= S) & (kv < end) & (r % P == qi)
             if own_allowed is not None and n:
                 diagonal = diagonal & own_allowed[qi, (r // P).clamp(max=n - 1)]
             return shared(b, qi, kv) | diagonal
@@ -285,18 +297,26 @@ def flex_attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: OwnEntrie
     keys = torch.cat([k, *(kd for kd, _ in extra)], dim=2).to(dtype)
     values = torch.cat([v, *(vd for _, vd in extra)], dim=2).to(dtype)
     block_mask = training_block_mask(mask_mod, allowed, keys.shape[2], own_keys, own_seen)
-    run = flex_attention
-    if kind == "cuda":
-        if _compiled_flex is None:
-            # One compiled kernel per key length: EAGLE-3's 7 training-time-test steps are 7 lengths,
-            # and DFlash's blocks another; dynamo's default limit (8) would send the rest to the
-            # uncompiled FlexAttention, which materialises the scores.
-            config = torch._dynamo.config
-            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-            setattr(config, name, max(getattr(config, name), 64))
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        run = _compiled_flex
+    run = _flex_runner(q.device)
     return run(q.to(dtype), keys, values, block_mask=block_mask, scale=1.0 / math.sqrt(Dh), enable_gqa=H != k.shape[1])
+
+
+def _flex_runner(device: torch.device):
+    """FlexAttention as it runs on ``device``: compiled on CUDA (once per process), as written elsewhere."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _compiled_flex
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        # One compiled kernel per key length (and per head shape): EAGLE-3's training-time-test steps
+        # share one (own_capacity), DFlash's blocks another; the limit is raised anyway, as dynamo's
+        # default (8) would send the rest to the uncompiled FlexAttention, which materialises the scores.
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), 64))
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
 
 
 def training_block_mask(mask_mod, allowed: Tensor, KV: int, own_keys: Optional[Tensor] = None, own_seen: Optional[Tensor] = None, block: int = 128):
@@ -338,7 +358,9 @@ def training_block_mask(mask_mod, allowed: Tensor, KV: int, own_keys: Optional[T
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=(block, block), mask_mod=mask_mod, seq_lengths=(P, KV))
 
 
-def attend_in_training(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: OwnEntries = (), own_allowed: Optional[Tensor] = None) -> Tensor:
+def attend_in_training(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: OwnEntries = (), own_allowed: Optional[Tensor] = None, own_capacity: int = 0
+) -> Tensor:
     """``attend`` where a gradient may follow. ``attend`` materialises the [B,H,P,S] scores and
     autograd keeps their fp32 softmax for backward: at an 8B target's width and 4 x 2048 tokens
     that is about 3 GB per layer call, 21 GB over EAGLE-3's 7 training-time-test steps, and a dozen
@@ -347,7 +369,8 @@ def attend_in_training(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: Ow
     accelerator, ``attend`` checkpointed (backward recomputes the scores from q, k and v, which are
     all it keeps: the same values and gradients); on the CPU, ``attend`` as it is. Where
     FlexAttention fails (no backward on the CPU, no Triton), one note says why and the process goes
-    on with the recomputed attention."""
+    on with the recomputed attention. ``own_capacity``: the most own runs this caller's calls
+    bring (``flex_attend``; the other paths need not know)."""
     tensors = (q, k, v, *((own.k, own.v) if isinstance(own, BlockEntries) else (t for pair in own for t in pair)))
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return attend(q, k, v, allowed, own, own_allowed)
@@ -355,7 +378,7 @@ def attend_in_training(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: Ow
     how = _training_attention(q.device)
     if how == "flex" and _flex_failed is None:
         try:
-            return flex_attend(q, k, v, allowed, own, own_allowed)
+            return flex_attend(q, k, v, allowed, own, own_allowed, own_capacity)
         except Exception as err:  # a torch or Triton without a working FlexAttention: say so once, go on
             _flex_failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             print(f"note: FlexAttention failed ({_flex_failed}); training attention is recomputed in backward instead", file=sys.stderr)
@@ -500,11 +523,13 @@ class DecoderLayer(nn.Module):
         first: Optional[tuple[Tensor, Tensor]],
         diagonal: list[tuple[Tensor, Tensor]],
         allowed: Tensor,
+        steps: int = 0,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """One unrolled step of training-time test over whole sequences.
 
         `first`: step 1's (k, v) [B,Hkv,T,Dh] (None at step 1: this step's own); `diagonal`: the
-        (k, v) of steps 2..s-1; allowed [B or 1,1,T,T]: which step-1 positions each position sees.
+        (k, v) of steps 2..s-1; allowed [B or 1,1,T,T]: which step-1 positions each position sees;
+        `steps`: how many the unroll runs (its last step has steps - 1 own runs).
         Position t at step s sees step-1 entries t' <= t (real features, as the prefix is at run
         time) and its own entries of steps 2..s (its drafted ancestors). Returns (output [B,T,D],
         this step's (k, v)).
@@ -512,7 +537,7 @@ class DecoderLayer(nn.Module):
         q, k, v = self.self_attn.qkv(attn_in, cos, sin)
         k1, v1 = first if first is not None else (k, v)
         own = [*diagonal, (k, v)] if first is not None else []
-        return self.finish(residual, attend_in_training(q, k1, v1, allowed, own)), (k, v)
+        return self.finish(residual, attend_in_training(q, k1, v1, allowed, own, own_capacity=max(steps - 1, 0))), (k, v)
 
     def forward_cached(self, attn_in: Tensor, residual: Tensor, cos: Tensor, sin: Tensor, cache: dict, visible: Tensor) -> Tensor:
         """Drafting: P new entries [1,P,.] appended after the cache's S entries; visible [P,S+P]

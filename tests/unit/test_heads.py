@@ -389,6 +389,48 @@ def test_the_training_block_mask_is_create_block_masks(B, P, S, n, block):
     assert int(want.full_kv_num_blocks.sum()) > 0 or S < block  # the last masks have full tiles
 
 
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
+def test_training_time_test_steps_share_one_key_length_and_one_compiled_kernel(monkeypatch):
+    """EAGLE's unrolled steps bring 0 .. S - 1 own runs; padded to own_capacity they reach
+    FlexAttention with one key length, so a compiled FlexAttention compiles once, not once a step
+    (counted with dynamo's CompileCounter, forward only: the CPU has no backward for it). The
+    padding changes nothing: each step equals attend without it, with P = 150 positions, so that a
+    128-key tile holds the last real run's end and the padding's start. The unroll hands every
+    call its capacity."""
+    from torch._dynamo.testing import CompileCounter
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import draftsmith.heads.layers as layers
+    from draftsmith.heads.layers import attend, causal_allowed, flex_attend
+
+    g = torch.Generator().manual_seed(11)
+    B, H, Hkv, P, Dh, steps = 1, 2, 1, 150, 8, 5
+    allowed = causal_allowed(P, torch.device("cpu"))
+    k, v = torch.randn(B, Hkv, P, Dh, generator=g), torch.randn(B, Hkv, P, Dh, generator=g)
+    runs = [(torch.randn(B, Hkv, P, Dh, generator=g), torch.randn(B, Hkv, P, Dh, generator=g)) for _ in range(steps - 1)]
+    counts = {}
+    for capacity in (steps - 1, 0):
+        counter = CompileCounter()
+        compiled = torch.compile(flex_attention, backend=counter, dynamic=False)
+        monkeypatch.setattr(layers, "_flex_runner", lambda device: compiled)
+        for n in range(steps):
+            q = torch.randn(B, H, P, Dh, generator=g)
+            got = flex_attend(q, k, v, allowed, runs[:n], own_capacity=capacity)
+            torch.testing.assert_close(got.float(), attend(q, k, v, allowed, runs[:n]), rtol=1e-4, atol=1e-5, msg=f"{n} runs, capacity {capacity}")
+        counts[capacity] = counter.frame_count
+    assert counts == {steps - 1: 1, 0: steps}
+    # The unroll's calls: every one with the unroll's capacity (train_depth - 1).
+    seen = []
+    real = layers.attend_in_training
+    monkeypatch.setattr(layers, "attend_in_training", lambda *a, own_capacity=0, **kw: seen.append(own_capacity) or real(*a, own_capacity=own_capacity, **kw))
+    target = _target()
+    cls = HEADS["eagle3"]
+    head = cls(cls.config_class(depth=3, train_depth=3, draft_vocab_size=24, aux_layer_ids=[1, 2, 3]), target.dims)
+    ids = torch.randint(3, 40, (1, 12), generator=g)
+    head.loss(target.features(ids, attention_mask=torch.ones_like(ids), layers=head.required_layers()), torch.ones_like(ids))
+    assert seen == [2, 2, 2]
+
+
 def test_a_flex_attention_that_fails_falls_back_to_recomputing_once(monkeypatch, capsys):
     """Forced onto FlexAttention where it cannot train (the CPU has no backward for it), training
     says so once and goes on with the recomputed attention: the same loss and gradients."""
