@@ -171,6 +171,13 @@ class BlockEntries:
     size: int
     allowed: Tensor
 
+    def __post_init__(self) -> None:
+        P = self.k.shape[2]
+        if self.size < 1 or P % self.size:
+            raise ValueError(f"BlockEntries: {P} positions do not make whole blocks of {self.size}")
+        if tuple(self.allowed.shape) != (self.size, self.size):
+            raise ValueError(f"BlockEntries: allowed has shape {tuple(self.allowed.shape)}, blocks of {self.size} need [{self.size},{self.size}]")
+
     def as_runs(self) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
         """The same entries as ``attend``'s own runs and their own_allowed [P,size]: run j holds,
         at every position, slot j of that position's block."""
@@ -253,7 +260,9 @@ def flex_attend(
     fewer runs have the same key length. A compiled FlexAttention is compiled once per key length:
     EAGLE-3's 7 training-time-test steps compile one kernel instead of 7 (forward and backward
     each). The padding costs a copy, not attention work: no tile of it is in the block mask, and
-    the mask refuses it where a tile holds both."""
+    the mask refuses it where a tile holds both. It does cost memory: FlexAttention keeps its keys
+    and values for backward, padding included (at the 8B bench shape, 4 x 2048 positions and 7
+    steps, about 0.7 GB more per EAGLE layer than the unpadded runs)."""
     B, H, P, Dh = q.shape
     S = k.shape[2]
     kind = q.device.type
@@ -277,19 +286,24 @@ def flex_attend(
         own_seen = seen_in_block[positions % G].t()
     else:
         n = len(own)
+        total = max(own_capacity, n)
         extra = list(own)
-        if own_capacity > n:  # zero entries nobody sees, so every call has the same key length
-            zeros = k.new_zeros(B, k.shape[1], (own_capacity - n) * P, Dh)
+        if total > n:  # zero entries nobody sees, so every call has the same key length
+            zeros = k.new_zeros(B, k.shape[1], (total - n) * P, Dh)
             extra.append((zeros, zeros))
         # The real runs end here: a tensor, not an int the compiled kernel would be specialised on
-        # (filled on the device: no copy from the host, which would wait for the queue).
+        # (filled on the device: no copy from the host, which would wait for the queue). Nothing
+        # else in the mask depends on n: own_allowed is padded to the same capacity, unseen.
         end = torch.full((), S + n * P, device=q.device)
+        runs_seen = None
+        if own_allowed is not None and total:
+            runs_seen = torch.cat([own_allowed.to(torch.bool), own_allowed.new_zeros(P, total - n, dtype=torch.bool)], dim=1)
 
         def mask_mod(b, h, qi, kv):
             r = (kv - S).clamp(min=0)
             diagonal = (kv >= S) & (kv < end) & (r % P == qi)
-            if own_allowed is not None and n:
-                diagonal = diagonal & own_allowed[qi, (r // P).clamp(max=n - 1)]
+            if runs_seen is not None:
+                diagonal = diagonal & runs_seen[qi, (r // P).clamp(max=total - 1)]
             return shared(b, qi, kv) | diagonal
 
         own_keys = S + torch.arange(n, device=q.device).view(n, 1) * P + positions  # [n,P]

@@ -279,6 +279,28 @@ def test_recomputed_attention_trains_the_same_and_keeps_less(monkeypatch):
         assert bytes_ < kept_bytes, (kind, bytes_, kept_bytes)
 
 
+def _block_masks_checked(monkeypatch) -> list:
+    """From here on every block mask flex_attend builds is checked against create_block_mask's for
+    the same mask (the CPU's FlexAttention calls the mask at every pair and would not notice a
+    missing tile; on CUDA the kernel skips it). Returns the list of key lengths built."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import draftsmith.heads.layers as layers
+
+    built, build = [], layers.training_block_mask
+
+    def checked(mask_mod, allowed, KV, own_keys=None, own_seen=None, block=128):
+        got = build(mask_mod, allowed, KV, own_keys, own_seen, block)
+        want = create_block_mask(mask_mod, allowed.shape[0], None, allowed.shape[-2], KV, device="cpu", BLOCK_SIZE=block)
+        for table in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(got, table), getattr(want, table)), table
+        built.append(KV)
+        return got
+
+    monkeypatch.setattr(layers, "training_block_mask", checked)
+    return built
+
+
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
 def test_flex_attention_sees_what_attend_sees(monkeypatch):
     """flex_attend (training attention on CUDA) equals attend: causal, packed segments and padding
@@ -288,23 +310,9 @@ def test_flex_attention_sees_what_attend_sees(monkeypatch):
     FlexAttention calls the mask at every pair, so each block mask flex_attend builds is also
     checked against create_block_mask's for the same mask: on CUDA the kernel skips the tiles the
     block mask leaves out."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    import draftsmith.heads.layers as layers
     from draftsmith.heads.layers import BlockEntries, attend, causal_allowed, flex_attend
 
-    built = []
-
-    def checked(mask_mod, allowed, KV, own_keys=None, own_seen=None, block=128):
-        got = training_block_mask(mask_mod, allowed, KV, own_keys, own_seen, block)
-        want = create_block_mask(mask_mod, allowed.shape[0], None, allowed.shape[-2], KV, device="cpu", BLOCK_SIZE=block)
-        for table in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
-            assert torch.equal(getattr(got, table), getattr(want, table)), table
-        built.append(KV)
-        return got
-
-    training_block_mask = layers.training_block_mask
-    monkeypatch.setattr(layers, "training_block_mask", checked)
+    built = _block_masks_checked(monkeypatch)
 
     g = torch.Generator().manual_seed(7)
     B, H, Hkv, T, Dh = 2, 4, 2, 40, 8
@@ -395,8 +403,9 @@ def test_training_time_test_steps_share_one_key_length_and_one_compiled_kernel(m
     FlexAttention with one key length, so a compiled FlexAttention compiles once, not once a step
     (counted with dynamo's CompileCounter, forward only: the CPU has no backward for it). The
     padding changes nothing: each step equals attend without it, with P = 150 positions, so that a
-    128-key tile holds the last real run's end and the padding's start. The unroll hands every
-    call its capacity."""
+    128-key tile holds the last real run's end and the padding's start, with every run seen and
+    with own_allowed (padded too, so it does not recompile either), and the block masks are
+    create_block_mask's. The unroll hands every call its capacity."""
     from torch._dynamo.testing import CompileCounter
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -408,17 +417,21 @@ def test_training_time_test_steps_share_one_key_length_and_one_compiled_kernel(m
     allowed = causal_allowed(P, torch.device("cpu"))
     k, v = torch.randn(B, Hkv, P, Dh, generator=g), torch.randn(B, Hkv, P, Dh, generator=g)
     runs = [(torch.randn(B, Hkv, P, Dh, generator=g), torch.randn(B, Hkv, P, Dh, generator=g)) for _ in range(steps - 1)]
+    seen_runs = torch.rand(P, steps - 1, generator=g) > 0.3
+    built = _block_masks_checked(monkeypatch)
     counts = {}
-    for capacity in (steps - 1, 0):
+    for capacity, some_seen in ((steps - 1, False), (0, False), (steps - 1, True)):
         counter = CompileCounter()
         compiled = torch.compile(flex_attention, backend=counter, dynamic=False)
         monkeypatch.setattr(layers, "_flex_runner", lambda device: compiled)
         for n in range(steps):
             q = torch.randn(B, H, P, Dh, generator=g)
-            got = flex_attend(q, k, v, allowed, runs[:n], own_capacity=capacity)
-            torch.testing.assert_close(got.float(), attend(q, k, v, allowed, runs[:n]), rtol=1e-4, atol=1e-5, msg=f"{n} runs, capacity {capacity}")
-        counts[capacity] = counter.frame_count
-    assert counts == {steps - 1: 1, 0: steps}
+            seen = seen_runs[:, :n] if some_seen else None
+            got = flex_attend(q, k, v, allowed, runs[:n], seen, own_capacity=capacity)
+            torch.testing.assert_close(got.float(), attend(q, k, v, allowed, runs[:n], seen), rtol=1e-4, atol=1e-5, msg=f"{n} runs, capacity {capacity}")
+        counts[(capacity, some_seen)] = counter.frame_count
+    assert counts == {(steps - 1, False): 1, (0, False): steps, (steps - 1, True): 1}
+    assert built == [P * steps] * steps + [P * (1 + n) for n in range(steps)] + [P * steps] * steps
     # The unroll's calls: every one with the unroll's capacity (train_depth - 1).
     seen = []
     real = layers.attend_in_training
@@ -429,6 +442,16 @@ def test_training_time_test_steps_share_one_key_length_and_one_compiled_kernel(m
     ids = torch.randint(3, 40, (1, 12), generator=g)
     head.loss(target.features(ids, attention_mask=torch.ones_like(ids), layers=head.required_layers()), torch.ones_like(ids))
     assert seen == [2, 2, 2]
+
+
+def test_block_entries_refuse_positions_that_make_no_whole_blocks():
+    from draftsmith.heads.layers import BlockEntries
+
+    k = torch.zeros(1, 1, 20, 4)
+    with pytest.raises(ValueError, match="20 positions do not make whole blocks of 8"):
+        BlockEntries(k, k, 8, torch.ones(8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"allowed has shape \(4, 4\)"):
+        BlockEntries(k, k, 5, torch.ones(4, 4, dtype=torch.bool))
 
 
 def test_a_flex_attention_that_fails_falls_back_to_recomputing_once(monkeypatch, capsys):
