@@ -1,5 +1,7 @@
 """Medusa heads: distinct blocks, identity start, depth labels, and no target weights inside."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -442,6 +444,52 @@ def test_training_time_test_steps_share_one_key_length_and_one_compiled_kernel(m
     ids = torch.randint(3, 40, (1, 12), generator=g)
     head.loss(target.features(ids, attention_mask=torch.ones_like(ids), layers=head.required_layers()), torch.ones_like(ids))
     assert seen == [2, 2, 2]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor compiles FlexAttention for the CPU with a C++ compiler")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_compiled_flex_attention_reads_the_block_tables_it_is_given(monkeypatch):
+    """The CPU's eager FlexAttention calls the mask at every pair; a compiled kernel (inductor's, as
+    torch.compile makes it on CUDA) visits only the tiles the block tables list. Compiled on the
+    CPU (forward: there is no backward there), flex_attend equals attend past one 128-key tile:
+    EAGLE's runs padded to their capacity, with per-row masks and own_allowed, and DFlash's blocks,
+    whole and causal. And the kernel does read the tables: empty ones change its output."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    import draftsmith.heads.layers as layers
+    from draftsmith.heads.layers import BlockEntries, attend, causal_allowed, flex_attend, training_block_mask
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    monkeypatch.setattr(layers, "_flex_runner", lambda device: compiled)
+    g = torch.Generator().manual_seed(21)
+    B, H, P, Dh = 2, 2, 300, 16
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    q, k, v = rand(B, H, P, Dh), rand(B, 1, P, Dh), rand(B, 1, P, Dh)
+    causal = causal_allowed(P, torch.device("cpu"))
+    full = training_block_mask(lambda b, h, qi, kv: qi >= kv, causal, P)
+    empty = training_block_mask(lambda b, h, qi, kv: qi >= kv, torch.zeros_like(causal), P)
+    empty = BlockMask.from_kv_blocks(empty.kv_num_blocks, empty.kv_indices, empty.full_kv_num_blocks, empty.full_kv_indices, 128, full.mask_mod, (P, P))
+    read = compiled(q, k, v, block_mask=full, enable_gqa=True)
+    torch.testing.assert_close(read, attend(q, k, v, causal), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(compiled(q, k, v, block_mask=empty, enable_gqa=True), read)
+
+    segments = torch.randint(0, 3, (B, P), generator=g).sort(dim=1).values
+    per_row = causal_allowed(P, torch.device("cpu"), segments)
+    runs = [(rand(B, 1, P, Dh), rand(B, 1, P, Dh)) for _ in range(3)]
+    for n in range(4):
+        for seen in (None, torch.rand(P, n, generator=g) > 0.3) if n else (None,):
+            q = rand(B, H, P, Dh)
+            got = flex_attend(q, k, v, per_row, runs[:n], seen, own_capacity=3)
+            torch.testing.assert_close(got, attend(q, k, v, per_row, runs[:n], seen), rtol=1e-4, atol=1e-5, msg=f"{n} runs")
+    N, G, C = 37, 8, 300
+    q, kb, vb = rand(B, H, N * G, Dh), rand(B, 1, N * G, Dh), rand(B, 1, N * G, Dh)
+    context = (torch.arange(C) < torch.randint(1, C, (B, N, 1), generator=g)).repeat_interleave(G, dim=1).unsqueeze(1)
+    for seen_in_block in (torch.ones(G, G, dtype=torch.bool), torch.ones(G, G, dtype=torch.bool).tril()):
+        block = BlockEntries(kb, vb, G, seen_in_block)
+        torch.testing.assert_close(flex_attend(q, k, v, context, block), attend(q, k, v, context, block), rtol=1e-4, atol=1e-5)
 
 
 def test_block_entries_refuse_positions_that_make_no_whole_blocks():
