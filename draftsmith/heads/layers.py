@@ -245,74 +245,96 @@ def _training_attention(device: torch.device) -> str:
     return "recompute"
 
 
+def flex_length(n: int, multiple: int = 1) -> int:
+    """The length ``flex_attend`` pads n positions or keys to: a multiple of an eighth of the next
+    power of two (at least 128), and of ``multiple``. A compiled FlexAttention is compiled once
+    per shape; a batch's length is its longest row, so unpadded every new length would compile a
+    kernel (forward and backward) and past dynamo's limit run uncompiled. Padded, lengths up to
+    2,048 fall into 12 shapes, at most a quarter longer than asked."""
+    top = 1 << max(n - 1, 0).bit_length()
+    step = max(128, top // 8)
+    length = -(-n // step) * step
+    return -(-length // multiple) * multiple
+
+
 def flex_attend(
     q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: OwnEntries = (), own_allowed: Optional[Tensor] = None, own_capacity: int = 0
 ) -> Tensor:
     """``attend``'s result through FlexAttention, which never materialises the scores and skips
-    the tiles nobody sees. The own entries become keys after the S shared ones: entry p of own run
-    j at S + j P + p, seen by position p alone (where ``own_allowed`` says); ``BlockEntries`` as
-    the P keys S .. S + P - 1, seen inside each block where its ``allowed`` says. Runs in
-    autocast's dtype where autocast is on (else q's), compiled on CUDA (where FlexAttention is
-    fast only compiled: ``_flex_runner``), as written elsewhere (the CPU, where it has no
-    backward: tests only).
+    the tiles nobody sees. The own entries become keys after the shared ones: entry p of own run j
+    at S' + j P' + p, seen by position p alone (where ``own_allowed`` says); ``BlockEntries`` as
+    P' keys after S', seen inside each block where its ``allowed`` says. Runs in autocast's dtype
+    where autocast is on (else q's), compiled on CUDA (where FlexAttention is fast only compiled:
+    ``_flex_runner``), as written elsewhere (the CPU, where it has no backward: tests only).
 
-    ``own_capacity``: own runs are padded with zero entries nobody sees to that many, so calls with
-    fewer runs have the same key length. A compiled FlexAttention is compiled once per key length:
-    EAGLE-3's 7 training-time-test steps compile one kernel instead of 7 (forward and backward
-    each). The padding costs a copy, not attention work: no tile of it is in the block mask, and
-    the mask refuses it where a tile holds both. It does cost memory: FlexAttention keeps its keys
-    and values for backward, padding included (at the 8B bench shape, 4 x 2048 positions and 7
-    steps, about 0.7 GB more per EAGLE layer than the unpadded runs)."""
+    Shapes are padded so that a compiled FlexAttention meets few of them, with zero positions and
+    keys nobody sees (no tile of them is in the block mask, and the mask refuses them where a tile
+    holds real ones too, so they cost copies, not attention work):
+    - positions and shared keys to ``flex_length`` (P', S'), so batches of other lengths reuse
+      a kernel;
+    - own runs to ``own_capacity`` of them, so EAGLE-3's 7 training-time-test steps have one key
+      length and compile one kernel instead of 7. FlexAttention keeps its keys and values for
+      backward, padding included: at the 8B bench shape (4 x 2048 positions, 7 steps) about 0.7 GB
+      more per EAGLE layer than the unpadded runs.
+    Where the real rows and runs end is held in device tensors, not ints the kernel would be
+    specialised on."""
     B, H, P, Dh = q.shape
     S = k.shape[2]
     kind = q.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
-    visible = allowed.expand(B, 1, P, S)
-    positions = torch.arange(P, device=q.device)
+    blocks = isinstance(own, BlockEntries)
+    Pp, Sp = flex_length(P, own.size if blocks else 1), flex_length(S)
+
+    def padded(t: Tensor, length: int) -> Tensor:  # [B,heads,L,Dh] with zero rows up to length
+        return F.pad(t, (0, 0, 0, length - t.shape[2])) if length > t.shape[2] else t
+
+    visible = F.pad(allowed, (0, Sp - S, 0, Pp - P)).expand(B, 1, Pp, Sp)
+    positions = torch.arange(Pp, device=q.device)
+    real = positions < P
+    # Filled on the device: no copy from the host, which would wait for the queue.
+    rows = torch.full((), P, device=q.device)
 
     def shared(b, qi, kv):
-        return (kv < S) & visible[b, 0, qi, kv.clamp(max=S - 1)]
+        return (kv < Sp) & visible[b, 0, qi, kv.clamp(max=Sp - 1)]
 
-    if isinstance(own, BlockEntries):
+    if blocks:
         G, seen_in_block = own.size, own.allowed
-        extra = [(own.k, own.v)]
+        extra = [(padded(own.k, Pp), padded(own.v, Pp))]  # the padding is whole blocks of its own
 
         def mask_mod(b, h, qi, kv):
-            r = (kv - S).clamp(min=0)
-            return shared(b, qi, kv) | ((kv >= S) & (r // G == qi // G) & seen_in_block[qi % G, r % G])
+            r = (kv - Sp).clamp(min=0)
+            return shared(b, qi, kv) | ((kv >= Sp) & (qi < rows) & (r // G == qi // G) & seen_in_block[qi % G, r % G])
 
         slots = torch.arange(G, device=q.device).view(G, 1)
-        own_keys = S + (positions // G) * G + slots  # [G,P]: slot j of each position's block
-        own_seen = seen_in_block[positions % G].t()
+        own_keys = Sp + (positions // G) * G + slots  # [G,P']: slot j of each position's block
+        own_seen = seen_in_block[positions % G].t() & real
     else:
         n = len(own)
         total = max(own_capacity, n)
-        extra = list(own)
-        if total > n:  # zero entries nobody sees, so every call has the same key length
-            zeros = k.new_zeros(B, k.shape[1], (total - n) * P, Dh)
+        extra = [(padded(kd, Pp), padded(vd, Pp)) for kd, vd in own]
+        if total > n:
+            zeros = k.new_zeros(B, k.shape[1], (total - n) * Pp, Dh)
             extra.append((zeros, zeros))
-        # The real runs end here: a tensor, not an int the compiled kernel would be specialised on
-        # (filled on the device: no copy from the host, which would wait for the queue). Nothing
-        # else in the mask depends on n: own_allowed is padded to the same capacity, unseen.
-        end = torch.full((), S + n * P, device=q.device)
+        end = torch.full((), Sp + n * Pp, device=q.device)  # where the real runs end
         runs_seen = None
         if own_allowed is not None and total:
-            runs_seen = torch.cat([own_allowed.to(torch.bool), own_allowed.new_zeros(P, total - n, dtype=torch.bool)], dim=1)
+            runs_seen = F.pad(own_allowed.to(torch.bool), (0, total - n, 0, Pp - P))
 
         def mask_mod(b, h, qi, kv):
-            r = (kv - S).clamp(min=0)
-            diagonal = (kv >= S) & (kv < end) & (r % P == qi)
+            r = (kv - Sp).clamp(min=0)
+            diagonal = (kv >= Sp) & (kv < end) & (qi < rows) & (r % Pp == qi)
             if runs_seen is not None:
-                diagonal = diagonal & runs_seen[qi, (r // P).clamp(max=total - 1)]
+                diagonal = diagonal & runs_seen[qi, (r // Pp).clamp(max=total - 1)]
             return shared(b, qi, kv) | diagonal
 
-        own_keys = S + torch.arange(n, device=q.device).view(n, 1) * P + positions  # [n,P]
-        own_seen = None if own_allowed is None else own_allowed.t()
-    keys = torch.cat([k, *(kd for kd, _ in extra)], dim=2).to(dtype)
-    values = torch.cat([v, *(vd for _, vd in extra)], dim=2).to(dtype)
-    block_mask = training_block_mask(mask_mod, allowed, keys.shape[2], own_keys, own_seen)
+        own_keys = Sp + torch.arange(n, device=q.device).view(n, 1) * Pp + positions  # [n,P']
+        own_seen = real.expand(n, Pp) if own_allowed is None else F.pad(own_allowed.to(torch.bool), (0, 0, 0, Pp - P)).t()
+    keys = torch.cat([padded(k, Sp), *(kd for kd, _ in extra)], dim=2).to(dtype)
+    values = torch.cat([padded(v, Sp), *(vd for _, vd in extra)], dim=2).to(dtype)
+    block_mask = training_block_mask(mask_mod, visible[:1] if allowed.shape[0] == 1 else visible, keys.shape[2], own_keys, own_seen)
     run = _flex_runner(q.device)
-    return run(q.to(dtype), keys, values, block_mask=block_mask, scale=1.0 / math.sqrt(Dh), enable_gqa=H != k.shape[1])
+    out = run(padded(q, Pp).to(dtype), keys, values, block_mask=block_mask, scale=1.0 / math.sqrt(Dh), enable_gqa=H != k.shape[1])
+    return out[:, :, :P]
 
 
 def _flex_runner(device: torch.device):

@@ -349,7 +349,8 @@ def test_flex_attention_sees_what_attend_sees(monkeypatch):
         torch.testing.assert_close(attend(q, k, v, context, block), by_hand)
         got = flex_attend(q, k, v, context, block)
         torch.testing.assert_close(got.float(), by_hand, rtol=1e-4, atol=1e-5)
-    assert built == [T, T + 3 * T, T + 3 * T] * 2 + [C + N * G] * 2
+    # Positions and keys padded to 128 (flex_length), DFlash's 264 slots to 384.
+    assert built == [128, 4 * 128, 4 * 128] * 2 + [128 + 384] * 2
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
@@ -404,9 +405,9 @@ def test_training_time_test_steps_share_one_key_length_and_one_compiled_kernel(m
     """EAGLE's unrolled steps bring 0 .. S - 1 own runs; padded to own_capacity they reach
     FlexAttention with one key length, so a compiled FlexAttention compiles once, not once a step
     (counted with dynamo's CompileCounter, forward only: the CPU has no backward for it). The
-    padding changes nothing: each step equals attend without it, with P = 150 positions, so that a
-    128-key tile holds the last real run's end and the padding's start, with every run seen and
-    with own_allowed (padded too, so it does not recompile either), and the block masks are
+    padding changes nothing: each step equals attend without it, with P = 150 positions (so a
+    128-key tile of each run holds real entries and padding), with every run seen and with
+    own_allowed (padded too, so it does not recompile either), and the block masks are
     create_block_mask's. The unroll hands every call its capacity."""
     from torch._dynamo.testing import CompileCounter
     from torch.nn.attention.flex_attention import flex_attention
@@ -423,6 +424,7 @@ def test_training_time_test_steps_share_one_key_length_and_one_compiled_kernel(m
     built = _block_masks_checked(monkeypatch)
     counts = {}
     for capacity, some_seen in ((steps - 1, False), (0, False), (steps - 1, True)):
+        torch._dynamo.reset()  # earlier tests' compiled entries count against dynamo's recompile limit
         counter = CompileCounter()
         compiled = torch.compile(flex_attention, backend=counter, dynamic=False)
         monkeypatch.setattr(layers, "_flex_runner", lambda device: compiled)
@@ -433,7 +435,8 @@ def test_training_time_test_steps_share_one_key_length_and_one_compiled_kernel(m
             torch.testing.assert_close(got.float(), attend(q, k, v, allowed, runs[:n], seen), rtol=1e-4, atol=1e-5, msg=f"{n} runs, capacity {capacity}")
         counts[(capacity, some_seen)] = counter.frame_count
     assert counts == {(steps - 1, False): 1, (0, False): steps, (steps - 1, True): 1}
-    assert built == [P * steps] * steps + [P * (1 + n) for n in range(steps)] + [P * steps] * steps
+    Pp = 256  # flex_length(150): the positions and each run padded to whole tiles
+    assert built == [Pp * steps] * steps + [Pp * (1 + n) for n in range(steps)] + [Pp * steps] * steps
     # The unroll's calls: every one with the unroll's capacity (train_depth - 1).
     seen = []
     real = layers.attend_in_training
@@ -459,6 +462,7 @@ def test_a_compiled_flex_attention_reads_the_block_tables_it_is_given(monkeypatc
     import draftsmith.heads.layers as layers
     from draftsmith.heads.layers import BlockEntries, attend, causal_allowed, flex_attend, training_block_mask
 
+    torch._dynamo.reset()  # earlier tests' compiled entries count against dynamo's recompile limit
     compiled = torch.compile(flex_attention, dynamic=False)
     monkeypatch.setattr(layers, "_flex_runner", lambda device: compiled)
     g = torch.Generator().manual_seed(21)
@@ -490,6 +494,44 @@ def test_a_compiled_flex_attention_reads_the_block_tables_it_is_given(monkeypatc
     for seen_in_block in (torch.ones(G, G, dtype=torch.bool), torch.ones(G, G, dtype=torch.bool).tril()):
         block = BlockEntries(kb, vb, G, seen_in_block)
         torch.testing.assert_close(flex_attend(q, k, v, context, block), attend(q, k, v, context, block), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
+def test_batches_of_nearby_lengths_share_a_compiled_kernel(monkeypatch):
+    """A batch is as long as its longest row, so lengths change from batch to batch: flex_attend
+    pads them to flex_length, and a compiled FlexAttention compiles once for 130, 200 and 256
+    positions, once more for 300; every output equals attend's on the unpadded batch (EAGLE's
+    runs and DFlash's blocks), and the block masks are create_block_mask's."""
+    from torch._dynamo.testing import CompileCounter
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import draftsmith.heads.layers as layers
+    from draftsmith.heads.layers import BlockEntries, attend, causal_allowed, flex_attend, flex_length
+
+    assert [flex_length(n) for n in (1, 128, 129, 256, 300, 1024, 1100, 2048, 3000)] == [128, 128, 256, 256, 384, 1024, 1280, 2048, 3072]
+    assert flex_length(264, 24) == 384 and flex_length(300, 24) == 384 and flex_length(390, 24) == 528
+    _block_masks_checked(monkeypatch)
+    g = torch.Generator().manual_seed(12)
+    for name in ("runs", "blocks"):
+        torch._dynamo.reset()  # earlier tests' compiled entries count against dynamo's recompile limit
+        counter = CompileCounter()
+        compiled = torch.compile(flex_attention, backend=counter, dynamic=False)
+        monkeypatch.setattr(layers, "_flex_runner", lambda device: compiled)
+        frames = []
+        for T in (130, 200, 256, 300):
+            k, v = torch.randn(2, 1, T, 8, generator=g), torch.randn(2, 1, T, 8, generator=g)
+            segments = torch.randint(0, 2, (2, T), generator=g).sort(dim=1).values
+            allowed = causal_allowed(T, torch.device("cpu"), segments)
+            if name == "runs":
+                q = torch.randn(2, 2, T, 8, generator=g)
+                own = [(torch.randn(2, 1, T, 8, generator=g), torch.randn(2, 1, T, 8, generator=g))]
+            else:  # 8 blocks of 4 slots over the T context keys
+                q = torch.randn(2, 2, 32, 8, generator=g)
+                own = BlockEntries(torch.randn(2, 1, 32, 8, generator=g), torch.randn(2, 1, 32, 8, generator=g), 4, torch.ones(4, 4, dtype=torch.bool).tril())
+                allowed = (torch.arange(T) < torch.randint(1, T, (2, 8, 1), generator=g)).repeat_interleave(4, dim=1).unsqueeze(1)
+            torch.testing.assert_close(flex_attend(q, k, v, allowed, own), attend(q, k, v, allowed, own), rtol=1e-4, atol=1e-5, msg=f"{name}, {T}")
+            frames.append(counter.frame_count)
+        assert frames == [1, 1, 1, 2], name
 
 
 def test_block_entries_refuse_positions_that_make_no_whole_blocks():
