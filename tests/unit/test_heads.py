@@ -43,6 +43,30 @@ def test_fresh_head_predicts_like_the_target_lm_head():
             torch.testing.assert_close(logits[:, :, k], feats.logits)
 
 
+def test_the_heads_share_one_pass_through_the_targets_lm_head():
+    """On the target's LM head the K heads' states go through it in one product (its weight read
+    once a step, not K times), and the logits are head by head's; own LM heads stay one each."""
+    target = _target()
+    torch.manual_seed(2)
+    head = MedusaHead(MedusaConfig(num_heads=3, num_layers=1), target.dims).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    calls = []
+
+    def lm_head(h):
+        calls.append(tuple(h.shape))
+        return target.model.lm_head(h)
+
+    hidden = torch.randn(2, 5, 32)
+    logits = head.head_logits(hidden, lm_head)
+    assert calls == [(2, 5, 3, 32)] and logits.shape == (2, 5, 3, 40)
+    for k, block in enumerate(head.blocks):
+        torch.testing.assert_close(logits[..., k, :], target.model.lm_head(block(hidden)))
+    own = MedusaHead(MedusaConfig(num_heads=3, num_layers=1, lm_head="own"), target.dims).eval()
+    assert own.head_logits(hidden, lm_head).shape == (2, 5, 3, 40) and calls == [(2, 5, 3, 32)]
+
+
 def test_no_target_weights_in_head_state():
     target = _target()
     head = MedusaHead(MedusaConfig(num_heads=2, lm_head="target"), target.dims)
