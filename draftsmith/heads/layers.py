@@ -328,7 +328,7 @@ def flex_attend(
             return shared(b, qi, kv) | diagonal
 
         own_keys = Sp + torch.arange(n, device=q.device).view(n, 1) * Pp + positions  # [n,P']
-        own_seen = real.expand(n, Pp) if own_allowed is None else F.pad(own_allowed.to(torch.bool), (0, 0, 0, Pp - P)).t()
+        own_seen = real.expand(n, Pp) if runs_seen is None else runs_seen[:, :n].t()
     keys = torch.cat([padded(k, Sp), *(kd for kd, _ in extra)], dim=2).to(dtype)
     values = torch.cat([padded(v, Sp), *(vd for _, vd in extra)], dim=2).to(dtype)
     block_mask = training_block_mask(mask_mod, visible[:1] if allowed.shape[0] == 1 else visible, keys.shape[2], own_keys, own_seen)
