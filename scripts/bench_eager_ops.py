@@ -5,9 +5,13 @@
 
 On a GPU at batch 1 a step costs what launching its kernels costs: a piece captured as a CUDA
 graph is one launch, every other operation a launch and a pass through Python. This counts them on
-any machine: the drafters of scripts/bench_gpu.py (EAGLE-3 with its EAGLE-2 tree, DFlash, Medusa)
-at a shape on the static cache, one generation each after a warm-up one, every aten operation
-dispatched (a TorchDispatchMode; views count too: they cost Python, not a kernel).
+any machine: the drafters of scripts/bench_gpu.py (EAGLE-3 with its EAGLE-2 tree, DFlash, Medusa,
+the one-layer draft model drafting a chain of 4) at a shape on the static cache, one generation
+each after a warm-up one, every aten operation dispatched (a TorchDispatchMode; views count too:
+they cost Python, not a kernel). Beside it, the host reads a step makes (a GPU's host syncs:
+``.tolist()``, ``int()`` of a device tensor...), counted by ``draftsmith.testing.SimulatedDevice``
+in a second generation without graphs; the torch reference verification's own reads, which the
+fused kernel does not make, are left out.
 
 ``--graphs simulated`` (the default) decodes as CUDA does, through the graphs
 (``draftsmith.testing.simulated_cuda_graphs``): a replay counts one, each input copied into a
@@ -35,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-KINDS = ("eagle3", "dflash", "medusa")
+KINDS = ("eagle3", "dflash", "medusa", "standalone")
 
 
 def graphed_callables():
@@ -118,15 +122,48 @@ def reference_verification(line: str) -> bool:
     return line.startswith(REFERENCE)
 
 
+def build_drafter(kind: str, target):
+    """One of KINDS on ``target``, its own caches preallocated as on CUDA."""
+    from bench_gpu import build_draft_model_drafter, build_head_drafter
+
+    return build_draft_model_drafter(target, cache="static") if kind == "standalone" else build_head_drafter(kind, target, cache="static")
+
+
+def host_reads(shape: str, kind: str, args) -> tuple[float, list]:
+    """(host reads a step, the lines making the most), under SimulatedDevice, the second of two generations."""
+    import inspect
+
+    from bench_gpu import build_target
+
+    from draftsmith.runtime.generate import speculative_generate
+    from draftsmith.runtime.tree import DraftTree
+    from draftsmith.target import FrozenTarget
+    from draftsmith.testing import SimulatedDevice
+
+    device = torch.device("cpu")
+    with SimulatedDevice() as guard, torch.no_grad():
+        target = FrozenTarget(build_target(shape, device, torch.float32).model.to(device))  # its weights on the simulated device
+        drafter = build_drafter(kind, target)
+        prompt = torch.randint(3, target.dims.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
+        speculative_generate(target, drafter, prompt, args.new_tokens, cache="static")
+        before = len(guard.reads)
+        _, stats = speculative_generate(target, drafter, prompt, args.new_tokens, cache="static")
+    lines, first = inspect.getsourcelines(DraftTree.validate)  # the tree checks the reference verification starts with
+    checks = {f"tree.py:{n}" for n in range(first, first + len(lines))}
+    reads = [r for r in guard.reads[before:] if not r.split(" at ")[1].startswith("verify.py") and r.split(" at ")[1] not in checks]
+    steps = len(stats.accept_lens)
+    return round(len(reads) / steps, 2), [(line, round(n / steps, 2)) for line, n in collections.Counter(reads).most_common(args.top)]
+
+
 def count(shape: str, kind: str, args) -> dict:
-    from bench_gpu import build_head_drafter, build_target
+    from bench_gpu import build_target
 
     from draftsmith.runtime.generate import speculative_generate
     from draftsmith.testing import TracedGraph, simulated_cuda_graphs
 
     with simulated_cuda_graphs() if args.graphs == "simulated" else nullcontext(), torch.no_grad():
         target = build_target(shape, torch.device("cpu"), torch.float32)
-        drafter = build_head_drafter(kind, target, cache="static")  # the head's own buffers too, as on CUDA
+        drafter = build_drafter(kind, target)
         prompt = torch.randint(3, target.dims.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
         speculative_generate(target, drafter, prompt, args.new_tokens, cache="static")  # warm-up: buffers, sessions and graphs made (as large)
         counter = EagerOps()
@@ -139,9 +176,10 @@ def count(shape: str, kind: str, args) -> dict:
     steps = len(stats.accept_lens)
     reference = sum(n for line, n in counter.lines.items() if reference_verification(line))
     total = sum(counter.lines.values()) - reference
+    reads, read_lines = host_reads(shape, kind, args)
     return {
         "shape": shape, "drafter": kind, "steps": steps, "eager_ops_per_step": round(total / steps, 1),
-        "reference_verification_per_step": round(reference / steps, 1),
+        "reference_verification_per_step": round(reference / steps, 1), "host_reads_per_step": reads, "host_read_lines": read_lines,
         "top": [(line, round(n / steps, 1)) for line, n in counter.lines.most_common() if not reference_verification(line)][: args.top],
     }  # fmt: skip
 
@@ -168,9 +206,11 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         for kind in args.drafters:
             rows.append(count(shape, kind, args))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "top"}), flush=True)
+            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("top", "host_read_lines")}), flush=True)
             for line, n in rows[-1]["top"]:
                 print(f"  {n:7.1f}  {line}")
+            for line, n in rows[-1]["host_read_lines"]:
+                print(f"  {n:7.2f}  host read: {line}")
     if args.out:
         meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__, "new_tokens": args.new_tokens, "graphs": args.graphs}
         lines = [
@@ -179,9 +219,9 @@ def main(argv=None) -> int:
             + ("Counted on the CPU, decoding through simulated CUDA graphs: a graph replay and each input copy count one operation."
                if args.graphs == "simulated" else
                "Counted on the CPU without graphs, the callables CUDA captures left out; the torch reference verification, which CUDA replaces with the fused kernel, apart."), "",
-            "| shape | drafter | steps | eager operations a step | reference verification a step |", "| --- | --- | --- | --- | --- |",
+            "| shape | drafter | steps | eager operations a step | reference verification a step | host reads a step |", "| --- | --- | --- | --- | --- | --- |",
         ]  # fmt: skip
-        lines += [f"| {r['shape']} | {r['drafter']} | {r['steps']} | {r['eager_ops_per_step']} | {r['reference_verification_per_step']} |" for r in rows]
+        lines += [f"| {r['shape']} | {r['drafter']} | {r['steps']} | {r['eager_ops_per_step']} | {r['reference_verification_per_step']} | {r['host_reads_per_step']} |" for r in rows]
         save(args.out, lines, rows, meta)
         print(f"results: {args.out.resolve()} (and {args.out.with_suffix('.json').name})")
     return 0

@@ -96,6 +96,19 @@ def build_head_drafter(kind: str, target, cache: str = "auto"):
     return HeadDrafter(head.to(dtype=target.dtype).eval(), target, parse_tree(tree), cache=cache)
 
 
+def build_draft_model_drafter(target, cache: str = "auto"):
+    """The standalone rows' drafter: a random one-layer Llama (width at most 256) on the target's
+    vocabulary, drafting a chain of 4, on the target's device and dtype."""
+    from draftsmith.runtime.drafters import StandaloneDrafter
+    from draftsmith.runtime.tree import TreeSpec
+    from draftsmith.testing import tiny_causal_lm
+
+    small = tiny_causal_lm("llama", vocab_size=target.dims.vocab_size, hidden_size=min(256, target.dims.hidden_size), num_layers=1, seed=2)
+    small = small.to(device=target.device, dtype=target.dtype)
+    small.config._attn_implementation = "sdpa"
+    return StandaloneDrafter(small, TreeSpec.chain(4), cache=cache)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -173,11 +186,7 @@ def bench_shape(shape: str, device: torch.device, args, saved=lambda rows: None)
             return run
 
         drafters = {kind: build_head_drafter(kind, target) for kind in DRAFTERS}
-        from draftsmith.testing import tiny_causal_lm
-
-        small = tiny_causal_lm("llama", vocab_size=V, hidden_size=min(256, target.dims.hidden_size), num_layers=1, seed=2).to(device=device, dtype=dtype)
-        small.config._attn_implementation = "sdpa"
-        drafters["standalone (1-layer draft, chain of 4)"] = StandaloneDrafter(small, TreeSpec.chain(4))
+        drafters["standalone (1-layer draft, chain of 4)"] = build_draft_model_drafter(target)
         drafters["target drafting for itself (chain of 4)"] = StandaloneDrafter(target.model, TreeSpec.chain(4))
         for name, built in drafters.items():
             for cache in args.caches:

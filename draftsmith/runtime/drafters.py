@@ -462,6 +462,7 @@ class StandaloneDrafter:
         self._slots: dict[int, int] = {}  # node id -> cache position, for the tree being drafted
         self._tree_ids: list[int] = []  # tree node index -> node id
         self._prefix = 0  # cache length before the tree nodes (decided tokens, root included)
+        self._rows: Optional[list[int]] = None  # a tree drafted on the device: each node's entry after the prefix (-1: none)
         self.reset(None)
 
     def required_layers(self) -> Sequence[int]:
@@ -471,7 +472,7 @@ class StandaloneDrafter:
         self.cache = DynamicCache(config=self.model.config)
         self.static = self._static_session(prompt)
         self.cached_len = 0
-        self._slots, self._tree_ids, self._prefix = {}, [], 0
+        self._slots, self._tree_ids, self._prefix, self._rows = {}, [], 0, None
         self.forwards = 0  # draft model forwards since reset
 
     def _static_session(self, prompt: Optional[Tensor]):
@@ -502,11 +503,19 @@ class StandaloneDrafter:
     def propose(self, state: DraftState) -> DraftTree:
         T = state.tokens.shape[1]
         device = state.tokens.device
-        if self._tree_ids:
+        if self._tree_ids or self._rows is not None:
             raise DrafterError("propose was called again before accept: the drafter's cache still holds the last tree")
         if self.cached_len >= T:
             raise DrafterError(f"the drafter has seen {self.cached_len} tokens but the state holds {T}; call reset(prompt) first")
         unseen = state.tokens[:, self.cached_len :]
+        if self._drafts_on_device(state):
+            # Greedy on a static tree and the static cache: the read and every level on the device,
+            # one CUDA graph a step on a GPU (StaticSession.draft_tree), nothing read back.
+            tokens = self.static.draft_tree(self.tree, unseen, grow_static_tree_on_device)
+            self._rows = self.static.tree_rows(self.tree)
+            self.cached_len, self._prefix = self.static.length, T
+            self.forwards += self.tree.max_depth  # the read, then one forward a level below the root
+            return DraftTree(tokens, *_shape_on(self.tree, device), known_max_depth=self.tree.max_depth)
         positions = torch.arange(self.cached_len, T, device=device).unsqueeze(0)
         if self.static is not None:
             # Causal over the cache; a few tokens (a step's accepted path) replay a graph, a prompt runs eagerly.
@@ -528,6 +537,15 @@ class StandaloneDrafter:
 
         tree, self._tree_ids = grow_tree(self.tree, state, node_logits, device)
         return tree
+
+    def _drafts_on_device(self, state: DraftState) -> bool:
+        """Whether this step drafts through ``StaticSession.draft_tree``: the static cache, a static
+        tree of drafted nodes, greedy (or typical) drafting, every rank below the vocabulary (else
+        grow_static_tree leaves nodes out, on the host)."""
+        if self.static is None or not isinstance(self.tree, TreeSpec) or self.tree.num_nodes < 2 or state.sampling.sampled:
+            return False
+        vocab = getattr(self.model.get_output_embeddings(), "out_features", None) or self.model.config.vocab_size
+        return max(self.tree.ranks) < vocab
 
     def _forward_nodes(self, todo: list[int], frontier: Frontier, T: int, device, logits_of: dict) -> None:
         """One draft forward over tree nodes ``todo`` on top of the cache (prefix + earlier tree nodes)."""
@@ -553,6 +571,14 @@ class StandaloneDrafter:
 
     def accept(self, result: VerifyResult) -> None:
         """Keep the decided tokens and the accepted path's tree entries; drop the other nodes."""
+        if self._rows is not None:
+            # One read of the path (the step has synced on its verdict already); a chain's accepted
+            # entries are in place.
+            path = result.path[0].tolist()
+            kept = [self._rows[node] for node in path[1:] if node >= 0 and self._rows[node] >= 0]
+            self.static.keep_entries(self._prefix, kept)
+            self.cached_len, self._rows = self._prefix + len(kept), None
+            return
         a = int(result.accept_len[0])
         path = [self._tree_ids[int(i)] for i in result.path[0, 1 : a + 1]]
         # Path nodes that got children were forwarded; the last one may not have been.

@@ -39,6 +39,10 @@ __all__ = ["CACHES", "StaticCache", "StaticSession", "check_cache", "drafting_ca
 
 # Slots reserved past prompt + new tokens for the largest tree a step may send.
 TREE_ROOM = 256
+# A draft model's read of at most this many new tokens (a step's accepted path and bonus) replays
+# as one CUDA graph with the tree it then drafts (StaticSession.draft_tree); a longer one (a prompt)
+# runs eagerly.
+GRAPHED_READ = 8
 # What decoding's `cache=` takes: "static" (this module), "dynamic" (transformers' DynamicCache, the
 # reference) or "auto" (static on CUDA, dynamic elsewhere).
 CACHES = ("auto", "dynamic", "static")
@@ -355,6 +359,99 @@ class StaticSession:
         if self._tree_base is None:
             raise DrafterError("keep() needs a forward_tree() first")
         self.pack(self._tree_base, torch.as_tensor(path, dtype=torch.long, device=self.device) + self._tree_base)
+
+    # ----------------------------------------------------------------------------- a draft model's step
+
+    def tree_rows(self, spec) -> list[int]:
+        """For a draft model drafting the static tree ``spec`` on this session (``draft_tree``):
+        each spec node's entry among those the drafting writes after the decided tokens (spec
+        order: the nodes below the root that get children), -1 for the root and the leaves."""
+        return self._tree_plan(spec)[0]
+
+    def _tree_plan(self, spec) -> tuple[list[int], Tensor, Tensor]:
+        """(``tree_rows``, the same as a device tensor [N], the written nodes' parents as rows [F],
+        -1 below the root), made once per spec."""
+        plans = self.__dict__.setdefault("_plans", {})
+        if spec not in plans:
+            written = [n for n in range(1, spec.num_nodes) if spec.children(n)]
+            rows = [-1] * spec.num_nodes
+            for row, node in enumerate(written):
+                rows[node] = row
+            long = dict(dtype=torch.long, device=self.device)
+            plans[spec] = (rows, torch.tensor(rows, **long), torch.tensor([rows[spec.parents[n]] for n in written], **long))
+        return plans[spec]
+
+    def _drafted_tree(self, spec, build, root_logits: Tensor, root_token: Tensor, base: Tensor) -> Tensor:
+        """The greedy tree ``spec`` grown from the root's logits [V] (``build``:
+        ``runtime.drafters.grow_static_tree_on_device``): each level's nodes that get children are
+        forwarded at slots ``base`` [1] + their row (``tree_rows``), at rotary position base - 1 +
+        depth, each seeing the cache before ``base``, its ancestors and itself. A function of
+        device tensors only: one graph per spec. Returns the tree's tokens [1,N]."""
+        _, rows, parents = self._tree_plan(spec)
+        visible = tree_visibility(self.columns, parents, base) if parents.numel() else None  # [F, capacity]
+
+        def level_logits(frontier) -> Tensor:
+            if frontier.level == 1:
+                return root_logits.unsqueeze(0)
+            own = rows[frontier.nodes]
+            n = own.shape[0]
+            mask = torch.zeros(1, 1, n, self.cache.capacity, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~visible.index_select(0, own).view(1, 1, n, -1), torch.finfo(self.dtype).min)
+            positions = (base + (frontier.level - 2)).expand(n).unsqueeze(0)
+            logits, _, _ = self._eager(frontier.tokens.unsqueeze(0), positions, base + own, mask)
+            return logits[0]
+
+        return build(spec, root_token, level_logits, self.device).tokens
+
+    def _read_then_draft(self, spec, build, ids: Tensor, start: Tensor) -> Tensor:
+        """``_drafted_tree`` after appending ids [1,M] at slots ``start`` [1] + 0..M-1 (causal over
+        the cache), its root the last of them: a draft model's whole step as one function."""
+        m = ids.shape[1]
+        positions = start + torch.arange(m, device=self.device)
+        mask = torch.zeros(1, 1, m, self.cache.capacity, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(self.columns > positions.unsqueeze(1), torch.finfo(self.dtype).min)
+        logits, _, _ = self._eager(ids, positions.unsqueeze(0), positions, mask)
+        return self._drafted_tree(spec, build, logits[0, -1], ids[0, -1:], start + m)
+
+    @torch.no_grad()
+    def draft_tree(self, spec, ids: Tensor, build) -> Tensor:
+        """A draft model's step on its own session, greedy on a static tree ``spec``: append ids
+        [1,M] (the decided tokens it has not read, the root last), then grow the tree (``build``:
+        ``runtime.drafters.grow_static_tree_on_device``) with one forward a level, writing the
+        entries of the nodes that get children after the M (``tree_rows``). Nothing is read to the
+        host. Where the session has graphs, a read of up to ``GRAPHED_READ`` tokens and the whole
+        tree replay as one CUDA graph (one per M); a longer read (a prompt) runs eagerly, then the
+        tree replays a graph of its own. Returns the tree's tokens [1,N] (spec order)."""
+        _, _, parents = self._tree_plan(spec)
+        m = ids.shape[1]
+        self._room(m + parents.numel())  # may reallocate, dropping the graphs: they are captured again
+        start = self.columns[self.length : self.length + 1]
+        if m <= GRAPHED_READ:
+
+            def step(ids: Tensor, start: Tensor) -> Tensor:
+                return self._read_then_draft(spec, build, ids, start)
+
+            tokens, replayed = self.graphs.run(("draft", spec, m), step, (ids, start), "the draft model's step")
+            self.length += m
+        else:
+            logits, _, _ = self._append(ids, "last")
+            base = self.columns[self.length : self.length + 1]
+
+            def tree(root_logits: Tensor, root: Tensor, base: Tensor) -> Tensor:
+                return self._drafted_tree(spec, build, root_logits, root, base)
+
+            tokens, replayed = self.graphs.run(("draft-tree", spec), tree, (logits[0, -1], ids[0, -1:], base), "the draft model's tree")
+        self.length += parents.numel()
+        self._tree_base = None
+        return tokens.clone() if replayed else tokens
+
+    def keep_entries(self, start: int, rows: Sequence[int]) -> None:
+        """``pack(start, start + rows)`` for rows known on the host (ascending), moving nothing
+        where they are already in place (0, 1, 2, ...: a chain's accepted path)."""
+        if list(rows) == list(range(len(rows))):
+            self.length, self._tree_base = start + len(rows), None
+        else:
+            self.pack(start, torch.tensor(list(rows), dtype=torch.long, device=self.device) + start)
 
     def keep_first(self, n: int) -> None:
         """``keep(range(n))`` without moving anything: the first n tree nodes' entries are already

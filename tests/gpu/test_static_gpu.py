@@ -94,6 +94,9 @@ def test_graphed_decoding_equals_hf_greedy(target, kind):
         assert {key[0] for key in session.graphs.captured} == {"tree-verify"} and all(g is not None for g in session.graphs.captured.values())
     if isinstance(drafter, StandaloneDrafter):  # the draft model's own forwards are graphed too
         assert drafter.static is not None and drafter.static.graphs and drafter.static.graphs.captured
+        # A step's read and whole tree as one graph (StaticSession.draft_tree), captured, not eager.
+        steps = [g for name, g in drafter.static.graphs.captured.items() if isinstance(name, tuple) and name[0] == "draft"]
+        assert steps and all(graph is not None for graph in steps)
     if kind == "eagle-dynamic":  # and an EAGLE head's tree levels
         assert drafter.session.capacity and drafter.session.graphs and drafter.session.graphs.captured
     if kind == "medusa-tree":  # and Medusa's heads

@@ -96,13 +96,18 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
         assert steps and all(isinstance(g, TracedGraph) for g in steps)
     if isinstance(drafter, StandaloneDrafter):  # the draft model's own forwards
         assert drafter.static is not None and drafter.static.graphs and drafter.static.graphs.captured
+        # A step's read and its whole tree are one graph; the 9-token prompt (the second: its larger
+        # cache took new graphs) is read eagerly, then its tree replays a graph of its own.
+        names = [name for name in drafter.static.graphs.captured if isinstance(name, tuple)]
+        assert {name[2] for name in names if name[0] == "draft"} & {1, 2} and ("draft-tree", drafter.tree) in names
+        assert all(isinstance(name, tuple) for name in drafter.static.graphs.captured), "a level forward replayed on its own"
 
 
-@pytest.mark.parametrize("kind", ["eagle3-dynamic", "eagle3-static", "dflash-chain"])
-def test_a_graphed_head_drafts_what_the_eager_one_drafts(kind):
+@pytest.mark.parametrize("kind", ["eagle3-dynamic", "eagle3-static", "dflash-chain", "noisy-tree", "self-chain"])
+def test_a_graphed_drafter_drafts_what_the_eager_one_drafts(kind):
     """Output identity cannot see a drafter (verification keeps any draft lossless): the trees a
-    head drafts through its replayed graphs are the trees it drafts on growing caches, step for
-    step, with the acceptance they got."""
+    head or a draft model drafts through its replayed graphs are the trees it drafts on growing
+    caches, step for step, with the acceptance they got."""
     ids = torch.tensor([[5, 9, 14, 20, 7, 3]])
     runs = {}
     for cache in ("dynamic", "static"):
@@ -114,7 +119,7 @@ def test_a_graphed_head_drafts_what_the_eager_one_drafts(kind):
             out, stats = speculative_generate(target, drafter, ids, 24, cache=cache)
         runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens.tolist(), t.parents.tolist()) for t in proposed])
     assert runs["static"] == runs["dynamic"]
-    if kind.startswith("eagle"):  # something was accepted: the caches were rolled back and kept
+    if kind.startswith("eagle") or kind == "noisy-tree":  # something was accepted: the caches were rolled back and kept
         assert 0 < sum(runs["static"][1])
 
 

@@ -292,6 +292,44 @@ def test_a_tree_grown_on_the_device_stays_there(kind, shape):
     assert outputs["static"] == outputs["dynamic"]
 
 
+def test_a_draft_models_greedy_step_stays_on_the_device():
+    """A draft model on the static cache drafting a static tree greedily (StaticSession.draft_tree:
+    what CUDA replays as one graph a step) under SimulatedDevice: no operation mixes a host tensor
+    with a device one, the drafter reads the device once a step (the accepted path, after the
+    step's verdict), its trees are the dynamic cache's, and so is the output."""
+    from draftsmith.runtime.tree import default_tree
+    from draftsmith.testing import SimulatedDevice
+
+    device, runs = torch.device("cpu"), {}
+    for cache in ("dynamic", "static"):
+        with SimulatedDevice() as guard:
+            target = FrozenTarget(tiny_causal_lm("llama", seed=0).to(device))
+            draft = tiny_causal_lm("llama", seed=0).to(device)
+            gen = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for p in draft.parameters():  # a draft close to the target: partial acceptance, non-contiguous paths kept
+                    p.add_(torch.randn(p.shape, generator=gen).to(device) * 0.15 * p.std().clamp_min(1e-3))
+            drafter = StandaloneDrafter(draft, default_tree(4, (3, 2, 2, 1)), cache=cache)
+            proposed, propose = [], drafter.propose
+            drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
+            before = len(guard.reads)
+            out, stats = speculative_generate(target, drafter, torch.tensor([[5, 9, 14, 20, 7, 3]]).to(device), 30, cache=cache)
+            reads = guard.reads[before:]
+        runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens.tolist(), t.parents.tolist()) for t in proposed])
+        if cache == "static":
+            steps = len(stats.accept_lens)
+            assert guard.checked > 200
+            assert [r for r in reads if "drafters.py" in r] == [f"tolist at drafters.py:{_line_of(StandaloneDrafter.accept, 'result.path[0].tolist()')}"] * steps
+    assert runs["static"] == runs["dynamic"]
+    assert 0 < sum(runs["static"][1]) < sum(len(t[0][0]) - 1 for t in runs["static"][2])
+
+
+def _line_of(function, text: str) -> int:
+    """The line number of the first line of ``function``'s source holding ``text``."""
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
 @pytest.mark.parametrize("mode", ["greedy", "sample"])
 def test_the_whole_tree_in_one_function_is_the_level_by_level_tree(monkeypatch, mode):
     """EAGLE's dynamic_tree (what CUDA captures as one graph a step) grows, every step of a
