@@ -301,8 +301,8 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache", default="auto", choices=["auto", "dynamic", "static"],
         help="the KV caches of the target and a draft model: static (preallocated, forwards replayed as CUDA graphs on a GPU), "
-        "dynamic (transformers' DynamicCache, the reference) or auto (static on CUDA, dynamic elsewhere; an early-exit model "
-        "keeps the dynamic one). Plain decoding in eval runs on the same kind",
+        "dynamic (transformers' DynamicCache, the reference) or auto (static on CUDA, dynamic elsewhere). Plain decoding in eval "
+        "runs on the same kind",
     )  # fmt: skip
     p.add_argument(
         "--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
@@ -397,6 +397,7 @@ def cmd_eval(args) -> int:
         loaded, stats, extra, rows = sweep_exit_layers(
             args.drafter, None if args.exit_layer == "sweep" else args.exit_layer, prompts, args.tree, args.dtype, args.target,
             assisted=not args.no_assisted, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, device=args.device,
+            cache=args.cache,
         )
         extra["exit_sweep"] = rows
     else:

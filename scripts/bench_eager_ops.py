@@ -6,7 +6,8 @@
 On a GPU at batch 1 a step costs what launching its kernels costs: a piece captured as a CUDA
 graph is one launch, every other operation a launch and a pass through Python. This counts them on
 any machine: the drafters of scripts/bench_gpu.py (EAGLE-3 with its EAGLE-2 tree, DFlash, Medusa,
-the one-layer draft model drafting a chain of 4) at a shape on the static cache, one generation
+the one-layer draft model drafting a chain of 4, the target drafting a chain of 4 from its first
+quarter of layers: early exit) at a shape on the static cache, one generation
 each after a warm-up one, every aten operation dispatched (a TorchDispatchMode; views count too:
 they cost Python, not a kernel). Beside it, the host reads a step makes (a GPU's host syncs:
 ``.tolist()``, ``int()`` of a device tensor...), counted by ``draftsmith.testing.SimulatedDevice``
@@ -39,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-KINDS = ("eagle3", "dflash", "medusa", "standalone")
+KINDS = ("eagle3", "dflash", "medusa", "standalone", "early-exit")
 
 
 def graphed_callables():
@@ -47,10 +48,12 @@ def graphed_callables():
     from draftsmith.heads.dflash import DFlashSession
     from draftsmith.heads.eagle import EagleSession
     from draftsmith.heads.medusa import MedusaSession
+    from draftsmith.runtime.early_exit import EarlyExitDrafter
     from draftsmith.runtime.static import StaticSession
 
     return [(StaticSession, "_eager"), (StaticSession, "_tree_eager"), (StaticSession, "_tree_verified"), (EagleSession, "_slotted_forward"), (EagleSession, "_tree_function"),
-            (DFlashSession, "_block_logits"), (MedusaSession, "_logits")]  # fmt: skip
+            (DFlashSession, "_block_logits"), (MedusaSession, "_logits"), (StaticSession, "_read_then_draft"), (StaticSession, "_drafted_tree"),
+            (EarlyExitDrafter, "_chain"), (EarlyExitDrafter, "_verified_static")]  # fmt: skip
 
 
 class EagerOps(TorchDispatchMode):
@@ -126,6 +129,11 @@ def build_drafter(kind: str, target):
     """One of KINDS on ``target``, its own caches preallocated as on CUDA."""
     from bench_gpu import build_draft_model_drafter, build_head_drafter
 
+    if kind == "early-exit":
+        from draftsmith.runtime.early_exit import EarlyExitDrafter
+        from draftsmith.runtime.tree import TreeSpec
+
+        return EarlyExitDrafter(target, exit_layer=max(1, target.dims.num_layers // 4), tree=TreeSpec.chain(4))
     return build_draft_model_drafter(target, cache="static") if kind == "standalone" else build_head_drafter(kind, target, cache="static")
 
 

@@ -11,8 +11,9 @@ shape it times, over --prompts prompts of --prompt-len tokens and --new-tokens n
   which on CUDA it compiles itself) and draftsmith's own autoregressive loop (the fastest is the
   baseline);
 - a speculative step with nothing accepted: untrained (random) EAGLE-3 (EAGLE-2 dynamic tree, depth
-  5, top-4, 26 nodes), DFlash (one block of 4), Medusa (sparse tree 4,2,2,1) heads and a one-layer
-  standalone draft model (chain of 4), so each step is all overhead;
+  5, top-4, 26 nodes), DFlash (one block of 4), Medusa (sparse tree 4,2,2,1) heads, a one-layer
+  standalone draft model (chain of 4) and the target's first quarter of layers (early exit,
+  LayerSkip: chain of 4), so each step is all overhead;
 - a speculative step with everything accepted: the target drafting for itself (a chain of 4).
 
 draftsmith's loops run twice: on transformers' DynamicCache with eager forwards (the reference path),
@@ -130,6 +131,7 @@ def time_generation(fn, prompts, device) -> tuple[float, int, int]:
 def bench_shape(shape: str, device: torch.device, args, saved=lambda rows: None) -> list[dict]:
     """The rows of one shape; ``saved(rows)`` after each, so a run cut short keeps what it measured."""
     from draftsmith.runtime.drafters import HeadDrafter, StandaloneDrafter
+    from draftsmith.runtime.early_exit import EarlyExitDrafter
     from draftsmith.runtime.generate import autoregressive_generate, speculative_generate, verification_kernel
     from draftsmith.runtime.tree import TreeSpec
 
@@ -187,12 +189,16 @@ def bench_shape(shape: str, device: torch.device, args, saved=lambda rows: None)
 
         drafters = {kind: build_head_drafter(kind, target) for kind in DRAFTERS}
         drafters["standalone (1-layer draft, chain of 4)"] = build_draft_model_drafter(target)
+        exit_layer = max(1, target.dims.num_layers // 4)  # LayerSkip: the target's first quarter of layers drafts
+        drafters[f"early exit at layer {exit_layer} (chain of 4)"] = EarlyExitDrafter(target, exit_layer, TreeSpec.chain(4))
         drafters["target drafting for itself (chain of 4)"] = StandaloneDrafter(target.model, TreeSpec.chain(4))
         for name, built in drafters.items():
             for cache in args.caches:
                 # A draft model and an EAGLE head keep caches of their own: the target's kind in each row.
                 if isinstance(built, StandaloneDrafter):
                     drafter = StandaloneDrafter(built.model, built.tree, cache=cache)
+                elif isinstance(built, EarlyExitDrafter):  # drafts on the target's own session: its cache is the row's
+                    drafter = built
                 else:
                     drafter = HeadDrafter(built.head, target, built.tree, cache=cache)
                 accepted = "everything" if "itself" in name else "nothing"

@@ -20,6 +20,7 @@ from draftsmith.export.native import record_exit_layer
 from draftsmith.runtime.drafters import DrafterError
 from draftsmith.runtime.early_exit import check_exit_layer
 from draftsmith.runtime.load import LoadedDrafter, decoding_placement, early_exit_chain, early_exit_loaded, early_exit_target
+from draftsmith.runtime.static import check_cache
 
 __all__ = ["sweep_exit_layers"]
 
@@ -34,17 +35,22 @@ def sweep_exit_layers(
     assisted: bool = True,
     progress: bool = True,
     device: Optional[str] = None,
+    cache: str = "auto",
     **decoding,
 ) -> tuple[LoadedDrafter, object, dict, list[dict]]:
     """Decode `prompts` at each exit layer (`exits`, default 1..L-1), choose the one with the best
     measured speedup, and decode again there beside plain decoding (and transformers' assisted
-    generation with `assisted`) on `device` (decoding_placement). `decoding`: max_new_tokens,
-    sampling, seed as in evaluate().
+    generation with `assisted`) on `device` (decoding_placement), on the KV cache `cache` (as
+    load_drafter's). `decoding`: max_new_tokens, sampling, seed as in evaluate().
     Returns (loaded drafter at the chosen exit, its AcceptanceStats, extra figures with the choice,
     one row per exit). An export records the choice in config.json and its card.
     """
     if target:
         raise DrafterError("an early-exit drafter is its own target: drop --target")
+    try:
+        check_cache(cache)
+    except ValueError as err:
+        raise DrafterError(f"--cache: {err}") from None
     # Any exit layer opens a causal LM as a model drafting for itself; the sweep then tries its own.
     where, chosen = decoding_placement(device, dtype)
     artifact = open_drafter(folder, chosen, exit_layer=exits[0] if exits else 1)
@@ -54,10 +60,10 @@ def sweep_exit_layers(
     for e in exits:
         check_exit_layer(e, L)
     spec = early_exit_chain(tree, artifact.block)
-    prompts = fitting_prompts(early_exit_loaded(model, folder, exits[0], spec, "sweep"), prompts, decoding["max_new_tokens"])
+    prompts = fitting_prompts(early_exit_loaded(model, folder, exits[0], spec, "sweep", cache), prompts, decoding["max_new_tokens"])
     rows, baseline = [], None
     for e in exits:
-        stats, _ = evaluate(early_exit_loaded(model, folder, e, spec, "sweep"), prompts, baseline=baseline is None, assisted=False, progress=progress, **decoding)
+        stats, _ = evaluate(early_exit_loaded(model, folder, e, spec, "sweep", cache), prompts, baseline=baseline is None, assisted=False, progress=progress, **decoding)
         if baseline is None:
             baseline = (stats.baseline_tokens, stats.baseline_seconds)
         else:  # plain decoding does not depend on the exit: timed once, in the first pass
@@ -68,7 +74,7 @@ def sweep_exit_layers(
         })
     best = max(rows, key=lambda row: row["speedup"] or 0.0)["exit_layer"]
     how = f"eval --exit-layer sweep: best measured speedup over plain decoding among exits {exits[0]}..{exits[-1]} ({len(prompts)} prompts)"
-    loaded = early_exit_loaded(model, folder, best, spec, how)
+    loaded = early_exit_loaded(model, folder, best, spec, how, cache)
     stats, extra = evaluate(loaded, prompts, baseline=True, assisted=assisted, progress=progress, **decoding)
     extra["num_prompts"] = len(prompts)
     if artifact.block:

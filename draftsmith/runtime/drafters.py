@@ -57,6 +57,7 @@ __all__ = [
     "grow_dynamic_tree_on_device",
     "grow_static_tree",
     "grow_static_tree_on_device",
+    "spec_on_device",
     "grow_tree",
     "sample_without_replacement",
     "compact_cache",
@@ -192,8 +193,9 @@ _STATIC_SHAPES: dict = {}
 _STATIC_LEVELS: dict = {}
 
 
-def _shape_on(spec: TreeSpec, device) -> tuple[Tensor, Tensor, Tensor]:
-    """(parents [1,N], depths [1,N], num_nodes [1]) of ``spec`` as long tensors on ``device``."""
+def spec_on_device(spec: TreeSpec, device) -> tuple[Tensor, Tensor, Tensor]:
+    """(parents [1,N], depths [1,N], num_nodes [1]) of ``spec`` as long tensors on ``device``, made
+    once per spec and device: a tree of that shape is ``DraftTree(tokens, *spec_on_device(...))``."""
     key = (spec, device)
     if key not in _SHAPES:
         long = dict(dtype=torch.long, device=device)
@@ -218,7 +220,7 @@ def static_tree_on_device(spec: TreeSpec, root: int, levels: Tensor) -> Optional
     level, rank = _STATIC_SHAPES[key]
     top = torch.topk(levels[:depth], widest, dim=-1).indices  # [depth, widest]
     tokens = torch.cat([torch.full((1,), root, dtype=torch.long, device=device), top[level, rank]]).unsqueeze(0)
-    return DraftTree(tokens, *_shape_on(spec, device), known_max_depth=depth)
+    return DraftTree(tokens, *spec_on_device(spec, device), known_max_depth=depth)
 
 
 def grow_static_tree_on_device(spec: TreeSpec, root: Union[int, Tensor], level_logits: Callable[[LevelFrontier], Tensor], device) -> Optional[DraftTree]:
@@ -248,7 +250,7 @@ def grow_static_tree_on_device(spec: TreeSpec, root: Union[int, Tensor], level_l
             return None
         top = torch.topk(logits, widest, dim=-1).indices  # one top-k a level, as grow_static_tree
         tokens = tokens.index_copy(0, kids, top[rows, ranks])
-    return DraftTree(tokens.unsqueeze(0), *_shape_on(spec, device), known_max_depth=spec.max_depth)
+    return DraftTree(tokens.unsqueeze(0), *spec_on_device(spec, device), known_max_depth=spec.max_depth)
 
 
 def grow_tree(
@@ -515,7 +517,7 @@ class StandaloneDrafter:
             self._rows = self.static.tree_rows(self.tree)
             self.cached_len, self._prefix = self.static.length, T
             self.forwards += self.tree.max_depth  # the read, then one forward a level below the root
-            return DraftTree(tokens, *_shape_on(self.tree, device), known_max_depth=self.tree.max_depth)
+            return DraftTree(tokens, *spec_on_device(self.tree, device), known_max_depth=self.tree.max_depth)
         positions = torch.arange(self.cached_len, T, device=device).unsqueeze(0)
         if self.static is not None:
             # Causal over the cache; a few tokens (a step's accepted path) replay a graph, a prompt runs eagerly.

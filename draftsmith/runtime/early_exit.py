@@ -11,6 +11,11 @@ and LM head read layer E-1's output) and shares the target session's KV cache:
 - After verification every layer holds the same entries, and the session's ``keep`` drops the
   rejected nodes from all of them.
 
+On the static cache (``runtime.static.StaticSession``: "auto" on CUDA) node i of the chain sits at
+slot length + i in every layer, so the draft and the verify forward are functions of device tensors:
+greedy, the whole chain (each level's early layers, norm, LM head and top-1) replays as one CUDA
+graph and the verify forward as another, with nothing read back; sampled, the levels run one by one.
+
 Greedy output is the target's own greedy output and sampling is lossless (the usual verification);
 the drafter only changes how much work a step costs.
 """
@@ -22,7 +27,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from draftsmith.runtime.drafters import DrafterError, DraftState, grow_static_tree
+from draftsmith.runtime.drafters import DrafterError, DraftState, grow_static_tree, grow_static_tree_on_device, spec_on_device
 from draftsmith.runtime.tree import DraftTree, TreeSpec, tree_attention_mask
 from draftsmith.runtime.verify import VerifyResult
 from draftsmith.target import TargetLoadError, decoder_stack
@@ -70,14 +75,19 @@ class EarlyExitDrafter:
         self.exit_layer = exit_layer
         self.tree = tree
         self.session = None
+        self.static = False  # drafting on a StaticSession (bind)
         self._exit_hidden: list[Tensor] = []
 
     def required_layers(self) -> Sequence[int]:
         return []
 
     def bind(self, session) -> None:
-        """Draft on this TargetSession's KV cache (called once per generation, before reset)."""
+        """Draft on this session's KV cache (a TargetSession or a StaticSession; called once per
+        generation, before reset)."""
+        from draftsmith.runtime.static import StaticSession
+
         self.session = session
+        self.static = isinstance(session, StaticSession)
 
     def reset(self, prompt: Optional[Tensor]) -> None:
         self._exit_hidden = []
@@ -98,9 +108,11 @@ class EarlyExitDrafter:
         if self._exit_hidden:
             raise DrafterError("propose was called again before accept: the shared cache still holds the last draft")
         P = state.prefix_len
-        if self.session.length != P or self.session.cached_lengths()[0] != P:
+        if self.session.length != P or (not self.static and self.session.cached_lengths()[0] != P):
             raise DrafterError(f"the shared cache holds {self.session.length} positions but the state continues at {P}; call reset(prompt) first")
         device = state.tokens.device
+        if self.static:
+            return self._propose_static(state)
 
         def level_logits(frontier) -> Tensor:
             # A chain has one node per level: the newest token, never seen by any layer yet.
@@ -113,10 +125,89 @@ class EarlyExitDrafter:
         tree, _ = grow_static_tree(self.tree, state.root, level_logits, state.sampling, state.generator, device)
         return tree
 
+    # ----------------------------------------------------------------------------- on the static cache
+
+    def _exit_logits(self, ids: Tensor, position: Tensor) -> Tensor:
+        """One chain node, ids [1,1] at slot and position ``position`` [1], through layers
+        0..E-1: keeps layer E-1's output, returns the early exit's logits [1,V]."""
+        hidden = self.session.run_layers(self.stack.embed(ids), 0, self.exit_layer, position)
+        self._exit_hidden.append(hidden)
+        return self.target.lm_head(self.stack.norm(hidden))[0]
+
+    def _chain(self, root: Tensor, base: Tensor) -> tuple[Tensor, Tensor]:
+        """The greedy chain from the root [1] at slot ``base`` [1]: (tokens [1,k+1], layer E-1's
+        outputs at nodes 0..k-1 [1,k,D]). Device tensors only: one graph."""
+
+        self._exit_hidden = []
+
+        def level_logits(frontier) -> Tensor:
+            return self._exit_logits(frontier.tokens.view(1, 1), base + (frontier.level - 1))
+
+        tree = grow_static_tree_on_device(self.tree, root, level_logits, root.device)
+        exits, self._exit_hidden = torch.cat(self._exit_hidden, dim=1), []
+        return tree.tokens, exits
+
+    def _propose_static(self, state: DraftState) -> DraftTree:
+        session, k, device = self.session, self.tree.max_depth, state.tokens.device
+        session.reserve(k + 1)
+        base = session.columns[session.length : session.length + 1]
+        if state.sampling.sampled:  # a draw a level, on the host: levels run one by one
+            tree, _ = grow_static_tree(
+                self.tree, state.root, lambda f: self._exit_logits(torch.tensor([[f.tokens[f.nodes[0]]]], device=device), base + f.depths[f.nodes[0]]),
+                state.sampling, state.generator, device,
+            )  # fmt: skip
+            return tree
+        (tokens, exits), replayed = session.graphs.run(("early-exit draft", self.exit_layer, k), self._chain, (state.tokens[0, -1:], base), "the early-exit draft")
+        self._exit_hidden = [exits.clone() if replayed else exits]
+        return DraftTree(tokens.clone() if replayed else tokens, *spec_on_device(self.tree, device), known_max_depth=k)
+
+    def _verified_static(self, tokens: Tensor, done: Tensor, base: Tensor) -> tuple[Tensor, Tensor]:
+        """The verify forward on the static cache: the chain's nodes past the ``done`` [1,d,D]
+        ones through layers 0..E-1, then every node through layers E..L-1, the final norm and the
+        LM head. Returns (logits [1,N,V], final hidden [1,N,D])."""
+        n, d = tokens.shape[1], done.shape[1]
+        positions = base + torch.arange(n, device=tokens.device)
+        rest = self.session.run_layers(self.stack.embed(tokens[:, d:]), 0, self.exit_layer, positions[d:])
+        out = self.session.run_layers(torch.cat([done, rest], dim=1), self.exit_layer, self.stack.num_layers, positions)
+        final = self.stack.norm(out)
+        return self.target.lm_head(final), final
+
+    def _checked_static(self, tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: Tensor, done: Tensor, base: Tensor, bound: int):
+        """``_verified_static``, then the chain's greedy verification and the step's verdict row in
+        the same function (one graph on CUDA, the fused kernel's launches inside), as
+        ``StaticSession._tree_verified``. Returns (logits, final hidden, the VerifyResult's tensors)."""
+        from draftsmith.runtime.static import greedy_in_graph
+        from draftsmith.runtime.verdict import verdict_row
+
+        logits, final = self._verified_static(tokens, done, base)
+        result = greedy_in_graph(tokens, parents, depths, num_nodes, logits, bound)
+        row = verdict_row(tokens, parents, depths, result)
+        return logits, final, (result.accept_len, result.best_node, result.path, result.accepted_tokens, result.bonus, row)
+
     @torch.no_grad()
-    def verify_forward(self, tree: DraftTree) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
+    def verify_forward(self, tree: DraftTree, verified: bool = False):
         """The target's forward over the proposed chain, reusing the draft's early layers.
-        Returns what TargetSession.forward_tree returns."""
+        Returns what TargetSession.forward_tree returns; with ``verified`` (greedy, on a static
+        session), what ``StaticSession.forward_tree_verified`` returns: the greedy verification
+        made in the same graph, its VerifyResult fourth."""
+        if self.static:
+            session, done = self.session, torch.cat(self._exit_hidden, dim=1)
+            base = session.columns[session.length : session.length + 1]
+            if verified:
+                bound = tree.size - 1  # paths sized for the deepest tree of N nodes, as forward_tree_verified
+
+                def checked(tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: Tensor, done: Tensor, base: Tensor):
+                    return self._checked_static(tokens, parents, depths, num_nodes, done, base, bound)
+
+                name, fn = ("early-exit verify", self.exit_layer, tree.size, done.shape[1], "verified"), checked
+                inputs = (tree.tokens, tree.parents, tree.depths, tree.num_nodes, done, base)
+            else:
+                name, fn, inputs = ("early-exit verify", self.exit_layer, tree.size, done.shape[1]), self._verified_static, (tree.tokens, done, base)
+            (logits, final, *result), replayed = session.graphs.run(name, fn, inputs, "the early-exit verify forward")
+            session.entered(tree.size)
+            # The logits and the verdict are read before the next forward; the features may outlive the graph's buffers.
+            out = (logits, final.clone() if replayed else final, {})
+            return (*out, VerifyResult(*result[0])) if verified else out
         done = len(self._exit_hidden)
         N = tree.size
         positions = torch.arange(self.session.length + done, self.session.length + N, device=tree.tokens.device).unsqueeze(0)

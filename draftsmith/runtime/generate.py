@@ -217,27 +217,24 @@ class TargetSession:
         self.keep(list(range(n)))
 
 
-def open_session(target, layers: Sequence[int], cache: str, capacity: int, self_drafting: bool = False):
+def open_session(target, layers: Sequence[int], cache: str, capacity: int):
     """The target's session for one generation. ``cache``: "dynamic" (TargetSession, transformers'
     DynamicCache: the reference), "static" (StaticSession: a preallocated cache, its forwards
     replayed as CUDA graphs on a GPU, eager on the CPU) or "auto" (static on CUDA where the target
-    supports it, dynamic elsewhere). A self-drafter (early exit) runs slices of the target's layers
-    on the dynamic cache, so "auto" gives it that one."""
+    supports it, dynamic elsewhere). A self-drafter (early exit) drafts on either."""
     from draftsmith.runtime.static import StaticSession
 
-    if resolve_cache(target, cache, self_drafting) == "static":
+    if resolve_cache(target, cache) == "static":
         return StaticSession.for_target(target, layers, capacity)
     return TargetSession(target, layers)
 
 
-def resolve_cache(target, cache: str, self_drafting: bool = False) -> str:
+def resolve_cache(target, cache: str) -> str:
     """"dynamic" or "static": what ``cache`` ("auto", "dynamic", "static") means for ``target``."""
     from draftsmith.runtime.static import static_session_supported, wants_static
 
-    if check_cache(cache) == "static" and self_drafting:
-        raise ValueError("cache='static' does not serve a self-drafter (early exit), which runs slices of the target's layers; use 'dynamic'")
-    if cache == "auto":
-        return "static" if wants_static(cache, target.device) and not self_drafting and static_session_supported(target) else "dynamic"
+    if check_cache(cache) == "auto":
+        return "static" if wants_static(cache, target.device) and static_session_supported(target) else "dynamic"
     return cache
 
 
@@ -351,13 +348,13 @@ def speculative_generate(
     start = time.perf_counter()
     # A self-drafter (early exit) drafts on the target's own cache and verifies from its exit layer.
     shares_cache = hasattr(drafter, "bind")
-    session = open_session(target, drafter.required_layers(), cache, _capacity(input_ids, max_new_tokens), self_drafting=shares_cache)
+    session = open_session(target, drafter.required_layers(), cache, _capacity(input_ids, max_new_tokens))
     if shares_cache:
         drafter.bind(session)
     drafter.reset(input_ids)
-    # A static session with graphs verifies greedily inside its tree forward's graph (the default
-    # verification only: a caller's verify_fn runs as given).
-    in_graph = chosen is None and sampling.mode == "greedy" and not shares_cache and getattr(session, "graphs", False)
+    # A static session with graphs verifies greedily inside its tree forward's graph, a self-drafter's
+    # verify forward included (the default verification only: a caller's verify_fn runs as given).
+    in_graph = chosen is None and sampling.mode == "greedy" and getattr(session, "graphs", False)
     tokens = input_ids
     # The last prompt token is the first root: it enters the cache with the first tree.
     hidden, layers = None, {}
@@ -378,7 +375,7 @@ def speculative_generate(
             raise DrafterError(f"{type(drafter).__name__} proposed {tree.batch_size} trees for one sequence")
         if in_graph:
             # Greedy on graphs: the verification replays inside the tree forward's graph.
-            logits, tree_hidden, tree_layers, result = session.forward_tree_verified(tree)
+            logits, tree_hidden, tree_layers, result = drafter.verify_forward(tree, verified=True) if shares_cache else session.forward_tree_verified(tree)
         else:
             logits, tree_hidden, tree_layers = drafter.verify_forward(tree) if shares_cache else session.forward_tree(tree)
             result = verify_fn(tree, logits, sampling, generator=generator)

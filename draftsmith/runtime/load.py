@@ -113,8 +113,6 @@ def load_drafter(
     else:
         artifact = open_drafter(folder, chosen, exit_layer)
         if isinstance(artifact, EarlyExitArtifact):
-            if cache == "static":
-                raise DrafterError("--cache static: an early-exit model drafts on slices of its own layers, which need the dynamic cache")
             loaded = _early_exit(artifact, target, tree, spec, where)
         elif isinstance(artifact, DraftLMArtifact):
             loaded = _draft_lm(artifact, target, chosen, spec, where, cache)
@@ -122,8 +120,7 @@ def load_drafter(
             loaded = _head(artifact, target, chosen, tree, spec, where, cache)
         if hybrid:
             loaded = _hybrid(loaded, hybrid, spec, lookup)
-    if loaded.kind != "early_exit":  # a self-drafter keeps the dynamic cache (its LoadedDrafter says so)
-        loaded.cache = cache
+    loaded.cache = cache
     return loaded
 
 
@@ -219,9 +216,9 @@ def early_exit_chain(tree: Optional[str], block: dict) -> TreeSpec:
     return spec
 
 
-def early_exit_loaded(target: FrozenTarget, folder, exit_layer: int, spec: TreeSpec, how: str) -> LoadedDrafter:
+def early_exit_loaded(target: FrozenTarget, folder, exit_layer: int, spec: TreeSpec, how: str, cache: str = "auto") -> LoadedDrafter:
     """The model `target` drafting for itself from `exit_layer`, beside transformers' own early-exit
-    assisted generation drafting the same chain (``assist``)."""
+    assisted generation drafting the same chain (``assist``); `cache` as load_drafter's."""
     drafter = EarlyExitDrafter(target, exit_layer, spec)
     k = spec.max_depth
     # transformers' own early-exit assisted generation drafts as the assistant's generation config
@@ -230,7 +227,7 @@ def early_exit_loaded(target: FrozenTarget, folder, exit_layer: int, spec: TreeS
     config = target.model.generation_config
     config.num_assistant_tokens, config.num_assistant_tokens_schedule, config.assistant_confidence_threshold = k, "constant", 0.0
     meta = {"exit_layer": exit_layer, "exit_layer_chosen_by": how, "draft_length": k, "tree": f"chain of {k}"}
-    return LoadedDrafter("early_exit", drafter, target, Path(str(folder)), str(folder), meta=meta, assist={"assistant_early_exit": exit_layer}, cache="dynamic")
+    return LoadedDrafter("early_exit", drafter, target, Path(str(folder)), str(folder), meta=meta, assist={"assistant_early_exit": exit_layer}, cache=cache)
 
 
 def early_exit_target(artifact: EarlyExitArtifact, device: torch.device) -> FrozenTarget:

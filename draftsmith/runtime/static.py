@@ -360,6 +360,40 @@ class StaticSession:
             raise DrafterError("keep() needs a forward_tree() first")
         self.pack(self._tree_base, torch.as_tensor(path, dtype=torch.long, device=self.device) + self._tree_base)
 
+    # ----------------------------------------------------------------------------- pieces of a forward (a self-drafter's)
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` entries past ``length`` (a larger cache drops the graphs, which are
+        then captured again)."""
+        self._room(n)
+
+    def causal_mask(self, positions: Tensor) -> Tensor:
+        """The additive mask [1,1,N,capacity] of N new entries at slots ``positions`` [N] (their
+        rotary positions too), each seeing every slot up to its own."""
+        hidden = self.columns > positions.unsqueeze(1)
+        mask = torch.zeros(1, 1, positions.shape[0], self.cache.capacity, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(hidden.unsqueeze(0).unsqueeze(0), torch.finfo(self.dtype).min)
+
+    def run_layers(self, hidden: Tensor, start: int, stop: int, positions: Tensor) -> Tensor:
+        """Decoder layers start..stop-1 on hidden [1,N,D] of N consecutive entries at slots (and
+        rotary positions) ``positions`` [N], each seeing the cache up to itself (``causal_mask``);
+        writes those layers' entries only. A function of device tensors: a graph may hold it."""
+        self.cache.slots = positions
+        rows = positions.unsqueeze(0)
+        mask = self.causal_mask(positions)
+        position_embeddings = self.stack.rotary(hidden, rows)
+        for layer in self.stack.layers[start:stop]:
+            out = layer(hidden, attention_mask=mask, position_ids=rows, past_key_values=self.cache, use_cache=True,
+                        position_embeddings=position_embeddings)  # fmt: skip
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def entered(self, n: int) -> None:
+        """A forward made outside ``forward_tree`` (a self-drafter's) wrote a tree's ``n`` entries
+        at slots length..length+n-1 in every layer: they become the tree ``keep`` rolls back."""
+        self._tree_base = self.length
+        self.length += n
+
     # ----------------------------------------------------------------------------- a draft model's step
 
     def tree_rows(self, spec) -> list[int]:

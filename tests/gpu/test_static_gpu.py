@@ -16,6 +16,7 @@ from draftsmith.heads.dflash import DFlashConfig, DFlashHead  # noqa: E402
 from draftsmith.heads.eagle import EagleConfig, EagleHead  # noqa: E402
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead  # noqa: E402
 from draftsmith.runtime.drafters import HeadDrafter, StandaloneDrafter  # noqa: E402
+from draftsmith.runtime.early_exit import EarlyExitDrafter  # noqa: E402
 from draftsmith.runtime.generate import TargetSession, autoregressive_generate, speculative_generate  # noqa: E402
 from draftsmith.runtime.static import StaticSession  # noqa: E402
 from draftsmith.runtime.tree import DraftTree, DynamicTreeSpec, TreeSpec, default_tree  # noqa: E402
@@ -53,6 +54,7 @@ def _drafters(target):
         "dflash-chain": HeadDrafter(dflash, target, TreeSpec.chain(4)),
         "noisy-tree": StandaloneDrafter(noisy, default_tree(4, (3, 2, 2, 1))),
         "self-chain": StandaloneDrafter(target.model, TreeSpec.chain(4)),
+        "early-exit": EarlyExitDrafter(target, exit_layer=1, tree=TreeSpec.chain(3)),
     }
 
 
@@ -76,7 +78,7 @@ def test_graphed_forwards_match_the_dynamic_cache(target):
     assert static.cache.capacity > 16 and sorted(static.graphs.captured) == [("tree", 4), ("tree", 6)] and static.graphs
 
 
-@pytest.mark.parametrize("kind", ["eagle-dynamic", "medusa-tree", "dflash-chain", "noisy-tree", "self-chain", "plain"])
+@pytest.mark.parametrize("kind", ["eagle-dynamic", "medusa-tree", "dflash-chain", "noisy-tree", "self-chain", "early-exit", "plain"])
 def test_graphed_decoding_equals_hf_greedy(target, kind):
     prompts = [torch.tensor([[5, 9, 14, 20]], device=CUDA), torch.tensor([[7, 7, 30, 31, 32, 33, 34, 35, 36]], device=CUDA)]
     drafter = None if kind == "plain" else _drafters(target)[kind]
@@ -90,7 +92,10 @@ def test_graphed_decoding_equals_hf_greedy(target, kind):
     layers = () if drafter is None else tuple(drafter.required_layers())
     session = target._static_sessions[(layers, target.device, target.dtype)]
     assert session.graphs and session.graphs.captured, "auto did not take the graphed static cache on CUDA"
-    if drafter is not None:  # the fused greedy verification replays inside the tree forward's graph
+    if kind == "early-exit":  # the chain as one graph, the verify forward from the exit (verification inside) as another
+        assert {key[0] for key in session.graphs.captured} == {"early-exit draft", "early-exit verify"}
+        assert all(g is not None for g in session.graphs.captured.values()) and any(key[-1] == "verified" for key in session.graphs.captured)
+    elif drafter is not None:  # the fused greedy verification replays inside the tree forward's graph
         assert {key[0] for key in session.graphs.captured} == {"tree-verify"} and all(g is not None for g in session.graphs.captured.values())
     if isinstance(drafter, StandaloneDrafter):  # the draft model's own forwards are graphed too
         assert drafter.static is not None and drafter.static.graphs and drafter.static.graphs.captured

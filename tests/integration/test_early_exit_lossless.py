@@ -39,20 +39,22 @@ def setup(request):
     return target, prompts, references
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("exit_layer,length", [(1, 4), (2, 1), (2, 3), (3, 6)])
-def test_greedy_self_speculation_equals_hf_greedy(setup, exit_layer, length):
+def test_greedy_self_speculation_equals_hf_greedy(setup, exit_layer, length, cache):
     target, prompts, references = setup
     drafter = EarlyExitDrafter(target, exit_layer, TreeSpec.chain(length))
     accepted = drafted = 0
     for ids, reference in zip(prompts, references):
-        out, st = speculative_generate(target, drafter, ids, MAX_NEW, eos_token_id=EOS)
+        out, st = speculative_generate(target, drafter, ids, MAX_NEW, eos_token_id=EOS, cache=cache)
         assert out.tolist() == reference.tolist(), f"exit {exit_layer}, chain {length}, prompt {ids.tolist()}"
         accepted += sum(st.accept_lens)
         drafted += sum(st.draft_depths)
     assert 0 < accepted < drafted  # random early exits agree sometimes: rollbacks really happen
 
 
-def test_every_layer_computes_each_position_once(setup):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_every_layer_computes_each_position_once(setup, cache):
     """Tokens through each decoder layer over a generation = tokens the target cached (prefill plus
     every verified tree): the early layers never recompute what drafting computed."""
     target, prompts, _ = setup
@@ -63,7 +65,7 @@ def test_every_layer_computes_each_position_once(setup):
     ]
     try:
         ids = prompts[2]
-        out, st = speculative_generate(target, EarlyExitDrafter(target, 2, TreeSpec.chain(3)), ids, MAX_NEW, eos_token_id=EOS)
+        out, st = speculative_generate(target, EarlyExitDrafter(target, 2, TreeSpec.chain(3)), ids, MAX_NEW, eos_token_id=EOS, cache=cache)
     finally:
         for hook in hooks:
             hook.remove()

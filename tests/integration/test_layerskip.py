@@ -190,11 +190,9 @@ def test_export_runs_in_transformers_assistant_early_exit_like_our_runtime(train
     config = model.generation_config
     config.num_assistant_tokens, config.num_assistant_tokens_schedule, config.assistant_confidence_threshold = 3, "constant", 0.0
     loaded = load_drafter(out, exit_layer=1, tree="1,1,1", dtype="float32", device="cpu")
-    assert loaded.cache == "dynamic"  # a self-drafter runs slices of its layers on the dynamic cache
-    from draftsmith.runtime.drafters import DrafterError
-
-    with pytest.raises(DrafterError, match="--cache static: an early-exit model drafts on slices of its own layers"):
-        load_drafter(out, exit_layer=1, dtype="float32", device="cpu", cache="static")
+    assert loaded.cache == "auto"  # the dynamic cache on the CPU, the static one (CUDA graphs) on a GPU
+    on_static = load_drafter(out, exit_layer=1, tree="1,1,1", dtype="float32", device="cpu", cache="static")
+    assert on_static.cache == "static"
     counted = {"full": 0}
     model.register_forward_pre_hook(lambda m, *_: counted.__setitem__("full", counted["full"] + (m.config.num_hidden_layers == LAYERS)))
     ours_tokens = ours_steps = hf_tokens = 0
@@ -207,8 +205,10 @@ def test_export_runs_in_transformers_assistant_early_exit_like_our_runtime(train
             before = counted["full"]
             assisted = model.generate(ids, assistant_early_exit=1, **kwargs)
         hf_forwards = counted["full"] - before
-        ours, stats = speculative_generate(loaded.target, loaded.drafter, ids, 30, eos_token_id=2)
-        assert assisted.tolist() == plain.tolist() == ours.tolist()
+        ours, stats = speculative_generate(loaded.target, loaded.drafter, ids, 30, eos_token_id=2, cache=loaded.cache)
+        static, static_stats = speculative_generate(on_static.target, on_static.drafter, ids, 30, eos_token_id=2, cache=on_static.cache)
+        assert assisted.tolist() == plain.tolist() == ours.tolist() == static.tolist()
+        assert static_stats.accept_lens == stats.accept_lens
         ours_tokens += stats.new_tokens
         ours_steps += stats.steps
         hf_tokens += (assisted.shape[1] - ids.shape[1]) / hf_forwards * stats.steps

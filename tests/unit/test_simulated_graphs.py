@@ -15,6 +15,7 @@ from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead
 from draftsmith.runtime.drafters import HeadDrafter, StandaloneDrafter
+from draftsmith.runtime.early_exit import EarlyExitDrafter
 from draftsmith.runtime.generate import autoregressive_generate, speculative_generate
 from draftsmith.runtime.lookup import HybridDrafter, LookupDrafter, SuffixMatcher
 from draftsmith.runtime.tree import DynamicTreeSpec, TreeSpec, default_tree
@@ -23,7 +24,7 @@ from draftsmith.testing import TracedGraph, simulated_cuda_graphs, tiny_causal_l
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-KINDS = ["plain", "eagle-dynamic", "eagle3-dynamic", "eagle3-static", "medusa-tree", "dflash-chain", "noisy-tree", "self-chain", "suffix", "hybrid"]
+KINDS = ["plain", "eagle-dynamic", "eagle3-dynamic", "eagle3-static", "medusa-tree", "dflash-chain", "noisy-tree", "self-chain", "early-exit", "suffix", "hybrid"]
 
 
 def _perturbed(module, scale, seed):
@@ -56,6 +57,8 @@ def _drafter(kind, target, cache="static"):
         return LookupDrafter(SuffixMatcher())
     if kind == "hybrid":
         return HybridDrafter(_drafter("eagle3-dynamic", target, cache), SuffixMatcher())
+    if kind == "early-exit":  # drafts on the target's own session (cache= is the target's)
+        return EarlyExitDrafter(target, exit_layer=1, tree=TreeSpec.chain(3))
     assert kind == "self-chain"
     return StandaloneDrafter(target.model, TreeSpec.chain(4), cache=cache)
 
@@ -78,8 +81,11 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
     session = target._static_sessions[(() if drafter is None else tuple(drafter.required_layers()), target.device, target.dtype)]
     assert session.graphs and session.graphs.captured and all(g is not None for g in session.graphs.captured.values())
     # One graph per tree size: a plain step's one-node forward, or a tree's forward with its greedy
-    # verification inside.
-    assert {key[0] for key in session.graphs.captured} == {"tree" if drafter is None else "tree-verify"}
+    # verification inside; an early exit's whole chain, then its verify forward from the exit.
+    want = {"tree"} if drafter is None else {"early-exit draft", "early-exit verify"} if kind == "early-exit" else {"tree-verify"}
+    assert {key[0] for key in session.graphs.captured} == want
+    if kind == "early-exit":  # its greedy verification inside the verify forward's graph
+        assert any(key[-1] == "verified" for key in session.graphs.captured)
     if kind == "suffix":  # trees of several sizes: one graph each, whatever depth a tree reached
         assert len(session.graphs.captured) > 1
     if kind.startswith("eagle"):  # the head's extend and its whole tree replayed
@@ -103,7 +109,7 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
         assert all(isinstance(name, tuple) for name in drafter.static.graphs.captured), "a level forward replayed on its own"
 
 
-@pytest.mark.parametrize("kind", ["eagle3-dynamic", "eagle3-static", "dflash-chain", "noisy-tree", "self-chain"])
+@pytest.mark.parametrize("kind", ["eagle3-dynamic", "eagle3-static", "dflash-chain", "noisy-tree", "self-chain", "early-exit"])
 def test_a_graphed_drafter_drafts_what_the_eager_one_drafts(kind):
     """Output identity cannot see a drafter (verification keeps any draft lossless): the trees a
     head or a draft model drafts through its replayed graphs are the trees it drafts on growing
@@ -119,7 +125,7 @@ def test_a_graphed_drafter_drafts_what_the_eager_one_drafts(kind):
             out, stats = speculative_generate(target, drafter, ids, 24, cache=cache)
         runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens.tolist(), t.parents.tolist()) for t in proposed])
     assert runs["static"] == runs["dynamic"]
-    if kind.startswith("eagle") or kind == "noisy-tree":  # something was accepted: the caches were rolled back and kept
+    if kind.startswith("eagle") or kind in ("noisy-tree", "early-exit"):  # something was accepted: the caches were rolled back and kept
         assert 0 < sum(runs["static"][1])
 
 
