@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from draftsmith.graphs import Graphs, can_capture
 from draftsmith.target import FrozenTarget, TargetDims, TargetFeatures
 
-__all__ = ["DraftHead", "HeadSession", "TargetDims", "TargetFeatures", "depth_label_weights", "depth_labels", "depth_loss", "path_tokens"]
+__all__ = ["DraftHead", "HeadSession", "LevelSession", "TargetDims", "TargetFeatures", "depth_label_weights", "depth_labels", "depth_loss", "path_tokens"]
 
 
 def depth_labels(
@@ -272,6 +272,108 @@ class HeadSession:
 
     def rollback(self) -> None:
         """Forget the tree drafted since the last extend."""
+
+
+class LevelSession(HeadSession):
+    """A session whose tree nodes condition on their path through states computed level by level
+    from one per-step tensor that ``extend`` sets (Hydra's context, Clover's block output at the
+    root), so a tree level expands on the device from the level before it.
+
+    On the static cache (``preallocate``) ``expand_level`` serves: greedy static trees and EAGLE-2
+    trees grow on the device, and where the session has graphs (CUDA) a step's whole tree, every
+    level's head forward, top-k and the tree's assembly, replays as one CUDA graph per tree shape,
+    the step tensor copied in. Elsewhere the host's ``expand`` serves, the reference path.
+    Subclasses implement ``step_input`` (the per-step tensor, a property with a setter) and
+    ``_level(level, parent_states, tokens) -> (states, logits)``."""
+
+    on_device = False
+
+    def preallocate(self, capacity: int, graphs: bool) -> bool:
+        device = next(self.head.parameters()).device
+        if graphs and not can_capture(device):
+            raise ValueError(f"CUDA graphs need the head on a CUDA device; it is on {device}")
+        self.graphs, self.on_device = Graphs(graphs), True
+        return True
+
+    def restart(self, capacity: int) -> bool:
+        if not self.on_device:
+            return False
+        self.decided = 0
+        self._forget()
+        return True
+
+    def _forget(self) -> None:
+        """What a new generation resets besides ``decided``."""
+        raise NotImplementedError
+
+    @property
+    def step_input(self) -> Tensor:
+        raise NotImplementedError
+
+    @step_input.setter
+    def step_input(self, value: Tensor) -> None:
+        raise NotImplementedError
+
+    def _level(self, level: int, states: Optional[Tensor], tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Tree level ``level``'s nodes, each a child of the row of ``states`` (the level before's
+        node states [F,...]; None at level 1, the root) holding token ``tokens`` [F]: (their states,
+        the logits [F,V] of their children)."""
+        raise NotImplementedError
+
+    @property
+    def levels_on_device(self) -> bool:
+        return self.on_device
+
+    def expand_level(self, frontier: Any) -> Tensor:
+        if frontier.level == 1:
+            states = None
+        else:
+            nodes, previous = self._previous
+            # Each node's parent is one of the last level's nodes: its row there.
+            states = previous[(frontier.parents.unsqueeze(1) == nodes.unsqueeze(0)).int().argmax(dim=1)]
+        states, logits = self._level(frontier.level, states, frontier.tokens)
+        self._previous = (frontier.nodes, states)
+        return logits
+
+    def dynamic_tree(
+        self, spec: Any, root: int, logp: Callable[[Tensor], Tensor], key: Any, deterministic: bool, build: Callable[..., Any]
+    ) -> Optional[tuple[Tensor, ...]]:
+        def grow(root_token: Tensor, device) -> tuple[Tensor, ...]:
+            tree, _ = build(lambda f: logp(self.expand_level(f)), root_token, spec.depth, spec.topk, spec.budget, device, deterministic)
+            return tree.tokens, tree.parents, tree.depths, tree.num_nodes
+
+        return self._whole_tree(("dynamic", spec.depth, spec.topk, spec.budget, key), root, grow, "EAGLE-2 tree")
+
+    def static_tree(self, spec: Any, root: int, build: Callable[..., Any]) -> Optional[tuple[Tensor, ...]]:
+        if max(spec.ranks) >= self.head.dims.vocab_size:
+            return None  # the host's tree leaves such nodes out
+
+        def grow(root_token: Tensor, device) -> tuple[Tensor, ...]:
+            tree = build(spec, root_token, self.expand_level, device)
+            return tree.tokens, tree.parents, tree.depths, tree.num_nodes
+
+        return self._whole_tree(("static", spec), root, grow, "static tree")
+
+    def _whole_tree(self, name: tuple, root: int, grow: Callable[..., tuple[Tensor, ...]], what: str) -> Optional[tuple[Tensor, ...]]:
+        """``grow(root_token, device)`` as one function of the step tensor and the root token,
+        captured once per ``name``; None where the session has no graphs (the caller then grows
+        the same tree level by level through ``expand_level``)."""
+        if not self.graphs:
+            return None
+        step = self.step_input
+        device = step.device
+
+        def tree_function(step: Tensor, root_token: Tensor) -> tuple[Tensor, ...]:
+            self.step_input = step  # the levels read the graph's own copy
+            return grow(root_token, device)
+
+        inputs = (step, torch.full((1,), root, dtype=torch.long, device=device))
+        tree, replayed = self.graphs.run(name, tree_function, inputs, f"the {self.head.cfg.kind} head's {what}")
+        self.step_input = step
+        return tuple(x.clone() for x in tree) if replayed else tree
+
+    def rollback(self) -> None:
+        self._previous = None
 
 
 class BufferedSession(HeadSession):

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.heads.base import DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels, depth_loss
+from draftsmith.heads.base import DraftHead, HeadSession, LevelSession, TargetDims, TargetFeatures, depth_labels, depth_loss
 from draftsmith.heads.eagle import shifted
 from draftsmith.heads.layers import DecoderLayer, LayerShape, ResidualBlock, RMSNorm, Rotary, causal_allowed
 from draftsmith.runs import log
@@ -338,7 +338,7 @@ class CloverHead(DraftHead):
         return CloverSession(self, embed, lm_head)
 
 
-class CloverSession(HeadSession):
+class CloverSession(LevelSession):
     """The augmenting block's KV cache over decided positions (tree nodes never enter it) and, per
     tree node, its state: the root's is the block's output at the last decided position (advanced
     by the root token in Clover-1's order), a node's is its parent's advanced by its own token. A
@@ -352,6 +352,27 @@ class CloverSession(HeadSession):
         self.base: Optional[Tensor] = None  # [1,D], the block's output where the root was predicted
         self.states: dict[int, Tensor] = {}  # node id -> state [1,D]
         self.outputs: dict[int, Tensor] = {}  # node id -> o [1,D]
+
+    def _forget(self) -> None:
+        self.caches = [{} for _ in self.head.augment]
+        self.base, self.states, self.outputs = None, {}, {}
+
+    @property
+    def step_input(self) -> Tensor:
+        return self.base
+
+    @step_input.setter
+    def step_input(self, value: Tensor) -> None:
+        self.base = value
+
+    def _level(self, level: int, states: Optional[Tensor], tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """A level's node states from their parents' (the root's from ``base``), as ``expand``."""
+        head = self.head
+        if level == 1 and head.fuse is not None:  # Clover-2: the root token was fused before the block
+            return self.base, self.lm_head(head.output(1, self.base, None))
+        embedding = self.embed(tokens)
+        state = head.advance(self.base if states is None else states, embedding)
+        return state, self.lm_head(head.output(level, state, embedding))
 
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
         head, M, start = self.head, tokens.shape[1], self.decided
@@ -385,4 +406,5 @@ class CloverSession(HeadSession):
         return self.lm_head(torch.cat([self.outputs[n] for n in frontier.nodes]))
 
     def rollback(self) -> None:
+        super().rollback()
         self.states, self.outputs = {}, {}

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.heads.base import HeadSession, TargetDims, TargetFeatures, depth_labels, depth_loss, path_tokens
+from draftsmith.heads.base import HeadSession, LevelSession, TargetDims, TargetFeatures, depth_labels, depth_loss, path_tokens
 from draftsmith.heads.eagle import shifted
 from draftsmith.heads.layers import DecoderLayer, LayerShape, RMSNorm, Rotary, causal_allowed
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead
@@ -208,17 +208,33 @@ class HydraHead(MedusaHead):
         return HydraSession(self, embed, lm_head)
 
 
-class HydraSession(HeadSession):
+class HydraSession(LevelSession):
     """The children of a node at depth d-1 come from head d, which reads the context of the
     position that predicted the root and the embeddings of the path from the root to the node.
     With Hydra++'s prefix layer the session keeps that layer's cache of decided positions (tree
-    nodes never enter it, so ``rollback`` has nothing to drop)."""
+    nodes never enter it, so ``rollback`` has nothing to drop). On the static cache a level's
+    state is its nodes' paths [F, level] (LevelSession: the whole tree one graph on CUDA)."""
 
     head: HydraHead
 
     def __init__(self, head: HydraHead, embed, lm_head) -> None:
         super().__init__(head, embed, lm_head)
         self.cache: dict = {}
+
+    def _forget(self) -> None:
+        self.cache = {}
+
+    @property
+    def step_input(self) -> Tensor:
+        return self.context
+
+    @step_input.setter
+    def step_input(self, value: Tensor) -> None:
+        self.context = value
+
+    def _level(self, level: int, states: Optional[Tensor], tokens: Tensor) -> tuple[Tensor, Tensor]:
+        paths = tokens.unsqueeze(1) if states is None else torch.cat([states, tokens.unsqueeze(1)], dim=1)  # root first
+        return paths, self.head.path_logits(level, self.context.expand(paths.shape[0], -1), self.embed(paths), self.lm_head)
 
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
         head, M, start = self.head, hidden.shape[1], self.decided

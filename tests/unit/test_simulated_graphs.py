@@ -10,9 +10,11 @@ import copy
 import pytest
 import torch
 
+from draftsmith.heads.clover import CloverConfig, CloverHead
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+from draftsmith.heads.hydra import HydraConfig, HydraHead
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead
 from draftsmith.runtime.drafters import HeadDrafter, StandaloneDrafter
 from draftsmith.runtime.early_exit import EarlyExitDrafter
@@ -24,7 +26,10 @@ from draftsmith.testing import TracedGraph, simulated_cuda_graphs, tiny_causal_l
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-KINDS = ["plain", "eagle-dynamic", "eagle3-dynamic", "eagle3-static", "medusa-tree", "dflash-chain", "noisy-tree", "self-chain", "early-exit", "suffix", "hybrid"]
+KINDS = [
+    "plain", "eagle-dynamic", "eagle3-dynamic", "eagle3-static", "medusa-tree", "dflash-chain", "hydra-dynamic", "clover-static", "noisy-tree",
+    "self-chain", "early-exit", "suffix", "hybrid",
+]  # fmt: skip
 
 
 def _perturbed(module, scale, seed):
@@ -57,6 +62,11 @@ def _drafter(kind, target, cache="static"):
         return LookupDrafter(SuffixMatcher())
     if kind == "hybrid":
         return HybridDrafter(_drafter("eagle3-dynamic", target, cache), SuffixMatcher())
+    if kind in ("hydra-dynamic", "clover-static"):  # Hydra++ with an EAGLE-2 tree, Clover-2 with a static one
+        head = HydraHead(HydraConfig(num_heads=4, num_layers=2), dims) if kind.startswith("hydra") else CloverHead(CloverConfig(depth=4), dims)
+        head.init_from_target(target)
+        spec = DynamicTreeSpec(depth=4, topk=3, budget=10) if kind.endswith("dynamic") else default_tree(4, (3, 2, 2, 1))
+        return HeadDrafter(_perturbed(head, 0.005, 6).eval(), target, spec, cache=cache)
     if kind == "early-exit":  # drafts on the target's own session (cache= is the target's)
         return EarlyExitDrafter(target, exit_layer=1, tree=TreeSpec.chain(3))
     assert kind == "self-chain"
@@ -88,6 +98,10 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
         assert any(key[-1] == "verified" for key in session.graphs.captured)
     if kind == "suffix":  # trees of several sizes: one graph each, whatever depth a tree reached
         assert len(session.graphs.captured) > 1
+    if kind in ("hydra-dynamic", "clover-static"):  # the whole tree of a step is one graph
+        compiled = drafter.session.graphs.captured
+        assert compiled and all(g is not None for g in compiled.values())
+        assert any(isinstance(name, tuple) and name[0] == kind.split("-")[1] for name in compiled)
     if kind.startswith("eagle"):  # the head's extend and its whole tree replayed
         compiled = drafter.session.graphs.captured
         assert drafter.session.graphs and compiled and all(g is not None for g in compiled.values())
@@ -109,7 +123,7 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
         assert all(isinstance(name, tuple) for name in drafter.static.graphs.captured), "a level forward replayed on its own"
 
 
-@pytest.mark.parametrize("kind", ["eagle3-dynamic", "eagle3-static", "dflash-chain", "noisy-tree", "self-chain", "early-exit"])
+@pytest.mark.parametrize("kind", ["eagle3-dynamic", "eagle3-static", "dflash-chain", "hydra-dynamic", "clover-static", "noisy-tree", "self-chain", "early-exit"])
 def test_a_graphed_drafter_drafts_what_the_eager_one_drafts(kind):
     """Output identity cannot see a drafter (verification keeps any draft lossless): the trees a
     head or a draft model drafts through its replayed graphs are the trees it drafts on growing
@@ -125,7 +139,7 @@ def test_a_graphed_drafter_drafts_what_the_eager_one_drafts(kind):
             out, stats = speculative_generate(target, drafter, ids, 24, cache=cache)
         runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens.tolist(), t.parents.tolist()) for t in proposed])
     assert runs["static"] == runs["dynamic"]
-    if kind.startswith("eagle") or kind in ("noisy-tree", "early-exit"):  # something was accepted: the caches were rolled back and kept
+    if kind.startswith(("eagle", "hydra", "clover")) or kind in ("noisy-tree", "early-exit"):  # something was accepted: the caches were rolled back and kept
         assert 0 < sum(runs["static"][1])
 
 

@@ -220,6 +220,61 @@ def test_a_head_on_preallocated_caches_drafts_what_it_drafts_on_growing_ones(tar
         assert runs["static"] == runs["dynamic"]
 
 
+NOISE = 0.005
+
+
+def _path_head(kind, target):
+    """Hydra (Hydra++: its prefix layer, or without it) or Clover (Clover-2, or Clover-1's order)
+    on ``target``, initialised from it."""
+    from draftsmith.heads.clover import CloverConfig, CloverHead
+    from draftsmith.heads.hydra import HydraConfig, HydraHead
+
+    torch.manual_seed(3)
+    if kind.startswith("hydra"):
+        head = HydraHead(HydraConfig(num_heads=4, num_layers=2, prefix_attention=kind == "hydra++"), target.dims)
+    else:
+        clover1 = dict(num_layers=1, token_first=False, output="residual", teacher=False, regression_weight=0.0) if kind == "clover-1" else {}
+        head = CloverHead(CloverConfig(depth=4, **clover1), target.dims)
+    head.init_from_target(target)
+    with torch.no_grad():  # as initialised, a head's children barely depend on the path: ties everywhere, broken by rounding
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * NOISE)
+    return head.eval()
+
+
+@pytest.mark.parametrize("kind", ["hydra", "hydra++", "clover-1", "clover-2"])
+def test_a_path_conditioned_head_grows_its_trees_on_the_device(target, kind):
+    """Hydra's and Clover's tree levels on the static cache (LevelSession.expand_level: each level's
+    node states from the level before, on the device; one CUDA graph a step on a GPU): the same
+    trees step for step as the host's level-by-level growth on the dynamic cache, static and
+    EAGLE-2 trees, and no level expanded on the host."""
+    from draftsmith.runtime.drafters import HeadDrafter
+    from draftsmith.runtime.tree import DynamicTreeSpec, default_tree
+
+    head = _path_head(kind, target)
+    ids = torch.tensor([[5, 9, 14, 20, 7, 3]])
+
+    def no_host_expand(frontier):
+        raise AssertionError("a tree level was expanded on the host")
+
+    accepted = []
+    for tree in (default_tree(4, (3, 2, 2, 1)), DynamicTreeSpec(depth=4, topk=3, budget=10)):
+        runs = {}
+        for cache in ("dynamic", "static"):
+            drafter = HeadDrafter(head, target, tree, cache=cache)
+            if cache == "static":
+                drafter.session.expand = no_host_expand
+            proposed, propose = [], drafter.propose
+            drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
+            out, stats = speculative_generate(target, drafter, ids, 60, cache=cache)
+            runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens.tolist(), t.parents.tolist()) for t in proposed])
+        assert runs["static"] == runs["dynamic"], tree
+        accepted.append(sum(runs["static"][1]))
+    # On the Llama target every kind accepts: multi-position reads and rollbacks happen (on the
+    # Qwen2 one Hydra++'s perturbed prefix layer accepts nothing).
+    assert target.model.config.model_type != "llama" or min(accepted) > 0, accepted
+
+
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])
 def test_a_preallocated_head_session_starts_over_in_its_own_buffers(target, kind):
     """The next generation reuses the session (its buffers, and on CUDA its graphs) and drafts what
