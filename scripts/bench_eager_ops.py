@@ -6,6 +6,7 @@
 On a GPU at batch 1 a step costs what launching its kernels costs: a piece captured as a CUDA
 graph is one launch, every other operation a launch and a pass through Python. This counts them on
 any machine: the drafters of scripts/bench_gpu.py (EAGLE-3 with its EAGLE-2 tree, DFlash, Medusa,
+Hydra++, Clover-2,
 the one-layer draft model drafting a chain of 4, the target drafting a chain of 4 from its first
 quarter of layers: early exit) at a shape on the static cache, one generation
 each after a warm-up one, every aten operation dispatched (a TorchDispatchMode; views count too:
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-KINDS = ("eagle3", "dflash", "medusa", "standalone", "early-exit")
+KINDS = ("eagle3", "dflash", "medusa", "hydra", "clover", "standalone", "early-exit")
 
 
 def graphed_callables():

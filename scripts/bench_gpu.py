@@ -14,7 +14,8 @@ shape it times, over --prompts prompts of --prompt-len tokens and --new-tokens n
   5, top-4, 26 nodes), DFlash (one block of 4), Medusa (sparse tree 4,2,2,1) heads, a one-layer
   standalone draft model (chain of 4) and the target's first quarter of layers (early exit,
   LayerSkip: chain of 4), so each step is all overhead;
-- a speculative step with everything accepted: the target drafting for itself (a chain of 4).
+- a speculative step with everything accepted: the target drafting for itself (a chain of 4);
+- then Hydra++ and Clover-2 heads with nothing accepted (Medusa's tree).
 
 draftsmith's loops run twice: on transformers' DynamicCache with eager forwards (the reference path),
 and on the static cache whose forwards replay as CUDA graphs (runtime/static.py; eager on the CPU).
@@ -54,7 +55,12 @@ DRAFTERS = {
     "eagle3": ("{kind: eagle3, depth: 5, train_depth: 5, draft_vocab_size: 0}", "dynamic:5,4,26"),
     "dflash": ("{kind: dflash, block_size: 5, num_layers: 1}", "1,1,1,1"),
     "medusa": ("{kind: medusa, num_heads: 4, num_layers: 1}", "4,2,2,1"),
+    # Timed after the rows issue 32 asks for: Hydra++ (4 heads with their own LM heads, the prefix
+    # layer) and Clover-2 (2 augmenting layers), on Medusa's tree.
+    "hydra": ("{kind: hydra, num_heads: 4}", "4,2,2,1"),
+    "clover": ("{kind: clover, depth: 4}", "4,2,2,1"),
 }
+LATER = ("hydra", "clover")
 
 
 # The target's cache in each measurement: transformers' DynamicCache with eager forwards (the
@@ -187,11 +193,12 @@ def bench_shape(shape: str, device: torch.device, args, saved=lambda rows: None)
 
             return run
 
-        drafters = {kind: build_head_drafter(kind, target) for kind in DRAFTERS}
+        drafters = {kind: build_head_drafter(kind, target) for kind in DRAFTERS if kind not in LATER}
         drafters["standalone (1-layer draft, chain of 4)"] = build_draft_model_drafter(target)
         exit_layer = max(1, target.dims.num_layers // 4)  # LayerSkip: the target's first quarter of layers drafts
         drafters[f"early exit at layer {exit_layer} (chain of 4)"] = EarlyExitDrafter(target, exit_layer, TreeSpec.chain(4))
         drafters["target drafting for itself (chain of 4)"] = StandaloneDrafter(target.model, TreeSpec.chain(4))
+        drafters.update((kind, build_head_drafter(kind, target)) for kind in LATER)
         for name, built in drafters.items():
             for cache in args.caches:
                 # A draft model and an EAGLE head keep caches of their own: the target's kind in each row.
@@ -201,7 +208,7 @@ def bench_shape(shape: str, device: torch.device, args, saved=lambda rows: None)
                     drafter = built
                 else:
                     drafter = HeadDrafter(built.head, target, built.tree, cache=cache)
-                accepted = "everything" if "itself" in name else "nothing"
+                accepted = "everything" if "itself" in name else "nothing"  # nothing: untrained heads, as good as never
                 record(f"{name}, {accepted} accepted, {CACHE_NAMES[cache]}", *time_generation(speculative(drafter, cache), prompts, device), cache=cache)
                 rows[-1]["cost_over_plain"] = round(rows[-1]["ms_per_step"] / plain, 3)
                 if name in MEASURED_TAU:

@@ -287,12 +287,16 @@ class LevelSession(HeadSession):
     ``_level(level, parent_states, tokens) -> (states, logits)``."""
 
     on_device = False
+    capacity = 0  # entries of the preallocated caches of ``_layer_caches`` (0: growing ones)
+    # ``extend`` of at most this many positions (a step's accepted path) replays a graph per count.
+    GRAPHED_EXTEND = 32
 
     def preallocate(self, capacity: int, graphs: bool) -> bool:
         device = next(self.head.parameters()).device
         if graphs and not can_capture(device):
             raise ValueError(f"CUDA graphs need the head on a CUDA device; it is on {device}")
         self.graphs, self.on_device = Graphs(graphs), True
+        self._grow(capacity)
         return True
 
     def restart(self, capacity: int) -> bool:
@@ -300,11 +304,68 @@ class LevelSession(HeadSession):
             return False
         self.decided = 0
         self._forget()
+        if capacity > self.capacity:
+            self._grow(capacity)
         return True
 
     def _forget(self) -> None:
-        """What a new generation resets besides ``decided``."""
+        """What a new generation resets besides ``decided`` (the preallocated caches stay: what
+        they hold is masked until written again)."""
+
+    def _layer_caches(self) -> list[tuple[nn.Module, dict]]:
+        """The decoder layers ``_read`` runs over decided positions, each with its cache
+        (``DecoderLayer.forward_cached``'s): Hydra++'s prefix layer, Clover's augmenting block."""
+        return []
+
+    def _grow(self, capacity: int) -> None:
+        """Preallocated caches of ``capacity`` entries holding what the caches held; graphs dropped."""
+        device = next(self.head.parameters()).device
+        for layer, cache in self._layer_caches():
+            attn = layer.self_attn
+            old = cache.get("k"), cache.get("v")
+            cache["k"], cache["v"] = (torch.zeros(1, attn.kv_heads, capacity, attn.head_dim, dtype=attn.k_proj.weight.dtype, device=device) for _ in range(2))
+            if old[0] is not None and self.decided:
+                cache["k"][:, :, : self.decided] = old[0][:, :, : self.decided]
+                cache["v"][:, :, : self.decided] = old[1][:, :, : self.decided]
+        self.capacity = capacity
+        self.columns = torch.arange(capacity, device=device)
+        self.graphs.clear()
+
+    def _read(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor, positions: Tensor, visible: Tensor) -> Tensor:
+        """The step tensor after M decided positions at ``positions`` [M] (``extend``'s inputs),
+        running ``_layer_caches`` with ``visible`` [M, entries] (the caches' slots set)."""
         raise NotImplementedError
+
+    def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
+        M, start = tokens.shape[1], self.decided
+        caches = [cache for _, cache in self._layer_caches()]
+        if self.capacity and start + M > self.capacity:
+            self._grow(max(2 * self.capacity, start + M + 64))  # drops the captured graphs
+        if self.capacity and self.graphs and caches and M <= self.GRAPHED_EXTEND:
+            # A step's few accepted positions: the layers and the masks in one graph per count.
+            keys = sorted(layers)
+
+            def read(hidden: Tensor, *rest: Tensor) -> Tensor:
+                *states, tokens, start = rest
+                positions = start + torch.arange(tokens.shape[1], device=tokens.device)
+                for cache in caches:
+                    cache["slots"] = positions
+                return self._read(hidden, dict(zip(keys, states)), tokens, positions, self.columns <= positions.unsqueeze(1))
+
+            inputs = (hidden, *(layers[k] for k in keys), tokens, self.columns[start : start + 1])
+            step, replayed = self.graphs.run(("extend", M, tuple(keys)), read, inputs, f"the {self.head.cfg.kind} head's extend")
+            step = step.clone() if replayed else step  # a graph's output is overwritten by its next replay
+        else:
+            positions = torch.arange(start, start + M, device=tokens.device)
+            if self.capacity:  # the preallocated caches: written at their slots, read whole
+                for cache in caches:
+                    cache["slots"] = positions
+                visible = self.columns <= positions.unsqueeze(1)
+            else:
+                visible = torch.ones(M, start + M, dtype=torch.bool, device=tokens.device).tril(diagonal=start)
+            step = self._read(hidden, layers, tokens, positions, visible)
+        self.step_input = step
+        self.decided = start + M
 
     @property
     def step_input(self) -> Tensor:

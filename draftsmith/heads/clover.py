@@ -354,7 +354,6 @@ class CloverSession(LevelSession):
         self.outputs: dict[int, Tensor] = {}  # node id -> o [1,D]
 
     def _forget(self) -> None:
-        self.caches = [{} for _ in self.head.augment]
         self.base, self.states, self.outputs = None, {}, {}
 
     @property
@@ -374,16 +373,20 @@ class CloverSession(LevelSession):
         state = head.advance(self.base if states is None else states, embedding)
         return state, self.lm_head(head.output(level, state, embedding))
 
-    def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
-        head, M, start = self.head, tokens.shape[1], self.decided
+    def _layer_caches(self) -> list:
+        return list(zip(self.head.augment, self.caches))
+
+    def _read(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor, positions: Tensor, visible: Tensor) -> Tensor:
+        head = self.head
         x = head.block_input(head.feature(layers), self.embed(tokens))
-        visible = torch.ones(M, start + M, dtype=torch.bool, device=x.device).tril(diagonal=start)
-        cos, sin = head.rotary(torch.arange(start, start + M, device=x.device).unsqueeze(0), x.dtype)
+        cos, sin = head.rotary(positions.unsqueeze(0), x.dtype)
         for layer, cache in zip(head.augment, self.caches):
             attn_in, residual = layer.prepare(x)
             x = layer.forward_cached(attn_in, residual, cos, sin, cache, visible)
-        self.base = head.norm(x)[0, -1:]
-        self.decided = start + M
+        return head.norm(x)[0, -1:]
+
+    def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
+        super().extend(hidden, layers, tokens)
         self.states, self.outputs = {}, {}
 
     def expand(self, frontier: Any) -> Tensor:

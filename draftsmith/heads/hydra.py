@@ -221,9 +221,6 @@ class HydraSession(LevelSession):
         super().__init__(head, embed, lm_head)
         self.cache: dict = {}
 
-    def _forget(self) -> None:
-        self.cache = {}
-
     @property
     def step_input(self) -> Tensor:
         return self.context
@@ -236,18 +233,17 @@ class HydraSession(LevelSession):
         paths = tokens.unsqueeze(1) if states is None else torch.cat([states, tokens.unsqueeze(1)], dim=1)  # root first
         return paths, self.head.path_logits(level, self.context.expand(paths.shape[0], -1), self.embed(paths), self.lm_head)
 
-    def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
-        head, M, start = self.head, hidden.shape[1], self.decided
+    def _layer_caches(self) -> list:
+        return [] if self.head.prefix is None else [(self.head.prefix, self.cache)]
+
+    def _read(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor, positions: Tensor, visible: Tensor) -> Tensor:
+        head = self.head
         hidden = hidden.to(head._dtype)
         if head.prefix is None:
-            self.context = hidden[0, -1]
-        else:
-            visible = torch.ones(M, start + M, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
-            cos, sin = head.rotary(torch.arange(start, start + M, device=hidden.device).unsqueeze(0), hidden.dtype)
-            attn_in, residual = head.prefix.prepare(hidden)
-            out = head.prefix.forward_cached(attn_in, residual, cos, sin, self.cache, visible)
-            self.context = head.prefix_norm(out[0, -1])
-        self.decided = start + M
+            return hidden[0, -1]
+        cos, sin = head.rotary(positions.unsqueeze(0), hidden.dtype)
+        attn_in, residual = head.prefix.prepare(hidden)
+        return head.prefix_norm(head.prefix.forward_cached(attn_in, residual, cos, sin, self.cache, visible)[0, -1])
 
     def expand(self, frontier: Any) -> Tensor:
         rows: list[Optional[Tensor]] = [None] * len(frontier.nodes)

@@ -102,6 +102,7 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
         compiled = drafter.session.graphs.captured
         assert compiled and all(g is not None for g in compiled.values())
         assert any(isinstance(name, tuple) and name[0] == kind.split("-")[1] for name in compiled)
+        assert any(isinstance(name, tuple) and name[0] == "extend" for name in compiled)  # Hydra++'s prefix layer, Clover's block
     if kind.startswith("eagle"):  # the head's extend and its whole tree replayed
         compiled = drafter.session.graphs.captured
         assert drafter.session.graphs and compiled and all(g is not None for g in compiled.values())

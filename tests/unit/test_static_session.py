@@ -244,10 +244,11 @@ def _path_head(kind, target):
 
 @pytest.mark.parametrize("kind", ["hydra", "hydra++", "clover-1", "clover-2"])
 def test_a_path_conditioned_head_grows_its_trees_on_the_device(target, kind):
-    """Hydra's and Clover's tree levels on the static cache (LevelSession.expand_level: each level's
-    node states from the level before, on the device; one CUDA graph a step on a GPU): the same
-    trees step for step as the host's level-by-level growth on the dynamic cache, static and
-    EAGLE-2 trees, and no level expanded on the host."""
+    """Hydra's and Clover's sessions on the static cache (LevelSession: each tree level's node
+    states from the level before, on the device, the whole tree one CUDA graph a step on a GPU;
+    Hydra++'s prefix layer and Clover's augmenting block on preallocated caches, grown
+    mid-generation): the same trees step for step as the host's level-by-level growth on growing
+    caches, static and EAGLE-2 trees, and no level expanded on the host."""
     from draftsmith.runtime.drafters import HeadDrafter
     from draftsmith.runtime.tree import DynamicTreeSpec, default_tree
 
@@ -262,12 +263,19 @@ def test_a_path_conditioned_head_grows_its_trees_on_the_device(target, kind):
         runs = {}
         for cache in ("dynamic", "static"):
             drafter = HeadDrafter(head, target, tree, cache=cache)
-            if cache == "static":
-                drafter.session.expand = no_host_expand
             proposed, propose = [], drafter.propose
-            drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
+
+            def recording(state, propose=propose, proposed=proposed, drafter=drafter, cache=cache):
+                if cache == "static" and not proposed:
+                    drafter.session.expand = no_host_expand
+                    drafter.session._grow(12)  # small: the prefix layer's or the block's caches must grow mid-generation
+                proposed.append(propose(state))
+                return proposed[-1]
+
+            drafter.propose = recording
             out, stats = speculative_generate(target, drafter, ids, 60, cache=cache)
             runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens.tolist(), t.parents.tolist()) for t in proposed])
+            assert (drafter.session.capacity > 12) == (cache == "static")
         assert runs["static"] == runs["dynamic"], tree
         accepted.append(sum(runs["static"][1]))
     # On the Llama target every kind accepts: multi-position reads and rollbacks happen (on the
