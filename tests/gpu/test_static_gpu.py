@@ -12,8 +12,10 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
+from draftsmith.heads.clover import CloverConfig, CloverHead  # noqa: E402
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead  # noqa: E402
 from draftsmith.heads.eagle import EagleConfig, EagleHead  # noqa: E402
+from draftsmith.heads.hydra import HydraConfig, HydraHead  # noqa: E402
 from draftsmith.heads.medusa import MedusaConfig, MedusaHead  # noqa: E402
 from draftsmith.runtime.drafters import HeadDrafter, StandaloneDrafter  # noqa: E402
 from draftsmith.runtime.early_exit import EarlyExitDrafter  # noqa: E402
@@ -48,6 +50,10 @@ def _drafters(target):
     dflash.init_from_target(target)
     dflash = _perturbed(dflash.to(CUDA), 0.05, 5).eval()
     noisy = _perturbed(copy.deepcopy(target.model), 0.15, 1)
+    hydra = HydraHead(HydraConfig(num_heads=4, num_layers=2), dims)  # Hydra++: the prefix layer
+    hydra.init_from_target(target)
+    clover = CloverHead(CloverConfig(depth=4), dims)  # Clover-2
+    clover.init_from_target(target)
     return {
         "eagle-dynamic": HeadDrafter(eagle, target, DynamicTreeSpec(depth=4, topk=3, budget=10)),
         "medusa-tree": HeadDrafter(medusa, target, default_tree(4, (4, 2, 2, 1))),
@@ -55,6 +61,8 @@ def _drafters(target):
         "noisy-tree": StandaloneDrafter(noisy, default_tree(4, (3, 2, 2, 1))),
         "self-chain": StandaloneDrafter(target.model, TreeSpec.chain(4)),
         "early-exit": EarlyExitDrafter(target, exit_layer=1, tree=TreeSpec.chain(3)),
+        "hydra-dynamic": HeadDrafter(_perturbed(hydra.to(CUDA), 0.005, 6).eval(), target, DynamicTreeSpec(depth=4, topk=3, budget=10)),
+        "clover-tree": HeadDrafter(_perturbed(clover.to(CUDA), 0.005, 6).eval(), target, default_tree(4, (3, 2, 2, 1))),
     }
 
 
@@ -78,7 +86,7 @@ def test_graphed_forwards_match_the_dynamic_cache(target):
     assert static.cache.capacity > 16 and sorted(static.graphs.captured) == [("tree", 4), ("tree", 6)] and static.graphs
 
 
-@pytest.mark.parametrize("kind", ["eagle-dynamic", "medusa-tree", "dflash-chain", "noisy-tree", "self-chain", "early-exit", "plain"])
+@pytest.mark.parametrize("kind", ["eagle-dynamic", "medusa-tree", "dflash-chain", "hydra-dynamic", "clover-tree", "noisy-tree", "self-chain", "early-exit", "plain"])
 def test_graphed_decoding_equals_hf_greedy(target, kind):
     prompts = [torch.tensor([[5, 9, 14, 20]], device=CUDA), torch.tensor([[7, 7, 30, 31, 32, 33, 34, 35, 36]], device=CUDA)]
     drafter = None if kind == "plain" else _drafters(target)[kind]
@@ -93,7 +101,8 @@ def test_graphed_decoding_equals_hf_greedy(target, kind):
     session = target._static_sessions[(layers, target.device, target.dtype)]
     assert session.graphs and session.graphs.captured, "auto did not take the graphed static cache on CUDA"
     if kind == "early-exit":  # the chain as one graph, the verify forward from the exit (verification inside) as another
-        assert {key[0] for key in session.graphs.captured} == {"early-exit draft", "early-exit verify"}
+        # (the session is the one the draft models' generations used before: their graphs are there too)
+        assert {"early-exit draft", "early-exit verify"} <= {key[0] for key in session.graphs.captured}
         assert all(g is not None for g in session.graphs.captured.values()) and any(key[-1] == "verified" for key in session.graphs.captured)
     elif drafter is not None:  # the fused greedy verification replays inside the tree forward's graph
         assert {key[0] for key in session.graphs.captured} == {"tree-verify"} and all(g is not None for g in session.graphs.captured.values())
@@ -106,6 +115,10 @@ def test_graphed_decoding_equals_hf_greedy(target, kind):
         assert drafter.session.capacity and drafter.session.graphs and drafter.session.graphs.captured
     if kind == "medusa-tree":  # and Medusa's heads
         assert drafter.session.graphs and drafter.session.graphs.captured.get("heads") is not None
+    if kind in ("hydra-dynamic", "clover-tree"):  # and the whole tree, and Hydra++'s prefix layer or Clover's block
+        captured = drafter.session.graphs.captured
+        assert drafter.session.graphs and all(g is not None for g in captured.values())
+        assert {name[0] for name in captured} == {"dynamic" if kind == "hydra-dynamic" else "static", "extend"}
     if kind == "dflash-chain":  # and DFlash's block forward
         steps = [g for name, g in drafter.session.graphs.captured.items() if isinstance(name, tuple) and name[0] == "step"]
         assert drafter.session.capacity and drafter.session.graphs and steps and all(graph is not None for graph in steps)
