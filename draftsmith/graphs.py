@@ -39,8 +39,9 @@ class CapturedForward:
     Calling it copies new inputs (same shapes and dtypes) into those buffers and replays the graph.
     What it returns are the graph's own output buffers: valid until the next replay of this graph
     or of another graph sharing its memory ``pool``. The warm-up runs before the capture (two on a
-    side stream, as CUDA graphs ask) run ``fn`` for real: its side effects happen three times on the
-    first inputs, so ``fn`` must tolerate that (a cache write at the same slots does).
+    side stream, as CUDA graphs ask) run ``fn`` for real: its side effects happen twice on the first
+    inputs before the capture records them (three times under the CPU's simulated graphs, whose
+    trace runs too), so ``fn`` must tolerate that (a cache write at the same slots does).
     """
 
     def __init__(self, fn: Callable[..., Any], inputs: Sequence[Tensor], pool=None, warmup: int = 2) -> None:

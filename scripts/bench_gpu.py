@@ -12,8 +12,9 @@ shape it times, over --prompts prompts of --prompt-len tokens and --new-tokens n
   baseline);
 - a speculative step with nothing accepted: untrained (random) EAGLE-3 (EAGLE-2 dynamic tree, depth
   5, top-4, 26 nodes), DFlash (one block of 4), Medusa (sparse tree 4,2,2,1) heads, a one-layer
-  standalone draft model (chain of 4) and the target's first quarter of layers (early exit,
-  LayerSkip: chain of 4), so each step is all overhead;
+  standalone draft model (chain of 4), so each step is all overhead;
+- a speculative step of the target's first quarter of layers drafting for it (early exit,
+  LayerSkip: chain of 4), accepting what a random target's early exit accepts;
 - a speculative step with everything accepted: the target drafting for itself (a chain of 4);
 - then Hydra++ and Clover-2 heads with nothing accepted (Medusa's tree).
 
@@ -208,8 +209,10 @@ def bench_shape(shape: str, device: torch.device, args, saved=lambda rows: None)
                     drafter = built
                 else:
                     drafter = HeadDrafter(built.head, target, built.tree, cache=cache)
-                accepted = "everything" if "itself" in name else "nothing"  # nothing: untrained heads, as good as never
-                record(f"{name}, {accepted} accepted, {CACHE_NAMES[cache]}", *time_generation(speculative(drafter, cache), prompts, device), cache=cache)
+                # Untrained heads and draft models accept as good as nothing; an early exit from the
+                # target's own layers may accept some (its row's tokens / step says how much).
+                accepted = "everything accepted" if "itself" in name else "its own acceptance" if name.startswith("early exit") else "nothing accepted"
+                record(f"{name}, {accepted}, {CACHE_NAMES[cache]}", *time_generation(speculative(drafter, cache), prompts, device), cache=cache)
                 rows[-1]["cost_over_plain"] = round(rows[-1]["ms_per_step"] / plain, 3)
                 if name in MEASURED_TAU:
                     rows[-1]["projected_speedup_at_measured_tau"] = round(MEASURED_TAU[name] * plain / rows[-1]["ms_per_step"], 3)

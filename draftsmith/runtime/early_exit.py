@@ -144,8 +144,14 @@ class EarlyExitDrafter:
             return self._exit_logits(frontier.tokens.view(1, 1), base + (frontier.level - 1))
 
         tree = grow_static_tree_on_device(self.tree, root, level_logits, root.device)
-        exits, self._exit_hidden = torch.cat(self._exit_hidden, dim=1), []
+        exits, self._exit_hidden = self._drafted_exits(root.device), []
         return tree.tokens, exits
+
+    def _drafted_exits(self, device) -> Tensor:
+        """Layer E-1's outputs at the drafted levels' nodes [1,d,D] (d = 0 for a chain of 0)."""
+        if self._exit_hidden:
+            return torch.cat(self._exit_hidden, dim=1)
+        return torch.zeros(1, 0, self.target.dims.hidden_size, dtype=self.target.dtype, device=device)
 
     def _propose_static(self, state: DraftState) -> DraftTree:
         session, k, device = self.session, self.tree.max_depth, state.tokens.device
@@ -191,7 +197,7 @@ class EarlyExitDrafter:
         session), what ``StaticSession.forward_tree_verified`` returns: the greedy verification
         made in the same graph, its VerifyResult fourth."""
         if self.static:
-            session, done = self.session, torch.cat(self._exit_hidden, dim=1)
+            session, done = self.session, self._drafted_exits(tree.tokens.device)
             base = session.columns[session.length : session.length + 1]
             if verified:
                 bound = tree.size - 1  # paths sized for the deepest tree of N nodes, as forward_tree_verified

@@ -16,6 +16,10 @@ from draftsmith.testing import tiny_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# A static tree with several nodes that get children at every level: the accepted path's entries
+# among them are not the first ones (a move when they are kept), and siblings must not see each other.
+BUSHY = TreeSpec.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0), (0, 0, 0, 0), (1, 0, 0, 0)])
+
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def target(request):
@@ -152,7 +156,7 @@ def test_a_draft_model_on_the_static_cache_drafts_what_it_drafts_on_the_dynamic_
         for p in noisy.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.15 * p.std().clamp_min(1e-3))
     ids = torch.tensor([[5, 9, 14, 20, 7, 3]])
-    for tree in (default_tree(4, (3, 2, 2, 1)), DynamicTreeSpec(depth=4, topk=3, budget=10)):
+    for tree in (default_tree(4, (3, 2, 2, 1)), BUSHY, DynamicTreeSpec(depth=4, topk=3, budget=10)):
         runs = {}
         for cache in ("dynamic", "static"):
             drafter = StandaloneDrafter(noisy, tree, cache=cache)
@@ -259,7 +263,7 @@ def test_a_path_conditioned_head_grows_its_trees_on_the_device(target, kind):
         raise AssertionError("a tree level was expanded on the host")
 
     accepted = []
-    for tree in (default_tree(4, (3, 2, 2, 1)), DynamicTreeSpec(depth=4, topk=3, budget=10)):
+    for tree in (default_tree(4, (3, 2, 2, 1)), BUSHY, DynamicTreeSpec(depth=4, topk=3, budget=10)):
         runs = {}
         for cache in ("dynamic", "static"):
             drafter = HeadDrafter(head, target, tree, cache=cache)
@@ -372,7 +376,6 @@ def test_a_draft_models_greedy_step_stays_on_the_device():
     what CUDA replays as one graph a step) under SimulatedDevice: no operation mixes a host tensor
     with a device one, the drafter reads the device once a step (the accepted path, after the
     step's verdict), its trees are the dynamic cache's, and so is the output."""
-    from draftsmith.runtime.tree import default_tree
     from draftsmith.testing import SimulatedDevice
 
     device, runs = torch.device("cpu"), {}
@@ -384,9 +387,12 @@ def test_a_draft_models_greedy_step_stays_on_the_device():
             with torch.no_grad():
                 for p in draft.parameters():  # a draft close to the target: partial acceptance, non-contiguous paths kept
                     p.add_(torch.randn(p.shape, generator=gen).to(device) * 0.15 * p.std().clamp_min(1e-3))
-            drafter = StandaloneDrafter(draft, default_tree(4, (3, 2, 2, 1)), cache=cache)
+            drafter = StandaloneDrafter(draft, BUSHY, cache=cache)
             proposed, propose = [], drafter.propose
             drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
+            if cache == "static":
+                kept, keep_entries = [], drafter.static.keep_entries
+                drafter.static.keep_entries = lambda start, rows: kept.append(list(rows)) or keep_entries(start, rows)
             before = len(guard.reads)
             out, stats = speculative_generate(target, drafter, torch.tensor([[5, 9, 14, 20, 7, 3]]).to(device), 30, cache=cache)
             reads = guard.reads[before:]
@@ -395,8 +401,19 @@ def test_a_draft_models_greedy_step_stays_on_the_device():
             steps = len(stats.accept_lens)
             assert guard.checked > 200
             assert [r for r in reads if "drafters.py" in r] == [f"tolist at drafters.py:{_line_of(StandaloneDrafter.accept, 'result.path[0].tolist()')}"] * steps
+            assert any(rows != list(range(len(rows))) for rows in kept), kept  # accepted entries moved into place
     assert runs["static"] == runs["dynamic"]
     assert 0 < sum(runs["static"][1]) < sum(len(t[0][0]) - 1 for t in runs["static"][2])
+
+
+def test_an_early_exit_chain_of_nothing_is_a_plain_step_on_either_cache(target):
+    """A chain of 0 drafts nothing: each step verifies the root alone, on the static cache as on the
+    dynamic one (the drafted layer outputs are then an empty [1,0,D])."""
+    ids = torch.tensor([[5, 9, 14, 20]])
+    want = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6, pad_token_id=0, eos_token_id=None)
+    for cache in ("dynamic", "static"):
+        out, stats = speculative_generate(target, EarlyExitDrafter(target, 1, TreeSpec.chain(0)), ids, 6, cache=cache)
+        assert out.tolist() == want.tolist() and stats.accept_lens == [0] * 6, cache
 
 
 def test_an_early_exit_step_on_the_static_cache_reads_only_its_verdict():
