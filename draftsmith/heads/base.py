@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.graphs import Graphs, can_capture
+from draftsmith.heads.layers import preallocate_cache
 from draftsmith.target import FrozenTarget, TargetDims, TargetFeatures
 
 __all__ = ["DraftHead", "HeadSession", "LevelSession", "TargetDims", "TargetFeatures", "depth_label_weights", "depth_labels", "depth_loss", "path_tokens"]
@@ -283,8 +284,8 @@ class LevelSession(HeadSession):
     trees grow on the device, and where the session has graphs (CUDA) a step's whole tree, every
     level's head forward, top-k and the tree's assembly, replays as one CUDA graph per tree shape,
     the step tensor copied in. Elsewhere the host's ``expand`` serves, the reference path.
-    Subclasses implement ``step_input`` (the per-step tensor, a property with a setter) and
-    ``_level(level, parent_states, tokens) -> (states, logits)``."""
+    Subclasses name ``step_attribute`` (where the per-step tensor is) and implement ``_read`` (what
+    ``extend`` computes it from) and ``_level(level, parent_states, tokens) -> (states, logits)``."""
 
     on_device = False
     capacity = 0  # entries of the preallocated caches of ``_layer_caches`` (0: growing ones)
@@ -321,12 +322,7 @@ class LevelSession(HeadSession):
         """Preallocated caches of ``capacity`` entries holding what the caches held; graphs dropped."""
         device = next(self.head.parameters()).device
         for layer, cache in self._layer_caches():
-            attn = layer.self_attn
-            old = cache.get("k"), cache.get("v")
-            cache["k"], cache["v"] = (torch.zeros(1, attn.kv_heads, capacity, attn.head_dim, dtype=attn.k_proj.weight.dtype, device=device) for _ in range(2))
-            if old[0] is not None and self.decided:
-                cache["k"][:, :, : self.decided] = old[0][:, :, : self.decided]
-                cache["v"][:, :, : self.decided] = old[1][:, :, : self.decided]
+            preallocate_cache(layer, cache, capacity, self.decided, device)
         self.capacity = capacity
         self.columns = torch.arange(capacity, device=device)
         self.graphs.clear()
@@ -367,13 +363,15 @@ class LevelSession(HeadSession):
         self.step_input = step
         self.decided = start + M
 
+    step_attribute = ""  # the attribute holding the per-step tensor ``extend`` sets
+
     @property
     def step_input(self) -> Tensor:
-        raise NotImplementedError
+        return getattr(self, self.step_attribute)
 
     @step_input.setter
     def step_input(self, value: Tensor) -> None:
-        raise NotImplementedError
+        setattr(self, self.step_attribute, value)
 
     def _level(self, level: int, states: Optional[Tensor], tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Tree level ``level``'s nodes, each a child of the row of ``states`` (the level before's

@@ -345,6 +345,7 @@ class CloverSession(LevelSession):
     node's children come from its output o^{d+1}; ``rollback`` forgets the node states."""
 
     head: CloverHead
+    step_attribute = "base"
 
     def __init__(self, head: CloverHead, embed, lm_head) -> None:
         super().__init__(head, embed, lm_head)
@@ -355,14 +356,6 @@ class CloverSession(LevelSession):
 
     def _forget(self) -> None:
         self.base, self.states, self.outputs = None, {}, {}
-
-    @property
-    def step_input(self) -> Tensor:
-        return self.base
-
-    @step_input.setter
-    def step_input(self, value: Tensor) -> None:
-        self.base = value
 
     def _level(self, level: int, states: Optional[Tensor], tokens: Tensor) -> tuple[Tensor, Tensor]:
         """A level's node states from their parents' (the root's from ``base``), as ``expand``."""

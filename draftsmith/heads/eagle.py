@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.heads.base import BufferedSession, DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels, depth_loss
-from draftsmith.heads.layers import DecoderLayer, LayerShape, Rotary, ancestor_slots, causal_allowed, tree_visibility, truncate_cache
+from draftsmith.heads.layers import DecoderLayer, LayerShape, Rotary, ancestor_slots, causal_allowed, preallocate_cache, tree_visibility, truncate_cache
 
 
 @dataclass
@@ -257,13 +257,7 @@ class EagleSession(BufferedSession):
         """Buffers of ``capacity`` entries holding what the caches held; graphs recaptured."""
         device = next(self.head.parameters()).device
         for layer, cache in zip(self.head.layers, self.caches):
-            attn = layer.self_attn
-            shape = (1, attn.kv_heads, capacity, attn.head_dim)
-            old = cache.get("k"), cache.get("v")
-            cache["k"], cache["v"] = (torch.zeros(shape, dtype=attn.k_proj.weight.dtype, device=device) for _ in range(2))
-            if old[0] is not None and self.length:
-                cache["k"][:, :, : self.length] = old[0][:, :, : self.length]
-                cache["v"][:, :, : self.length] = old[1][:, :, : self.length]
+            preallocate_cache(layer, cache, capacity, self.length, device)
         self.capacity = capacity
         self.columns = torch.arange(capacity, device=device)
         self.graphs.clear()

@@ -216,18 +216,11 @@ class HydraSession(LevelSession):
     state is its nodes' paths [F, level] (LevelSession: the whole tree one graph on CUDA)."""
 
     head: HydraHead
+    step_attribute = "context"  # [D]: h, or the prefix layer's normed output, where the root was predicted
 
     def __init__(self, head: HydraHead, embed, lm_head) -> None:
         super().__init__(head, embed, lm_head)
         self.cache: dict = {}
-
-    @property
-    def step_input(self) -> Tensor:
-        return self.context
-
-    @step_input.setter
-    def step_input(self, value: Tensor) -> None:
-        self.context = value
 
     def _level(self, level: int, states: Optional[Tensor], tokens: Tensor) -> tuple[Tensor, Tensor]:
         paths = tokens.unsqueeze(1) if states is None else torch.cat([states, tokens.unsqueeze(1)], dim=1)  # root first

@@ -36,6 +36,7 @@ __all__ = [
     "attend_in_training",
     "flex_attend",
     "causal_allowed",
+    "preallocate_cache",
     "tree_visibility",
     "truncate_cache",
 ]
@@ -590,6 +591,17 @@ class DecoderLayer(nn.Module):
             values = v if cache.get("v") is None else torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = keys, values
         return self.finish(residual, attend(q, keys, values, visible.view(1, 1, *visible.shape)))
+
+
+def preallocate_cache(layer: "DecoderLayer", cache: dict, capacity: int, keep: int, device) -> None:
+    """Give a ``forward_cached`` cache of ``layer`` preallocated key and value buffers
+    [1,Hkv,capacity,Dh] holding the first ``keep`` entries it held (a cache that grows)."""
+    attn = layer.self_attn
+    old = cache.get("k"), cache.get("v")
+    cache["k"], cache["v"] = (torch.zeros(1, attn.kv_heads, capacity, attn.head_dim, dtype=attn.k_proj.weight.dtype, device=device) for _ in range(2))
+    if old[0] is not None and keep:
+        cache["k"][:, :, :keep] = old[0][:, :, :keep]
+        cache["v"][:, :, :keep] = old[1][:, :, :keep]
 
 
 def truncate_cache(cache: dict, length: int) -> None:
