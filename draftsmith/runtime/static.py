@@ -189,6 +189,12 @@ class StaticSession:
         if self.length + n > self.cache.capacity:
             self._allocate(max(2 * self.cache.capacity, self.length + n + TREE_ROOM))
 
+    def additive_mask(self, visible: Tensor) -> Tensor:
+        """The attention mask [1,1,N,capacity] of N new entries from ``visible`` [N,capacity] bool:
+        0 where an entry sees a slot, the dtype's lowest value where it does not."""
+        mask = torch.zeros(1, 1, visible.shape[0], self.cache.capacity, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~visible.reshape(mask.shape), torch.finfo(self.dtype).min)
+
     # ----------------------------------------------------------------------------- the forward
 
     def _eager(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, logits: str = "all") -> tuple[Optional[Tensor], Tensor, list[Tensor]]:
@@ -220,9 +226,7 @@ class StaticSession:
         included: its rotary positions, its slots and its mask are made here, so on CUDA the whole
         verify forward (mask included) is one graph per tree size, the same graph every step."""
         n = ids.shape[1]
-        visible = tree_visibility(self.columns, parents[0], base)
-        mask = torch.zeros(1, 1, n, self.cache.capacity, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        mask = self.additive_mask(tree_visibility(self.columns, parents[0], base))
         return self._eager(ids, depths + base, self.columns[:n] + base, mask)
 
     def _tree_verified(self, ids: Tensor, depths: Tensor, parents: Tensor, base: Tensor, num_nodes: Tensor, depth_bound: int):
@@ -270,9 +274,7 @@ class StaticSession:
         prompt runs eagerly, its length varying (logits as asked)."""
         n = ids.shape[1]
         slots = self.columns[self.length : self.length + n]
-        mask = torch.zeros(1, 1, n, self.cache.capacity, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-        inputs = (ids, positions, slots, mask)
+        inputs = (ids, positions, slots, self.additive_mask(visible))
         graph = self._graph(inputs) if self.graphs and (logits == "all" or n == 1) else None
         if graph is not None:
             # The graph's buffers are overwritten by its next replay: the features a drafter may
@@ -280,7 +282,7 @@ class StaticSession:
             out, final, wanted = graph(*inputs)
             final, wanted = final.clone(), [h.clone() for h in wanted]
         else:
-            out, final, wanted = self._eager(ids, positions, slots, mask, logits)
+            out, final, wanted = self._eager(*inputs, logits)
         outputs = dict(zip(self._wanted, wanted))
         return out, final, {i: outputs[i % self.stack.num_layers] for i in self.layers}
 
@@ -370,9 +372,7 @@ class StaticSession:
     def causal_mask(self, positions: Tensor) -> Tensor:
         """The additive mask [1,1,N,capacity] of N new entries at slots ``positions`` [N] (their
         rotary positions too), each seeing every slot up to its own."""
-        hidden = self.columns > positions.unsqueeze(1)
-        mask = torch.zeros(1, 1, positions.shape[0], self.cache.capacity, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(hidden.unsqueeze(0).unsqueeze(0), torch.finfo(self.dtype).min)
+        return self.additive_mask(self.columns <= positions.unsqueeze(1))
 
     def run_layers(self, hidden: Tensor, start: int, stop: int, positions: Tensor) -> Tensor:
         """Decoder layers start..stop-1 on hidden [1,N,D] of N consecutive entries at slots (and
@@ -428,11 +428,8 @@ class StaticSession:
             if frontier.level == 1:
                 return root_logits.unsqueeze(0)
             own = rows[frontier.nodes]
-            n = own.shape[0]
-            mask = torch.zeros(1, 1, n, self.cache.capacity, dtype=self.dtype, device=self.device)
-            mask.masked_fill_(~visible.index_select(0, own).view(1, 1, n, -1), torch.finfo(self.dtype).min)
-            positions = (base + (frontier.level - 2)).expand(n).unsqueeze(0)
-            logits, _, _ = self._eager(frontier.tokens.unsqueeze(0), positions, base + own, mask)
+            positions = (base + (frontier.level - 2)).expand(own.shape[0]).unsqueeze(0)
+            logits, _, _ = self._eager(frontier.tokens.unsqueeze(0), positions, base + own, self.additive_mask(visible.index_select(0, own)))
             return logits[0]
 
         return build(spec, root_token, level_logits, self.device).tokens
@@ -442,9 +439,7 @@ class StaticSession:
         the cache), its root the last of them: a draft model's whole step as one function."""
         m = ids.shape[1]
         positions = start + torch.arange(m, device=self.device)
-        mask = torch.zeros(1, 1, m, self.cache.capacity, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(self.columns > positions.unsqueeze(1), torch.finfo(self.dtype).min)
-        logits, _, _ = self._eager(ids, positions.unsqueeze(0), positions, mask)
+        logits, _, _ = self._eager(ids, positions.unsqueeze(0), positions, self.causal_mask(positions))
         return self._drafted_tree(spec, build, logits[0, -1], ids[0, -1:], start + m)
 
     @torch.no_grad()
