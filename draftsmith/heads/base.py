@@ -337,8 +337,9 @@ class LevelSession(HeadSession):
         caches = [cache for _, cache in self._layer_caches()]
         if self.capacity and start + M > self.capacity:
             self._grow(max(2 * self.capacity, start + M + 64))  # drops the captured graphs
-        if self.capacity and self.graphs and caches and M <= self.GRAPHED_EXTEND:
-            # A step's few accepted positions: the layers and the masks in one graph per count.
+        if self.capacity:
+            # The preallocated caches, written at their slots and read whole, the start a tensor: one
+            # function of device tensors, a graph per count for a step's few accepted positions.
             keys = sorted(layers)
 
             def read(hidden: Tensor, *rest: Tensor) -> Tensor:
@@ -349,16 +350,14 @@ class LevelSession(HeadSession):
                 return self._read(hidden, dict(zip(keys, states)), tokens, positions, self.columns <= positions.unsqueeze(1))
 
             inputs = (hidden, *(layers[k] for k in keys), tokens, self.columns[start : start + 1])
-            step, replayed = self.graphs.run(("extend", M, tuple(keys)), read, inputs, f"the {self.head.cfg.kind} head's extend")
-            step = step.clone() if replayed else step  # a graph's output is overwritten by its next replay
+            if self.graphs and caches and M <= self.GRAPHED_EXTEND:
+                step, replayed = self.graphs.run(("extend", M, tuple(keys)), read, inputs, f"the {self.head.cfg.kind} head's extend")
+                step = step.clone() if replayed else step  # a graph's output is overwritten by its next replay
+            else:
+                step = read(*inputs)
         else:
             positions = torch.arange(start, start + M, device=tokens.device)
-            if self.capacity:  # the preallocated caches: written at their slots, read whole
-                for cache in caches:
-                    cache["slots"] = positions
-                visible = self.columns <= positions.unsqueeze(1)
-            else:
-                visible = torch.ones(M, start + M, dtype=torch.bool, device=tokens.device).tril(diagonal=start)
+            visible = torch.ones(M, start + M, dtype=torch.bool, device=tokens.device).tril(diagonal=start)
             step = self._read(hidden, layers, tokens, positions, visible)
         self.step_input = step
         self.decided = start + M

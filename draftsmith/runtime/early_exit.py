@@ -182,13 +182,10 @@ class EarlyExitDrafter:
         """``_verified_static``, then the chain's greedy verification and the step's verdict row in
         the same function (one graph on CUDA, the fused kernel's launches inside), as
         ``StaticSession._tree_verified``. Returns (logits, final hidden, the VerifyResult's tensors)."""
-        from draftsmith.runtime.static import greedy_in_graph
-        from draftsmith.runtime.verdict import verdict_row
+        from draftsmith.runtime.static import verified_in_graph
 
         logits, final = self._verified_static(tokens, done, base)
-        result = greedy_in_graph(tokens, parents, depths, num_nodes, logits, bound)
-        row = verdict_row(tokens, parents, depths, result)
-        return logits, final, (result.accept_len, result.best_node, result.path, result.accepted_tokens, result.bonus, row)
+        return logits, final, verified_in_graph(tokens, parents, depths, num_nodes, logits, bound)
 
     @torch.no_grad()
     def verify_forward(self, tree: DraftTree, verified: bool = False):

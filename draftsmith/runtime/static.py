@@ -117,6 +117,13 @@ def greedy_in_graph(tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: 
     return verify_greedy_on_device(tokens, parents, depths, depth_bound, logits)
 
 
+def verified_in_graph(tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: Tensor, logits: Tensor, depth_bound: int) -> tuple[Tensor, ...]:
+    """``greedy_in_graph`` and the step's verdict row made beside it (the step's one read, inside
+    the verify forward's graph): the VerifyResult's tensors, the verdict last."""
+    result = greedy_in_graph(tokens, parents, depths, num_nodes, logits, depth_bound)
+    return result.accept_len, result.best_node, result.path, result.accepted_tokens, result.bonus, verdict_row(tokens, parents, depths, result)
+
+
 def tree_visibility(columns: Tensor, parents: Tensor, base: Tensor) -> Tensor:
     """visible [N, C] bool over a static cache's C slots (``columns`` = arange(C)) for N tree nodes
     written at slots base .. base+N-1 (``parents`` [N], topological, -1 for the root): every slot
@@ -234,9 +241,7 @@ class StaticSession:
         (one graph on CUDA: the fused kernel's launches replay with the forward). Returns the
         forward's outputs and the VerifyResult's tensors, its verdict row last."""
         out, final, wanted = self._tree_eager(ids, depths, parents, base)
-        result = greedy_in_graph(ids, parents, depths, num_nodes, out, depth_bound)
-        row = verdict_row(ids, parents, depths, result)  # the step's one read, made in the graph
-        return out, final, wanted, (result.accept_len, result.best_node, result.path, result.accepted_tokens, result.bonus, row)
+        return out, final, wanted, verified_in_graph(ids, parents, depths, num_nodes, out, depth_bound)
 
     def _tree_forward(self, ids: Tensor, depths: Tensor, parents: Tensor, verify: Optional[tuple[Tensor, int]] = None):
         """N = ids.shape[1] tree nodes (depths and parents [1,N], parents topological, -1 for the
