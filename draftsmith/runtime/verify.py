@@ -14,13 +14,18 @@ first child from q, the second from q with the first zeroed and renormalised, an
 top-k gives exactly this). Walking down from the root, at the current node with target
 distribution p and draft distribution q, each child x in index order is tested:
 
-    accept  iff  u * q(x) < p(x)            (probability min(1, p(x) / q(x)))
+    accept  iff  u * q(x) < p(x)            (probability min(1, p(x) / q(x)); never where q(x) = 0)
     reject:      p <- max(p - q, 0) / sum(max(p - q, 0))
                  q <- q with q(x) = 0, renormalised
 
 An accepted child becomes the current node (its own p and q are loaded). When every child is
 rejected the bonus token is drawn from the residual p; at a node without children (a fully
 accepted leaf) it is drawn from the target's p there. A chain is the case of one child per node.
+
+A node may hold more children than q has tokens: a tree of fixed shape drafted on the device
+draws as many children as the shape asks, and the draws past q's support are tokens of q(x) = 0,
+made after q has run out of mass. Such a child is never accepted, and its rejection leaves p as it
+is (q is all zero by then), so the walk goes on as if it were not in the tree.
 
 Deterministic candidates (``DraftTree.deterministic``: the draft's top-k, EAGLE-2's dynamic trees)
 are not draws from q. Each child x is then tested as a draw from the point mass at x, with the
@@ -232,8 +237,11 @@ def verify_greedy_on_device(tokens: Tensor, parents: Tensor, depths: Tensor, dep
 
 
 def _accepts(u: Tensor, p_x: Tensor, q_x: Tensor) -> Tensor:
-    """Accept with probability min(1, p(x)/q(x)); multiplied out so that q(x) = 0 cannot divide."""
-    return u * q_x < p_x
+    """Accept with probability min(1, p(x)/q(x)), multiplied out so that nothing divides. A child of
+    q(x) = 0 is never accepted: it was not drawn from q (a tree drafted on the device keeps the
+    children a draw past q's support would have left out), and its rejection changes nothing, since
+    q is then all zero: as if it were not there."""
+    return (u * q_x < p_x) & (q_x > 0)
 
 
 def _residual(p: Tensor, q: Tensor) -> Tensor:

@@ -196,9 +196,12 @@ def _markov(seed):
 
 
 def _gumbel_topk(probs, m, gen):
-    """m draws without replacement from each row of probs [B,V], in draw order."""
+    """m draws without replacement from each row of probs [B,V], in draw order. Draws past a row's
+    support hold any token (a random one here): what a tree drafted on the device keeps there."""
     u = torch.rand(probs.shape, generator=gen, dtype=torch.float64).clamp_min(1e-300)
-    return torch.topk(probs.log() - torch.log(-torch.log(u)), m, dim=-1).indices
+    keys, draws = torch.topk(probs.log() - torch.log(-torch.log(u)), m, dim=-1)
+    past = keys == float("-inf")
+    return torch.where(past, torch.randint(0, probs.shape[-1], draws.shape, generator=gen), draws)
 
 
 def _markov_step(spec, roots, target_logits, draft_probs, params, gen):
@@ -274,6 +277,9 @@ PARAMS = {
     "plain": SamplingParams("sample", 1.0),
     "temp-topk": SamplingParams("sample", 0.7, top_k=4),
     "topp": SamplingParams("sample", 1.3, top_p=0.8),
+    # Two tokens kept where the root drafts three children: its third is a draw past q's support,
+    # as a tree drafted on the device holds it (q(x) = 0, q out of mass).
+    "topk-2": SamplingParams("sample", 1.0, top_k=2),
 }
 
 
@@ -291,6 +297,10 @@ def _residual_unnormalised(p, q):
 
 def _q_not_updated(q, x):
     return q
+
+
+def _accepts_past_the_support(u, p_x, q_x):
+    return u * q_x < p_x
 
 
 BROKEN = {
@@ -312,6 +322,7 @@ CASES = [
     ("tree", TREE, "plain", "residual-is-p"),
     ("tree", TREE, "plain", "residual-unnormalised"),
     ("tree", TREE, "plain", "q-kept-after-reject"),
+    ("tree", TREE, "topk-2", None),
 ]
 
 
@@ -328,6 +339,34 @@ def test_sampled_tokens_follow_the_target(shape, spec, params, broken, monkeypat
         assert p_value > 1e-3
     else:
         assert p_value < 1e-6
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["correct", "accepts-past-the-support"])
+def test_children_past_the_draft_support_change_nothing(broken, monkeypatch):
+    """A root drafts three children where q keeps one token (top-p): the two draws past q's support
+    hold random tokens, as a tree drafted on the device keeps them. The first emitted token still
+    follows the target's p; accepting such a child where p allows it (the rule before) does not."""
+    if broken:
+        monkeypatch.setattr(verify_module, "_accepts", _accepts_past_the_support)
+    gen = torch.Generator().manual_seed(21)
+    n, params = 20_000, SamplingParams("sample", 1.0, top_p=0.9)
+    target_logits = torch.log(torch.tensor([0.05, 0.4, 0.25, 0.15, 0.1, 0.05]))
+    draft_logits = torch.log(torch.tensor([0.95, 0.01, 0.01, 0.01, 0.01, 0.01]))
+    q = logits_to_probs(draft_logits, params.temperature, params.top_k, params.top_p)
+    assert int((q > 0).sum()) == 1
+    tokens = torch.cat([torch.full((n, 1), ROOT), torch.zeros(n, 1, dtype=torch.long), torch.randint(0, V, (n, 2), generator=gen)], dim=1)
+    tree = DraftTree(
+        tokens=tokens, parents=torch.tensor([[-1, 0, 0, 0]]).expand(n, 4), depths=torch.tensor([[0, 1, 1, 1]]).expand(n, 4),
+        num_nodes=torch.full((n,), 4), draft_probs=q.expand(n, 4, V),
+    )  # fmt: skip
+    got = verify_sample(tree, target_logits.expand(n, 4, V), params.temperature, params.top_k, params.top_p, generator=gen)
+    first = torch.where(got.accept_len >= 1, got.accepted_tokens[:, 0], got.bonus)
+    p = logits_to_probs(target_logits.double(), params.temperature, params.top_k, params.top_p)
+    observed = torch.bincount(first, minlength=V).double()
+    live = p > 0
+    assert observed[~live].sum() == 0
+    p_value = float(stats.chisquare(observed[live].numpy(), (p[live] * n).numpy()).pvalue)
+    assert (p_value < 1e-6) if broken else (p_value > 1e-3), p_value
 
 
 @pytest.mark.parametrize("params", list(PARAMS), ids=list(PARAMS))

@@ -347,7 +347,7 @@ def _sample_tree_kernel(
 
     At node `cur`, p starts as softmax(logits[cur] / T) (logits already at -inf where top-k / top-p
     removed a token) and q = draft_probs[cur]. Children are tried in index order: child c with
-    token x is accepted iff u[c] * q(x) < p(x), and the walk moves to c. On rejection
+    token x is accepted iff u[c] * q(x) < p(x) and q(x) > 0, and the walk moves to c. On rejection
     p <- norm(max(p - q, 0)) (unless that is all zero: p stays) and q <- norm(q with q(x) = 0).
     When no child is left, the bonus is drawn from p by inverse CDF with u[N].
     DETERMINISTIC (fixed candidates): q is the point mass at the child being tested, so q(x) = 1,
@@ -427,8 +427,9 @@ def _sample_tree_kernel(
                     tl.load(draft_row + x * stride_dv, mask=qmod == 0, other=0.0).to(tl.float32),
                 )
             u = tl.load(uniforms_ptr + b * stride_ub + c * stride_un).to(tl.float32)
-            # Multiplied out like verify.py, so q(x) = 0 cannot divide.
-            if u * q_x < p_x:
+            # Multiplied out like verify.py, so nothing divides; a child of q(x) = 0 (past q's
+            # support) is never accepted, and its rejection leaves p as it is.
+            if (u * q_x < p_x) & (q_x > 0):
                 cur = c
                 last = c
                 m_cur = tl.load(stats_ptr + b * N + c)
