@@ -266,7 +266,8 @@ def joint_p_value(pairs: list[tuple[int, int]], model, prompt, temperature: floa
     """Chi-square p-value of sampled pairs (first, second generated token) after `prompt` [1,T]
     against `model`'s own processed law of those two tokens (``logits_to_probs`` at `temperature`
     and `top_p`): the check that sampled speculative decoding is lossless. 0.0 when a pair has
-    probability 0 under the target. Rare cells are pooled so each expects at least 5."""
+    probability 0 under the target. Rare cells are pooled so each expects at least 5; cells the
+    target never produces (top-p) are left out."""
     from scipy import stats
 
     from draftsmith.runtime.verify import logits_to_probs
@@ -284,8 +285,9 @@ def joint_p_value(pairs: list[tuple[int, int]], model, prompt, temperature: floa
     if observed[expected == 0].sum() > 0:
         return 0.0
     common = expected >= 5
-    obs = torch.cat([observed[common], observed[~common].sum().view(1)])
-    exp = torch.cat([expected[common], expected[~common].sum().view(1)])
+    rare = ~common & (expected > 0)  # pooled into one cell, where there are any
+    obs = torch.cat([observed[common], observed[rare].sum().view(1)]) if rare.any() else observed[common]
+    exp = torch.cat([expected[common], expected[rare].sum().view(1)]) if rare.any() else expected[common]
     return float(stats.chisquare(obs.numpy(), (exp / exp.sum() * n).numpy()).pvalue)
 
 

@@ -2,6 +2,7 @@
 
     python scripts/bench_eager_ops.py --out docs/bench/eager-ops.md
     python scripts/bench_eager_ops.py --top 30          # and where the most of them come from
+    python scripts/bench_eager_ops.py --temperatures 0 1 --out docs/bench/eager-ops.md   # greedy and sampled
 
 On a GPU at batch 1 a step costs what launching its kernels costs: a piece captured as a CUDA
 graph is one launch, every other operation a launch and a pass through Python. This counts them on
@@ -22,6 +23,11 @@ target's graph, as the fused kernel does on CUDA. ``--graphs left-out`` is the c
 simulation existed (commits up to 2026-11-27 afternoon): no graphs, the callables CUDA captures
 left out, and the torch reference verification, which CUDA replaces with the fused kernel,
 counted apart (``reference verification``) and left out of the total.
+
+``--temperatures`` above 0 decode with lossless sampling: the drafter draws its children (on the
+device on the static cache: ``draftsmith.sampling.DeviceDraws``) and the verification runs after
+the target's graph, here the torch reference, counted apart as above (on CUDA the fused kernel:
+a draw of uniforms and its launches).
 """
 
 from __future__ import annotations
@@ -138,7 +144,20 @@ def build_drafter(kind: str, target):
     return build_draft_model_drafter(target, cache="static") if kind == "standalone" else build_head_drafter(kind, target, cache="static")
 
 
-def host_reads(shape: str, kind: str, args) -> tuple[float, list]:
+def sampling_of(temperature: float):
+    """Greedy at 0, else lossless sampling at ``temperature`` (no top-k / top-p), and its generator."""
+    from draftsmith.runtime.verify import SamplingParams
+
+    if temperature == 0:
+        return SamplingParams(), None
+    return SamplingParams(mode="sample", temperature=temperature), torch.Generator().manual_seed(0)
+
+
+def decoding(temperature: float) -> str:
+    return "greedy" if temperature == 0 else f"sampled, T={temperature:g}"
+
+
+def host_reads(shape: str, kind: str, args, temperature: float = 0.0) -> tuple[float, list]:
     """(host reads a step, the lines making the most), under SimulatedDevice, the second of two generations."""
     import inspect
 
@@ -154,9 +173,10 @@ def host_reads(shape: str, kind: str, args) -> tuple[float, list]:
         target = FrozenTarget(build_target(shape, device, torch.float32).model.to(device))  # its weights on the simulated device
         drafter = build_drafter(kind, target)
         prompt = torch.randint(3, target.dims.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
-        speculative_generate(target, drafter, prompt, args.new_tokens, cache="static")
+        sampling, generator = sampling_of(temperature)
+        speculative_generate(target, drafter, prompt, args.new_tokens, cache="static", sampling=sampling, generator=generator)
         before = len(guard.reads)
-        _, stats = speculative_generate(target, drafter, prompt, args.new_tokens, cache="static")
+        _, stats = speculative_generate(target, drafter, prompt, args.new_tokens, cache="static", sampling=sampling, generator=generator)
     lines, first = inspect.getsourcelines(DraftTree.validate)  # the tree checks the reference verification starts with
     checks = {f"tree.py:{n}" for n in range(first, first + len(lines))}
     reads = [r for r in guard.reads[before:] if not r.split(" at ")[1].startswith("verify.py") and r.split(" at ")[1] not in checks]
@@ -164,7 +184,7 @@ def host_reads(shape: str, kind: str, args) -> tuple[float, list]:
     return round(len(reads) / steps, 2), [(line, round(n / steps, 2)) for line, n in collections.Counter(reads).most_common(args.top)]
 
 
-def count(shape: str, kind: str, args) -> dict:
+def count(shape: str, kind: str, args, temperature: float = 0.0) -> dict:
     from bench_gpu import build_target
 
     from draftsmith.runtime.generate import speculative_generate
@@ -174,20 +194,22 @@ def count(shape: str, kind: str, args) -> dict:
         target = build_target(shape, torch.device("cpu"), torch.float32)
         drafter = build_drafter(kind, target)
         prompt = torch.randint(3, target.dims.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
-        speculative_generate(target, drafter, prompt, args.new_tokens, cache="static")  # warm-up: buffers, sessions and graphs made (as large)
+        sampling, generator = sampling_of(temperature)
+        # warm-up: buffers, sessions and graphs made (as large)
+        speculative_generate(target, drafter, prompt, args.new_tokens, cache="static", sampling=sampling, generator=generator)
         counter = EagerOps()
         with ExitStack() as stack:
             counter.patch(stack)
             if args.graphs == "simulated":
                 counter.patch_replays(stack, TracedGraph)
             with counter:
-                _, stats = speculative_generate(target, drafter, prompt, args.new_tokens, cache="static")
+                _, stats = speculative_generate(target, drafter, prompt, args.new_tokens, cache="static", sampling=sampling, generator=generator)
     steps = len(stats.accept_lens)
     reference = sum(n for line, n in counter.lines.items() if reference_verification(line))
     total = sum(counter.lines.values()) - reference
-    reads, read_lines = host_reads(shape, kind, args)
+    reads, read_lines = host_reads(shape, kind, args, temperature)
     return {
-        "shape": shape, "drafter": kind, "steps": steps, "eager_ops_per_step": round(total / steps, 1),
+        "shape": shape, "drafter": kind, "temperature": temperature, "steps": steps, "eager_ops_per_step": round(total / steps, 1),
         "reference_verification_per_step": round(reference / steps, 1), "host_reads_per_step": reads, "host_read_lines": read_lines,
         "top": [(line, round(n / steps, 1)) for line, n in counter.lines.most_common() if not reference_verification(line)][: args.top],
     }  # fmt: skip
@@ -205,6 +227,10 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=bounded(int, 1), default=40)
     p.add_argument("--top", type=bounded(int, 0), default=10, help="lines with the most eager operations, per row")
     p.add_argument(
+        "--temperatures", nargs="+", type=bounded(float, 0.0), default=[0.0],
+        help="0: greedy; above: lossless sampling at that temperature (its verification counted apart, as the torch reference's)",
+    )  # fmt: skip
+    p.add_argument(
         "--graphs", choices=["simulated", "left-out"], default="simulated",
         help="simulated: decode through the graphs as CUDA does (draftsmith.testing.simulated_cuda_graphs), a replay and each input copy one operation; "
         "left-out: no graphs, the callables CUDA captures left out of the count (the count of commits before the simulation)",
@@ -213,8 +239,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rows = []
     for shape in args.shapes:
-        for kind in args.drafters:
-            rows.append(count(shape, kind, args))
+        for temperature in args.temperatures:
+            for kind in args.drafters:
+                rows.append(count(shape, kind, args, temperature))
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("top", "host_read_lines")}), flush=True)
             for line, n in rows[-1]["top"]:
                 print(f"  {n:7.1f}  {line}")
@@ -228,9 +255,10 @@ def main(argv=None) -> int:
             + ("Counted on the CPU, decoding through simulated CUDA graphs: a graph replay and each input copy count one operation."
                if args.graphs == "simulated" else
                "Counted on the CPU without graphs, the callables CUDA captures left out; the torch reference verification, which CUDA replaces with the fused kernel, apart."), "",
-            "| shape | drafter | steps | eager operations a step | reference verification a step | host reads a step |", "| --- | --- | --- | --- | --- | --- |",
+            "| shape | drafter | decoding | steps | eager operations a step | reference verification a step | host reads a step |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]  # fmt: skip
-        lines += [f"| {r['shape']} | {r['drafter']} | {r['steps']} | {r['eager_ops_per_step']} | {r['reference_verification_per_step']} | {r['host_reads_per_step']} |" for r in rows]
+        lines += [f"| {r['shape']} | {r['drafter']} | {decoding(r['temperature'])} | {r['steps']} | {r['eager_ops_per_step']} | {r['reference_verification_per_step']} | {r['host_reads_per_step']} |" for r in rows]
         save(args.out, lines, rows, meta)
         print(f"results: {args.out.resolve()} (and {args.out.with_suffix('.json').name})")
     return 0

@@ -2,6 +2,7 @@
 
     python scripts/bench_gpu.py --out docs/bench/gpu-decode.md              # CUDA: SmolLM2-135M and Llama-3.1-8B shapes, bf16
     python scripts/bench_gpu.py --device cpu --shapes tiny --new-tokens 16  # CPU smoke run (what the unit test runs)
+    python scripts/bench_gpu.py --temperature 1 --out docs/bench/gpu-decode-sampled.md  # lossless sampling throughout
 
 Speed does not depend on the weights' values, and the GPU machines hold no model files: the target
 is a random Llama of the named shape built on the device (bf16 on CUDA, fp32 on the CPU). For each
@@ -27,6 +28,11 @@ CPU for trained drafters (docs/peers.md, docs/heads.md): tau tokens per step at 
 nothing-accepted step's cost. Writes a Markdown table to --out and the rows as JSON beside it;
 ``--profile KIND`` adds torch.profiler's view of one generation with that head (kernel launches
 and host syncs per step, operators by host time) beside it.
+
+``--temperature T`` (above 0) decodes every row with lossless sampling at T, no top-k or top-p:
+transformers' generate() samples (``do_sample``), draftsmith's loops sample, the drafters draw their
+children and the verification is the sampled one (the fused kernel on CUDA, after the target's
+graph). A target drafting for itself still has everything accepted (its q is the target's p).
 """
 
 from __future__ import annotations
@@ -141,6 +147,7 @@ def bench_shape(shape: str, device: torch.device, args, saved=lambda rows: None)
     from draftsmith.runtime.early_exit import EarlyExitDrafter
     from draftsmith.runtime.generate import autoregressive_generate, speculative_generate, verification_kernel
     from draftsmith.runtime.tree import TreeSpec
+    from draftsmith.runtime.verify import SamplingParams
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = build_target(shape, device, dtype)
@@ -161,20 +168,28 @@ def bench_shape(shape: str, device: torch.device, args, saved=lambda rows: None)
         print(json.dumps(rows[-1]), flush=True)
         saved(rows)
 
+    sampled = args.temperature > 0
+    sampling = SamplingParams(mode="sample", temperature=args.temperature) if sampled else SamplingParams()
+    # transformers' sampling, at the same temperature with its default top-k (50) off.
+    hf_sampling = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0) if sampled else dict(do_sample=False)
+
+    def generator():
+        return torch.Generator(device).manual_seed(0) if sampled else None
+
     def hf_greedy(cache_implementation=None):
         # "static": transformers' StaticCache, and on CUDA generate() compiles the decoding forward
         # itself (its auto-compile, torch.compile "reduce-overhead"); the warm-up pays the compile.
         extra = {"cache_implementation": cache_implementation} if cache_implementation else {}
 
         def run(ids):
-            out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0, **extra)
+            out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=N, pad_token_id=0, **hf_sampling, **extra)
             return out.shape[1] - ids.shape[1], out.shape[1] - ids.shape[1]
 
         return run
 
     def own_plain(cache):
         def run(ids):
-            out, stats = autoregressive_generate(target, ids, N, cache=cache)
+            out, stats = autoregressive_generate(target, ids, N, sampling=sampling, cache=cache, generator=generator())
             return stats.new_tokens, stats.steps
 
         return run
@@ -189,7 +204,7 @@ def bench_shape(shape: str, device: torch.device, args, saved=lambda rows: None)
 
         def speculative(drafter, cache):
             def run(ids):
-                out, stats = speculative_generate(target, drafter, ids, N, cache=cache)
+                out, stats = speculative_generate(target, drafter, ids, N, sampling=sampling, generator=generator(), cache=cache)
                 return stats.new_tokens, stats.steps
 
             return run
@@ -221,7 +236,10 @@ def bench_shape(shape: str, device: torch.device, args, saved=lambda rows: None)
         if args.profile:
             profile_step(shape, args.profile, speculative(drafters[args.profile], "static"), prompts[0], device, args)
     for row in rows:
-        row.update(device=str(device), dtype=str(dtype).replace("torch.", ""), verification=verification_kernel(device), plain_ms_per_step=plain)
+        row.update(
+            device=str(device), dtype=str(dtype).replace("torch.", ""), verification=verification_kernel(device, sampling), plain_ms_per_step=plain,
+            decoding=sampling.describe(),
+        )  # fmt: skip
     saved(rows)
     return rows
 
@@ -253,7 +271,8 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
     lines = [
         f"# Speculative step cost, {meta['date']}", "",
         f"{meta['device_name']}; torch {meta['torch']}; {meta['prompts']} prompts x {meta['new_tokens']} new tokens after {meta['prompt_len']} "
-        "prompt tokens; random weights of the named shapes (speed does not depend on their values).", "",
+        "prompt tokens; random weights of the named shapes (speed does not depend on their values); "
+        + (f"lossless sampling at temperature {meta['temperature']:g} in every row." if meta.get("temperature") else "greedy."), "",
         "| shape | drafter | ms / step | tokens / step | ms / token | step cost / plain step | projected speedup at measured tau |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]  # fmt: skip
@@ -289,13 +308,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="Markdown table (and .json beside it); default: print only")
     p.add_argument("--caches", nargs="+", choices=list(CACHES), default=list(CACHES), help="our rows on these caches (default both; static alone halves a GPU check's time)")
     p.add_argument("--profile", choices=list(DRAFTERS), default=None, help="also profile one generation with this head on the static cache (a table beside --out)")
+    p.add_argument("--temperature", type=bounded(float, 0.0), default=0.0, help="0: greedy (the default); above: every row samples at it, losslessly")
     args = p.parse_args(argv)
     device = choose_device(args.device or "auto", "benchmark")
     shapes = args.shapes or (["smollm2-135m", "llama-3.1-8b"] if device.type == "cuda" else ["tiny"])
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
         "device_name": device_name(device),
-        "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "temperature": args.temperature,
     }  # fmt: skip
     rows = []
     for shape in shapes:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from draftsmith.graphs import Graphs, can_capture
 from draftsmith.heads.layers import preallocate_cache
+from draftsmith.sampling import draws_inputs, draws_key, with_uniforms
 from draftsmith.target import FrozenTarget, TargetDims, TargetFeatures
 
 __all__ = ["DraftHead", "HeadSession", "LevelSession", "TargetDims", "TargetFeatures", "depth_label_weights", "depth_labels", "depth_loss", "path_tokens"]
@@ -196,6 +197,13 @@ def path_tokens(frontier: Any, node: int) -> list[int]:
     return path[::-1]
 
 
+def static_tree_parts(tree: Any) -> tuple[Tensor, ...]:
+    """A static tree's tensors as ``HeadSession.static_tree`` returns them (draft_probs fifth
+    where it has them)."""
+    parts = (tree.tokens, tree.parents, tree.depths, tree.num_nodes)
+    return parts if tree.draft_probs is None else (*parts, tree.draft_probs)
+
+
 class HeadSession:
     """One generation's drafting state of a head (batch size 1); see the module docstring.
 
@@ -254,10 +262,11 @@ class HeadSession:
         the caller grows it level by level through ``expand_level``."""
         return None
 
-    def static_tree(self, spec: Any, root: int, build: Callable[..., Any]) -> Optional[tuple[Tensor, ...]]:
-        """A greedy static tree of a step grown by the session itself, as ``dynamic_tree``
-        (``build``: ``runtime.drafters.grow_static_tree_on_device``); None (the default) where the
-        session does not."""
+    def static_tree(self, spec: Any, root: int, build: Callable[..., Any], draws: Any = None) -> Optional[tuple[Tensor, ...]]:
+        """A static tree of a step grown by the session itself, as ``dynamic_tree`` (``build``:
+        ``runtime.drafters.grow_static_tree_on_device``): greedy, or sampled from ``draws``
+        (``runtime.drafters.DeviceDraws``, its uniforms an input of the graph), the tree's
+        draft_probs then fifth. None (the default) where the session does not."""
         return None
 
     def expand_level(self, frontier: Any) -> Tensor:
@@ -402,30 +411,31 @@ class LevelSession(HeadSession):
 
         return self._whole_tree(("dynamic", spec.depth, spec.topk, spec.budget, key), root, grow, "EAGLE-2 tree")
 
-    def static_tree(self, spec: Any, root: int, build: Callable[..., Any]) -> Optional[tuple[Tensor, ...]]:
-        if max(spec.ranks) >= self.head.dims.vocab_size:
+    def static_tree(self, spec: Any, root: int, build: Callable[..., Any], draws: Any = None) -> Optional[tuple[Tensor, ...]]:
+        if draws is None and max(spec.ranks) >= self.head.dims.vocab_size:
             return None  # the host's tree leaves such nodes out
 
-        def grow(root_token: Tensor, device) -> tuple[Tensor, ...]:
-            tree = build(spec, root_token, self.expand_level, device)
-            return tree.tokens, tree.parents, tree.depths, tree.num_nodes
+        def grow(root_token: Tensor, device, *uniforms: Tensor) -> tuple[Tensor, ...]:
+            return static_tree_parts(build(spec, root_token, self.expand_level, device, with_uniforms(draws, uniforms)))
 
-        return self._whole_tree(("static", spec), root, grow, "static tree")
+        return self._whole_tree(("static", spec, draws_key(draws)), root, grow, "static tree", draws_inputs(draws))
 
-    def _whole_tree(self, name: tuple, root: int, grow: Callable[..., tuple[Tensor, ...]], what: str) -> Optional[tuple[Tensor, ...]]:
-        """``grow(root_token, device)`` as one function of the step tensor and the root token,
-        captured once per ``name``; None where the session has no graphs (the caller then grows
-        the same tree level by level through ``expand_level``)."""
+    def _whole_tree(
+        self, name: tuple, root: int, grow: Callable[..., tuple[Tensor, ...]], what: str, extra: tuple[Tensor, ...] = ()
+    ) -> Optional[tuple[Tensor, ...]]:
+        """``grow(root_token, device, *extra)`` as one function of the step tensor, the root token
+        and ``extra``, captured once per ``name``; None where the session has no graphs (the caller
+        then grows the same tree level by level through ``expand_level``)."""
         if not self.graphs:
             return None
         step = self.step_input
         device = step.device
 
-        def tree_function(step: Tensor, root_token: Tensor) -> tuple[Tensor, ...]:
+        def tree_function(step: Tensor, root_token: Tensor, *extra: Tensor) -> tuple[Tensor, ...]:
             self.step_input = step  # the levels read the graph's own copy
-            return grow(root_token, device)
+            return grow(root_token, device, *extra)
 
-        inputs = (step, torch.full((1,), root, dtype=torch.long, device=device))
+        inputs = (step, torch.full((1,), root, dtype=torch.long, device=device), *extra)
         tree, replayed = self.graphs.run(name, tree_function, inputs, f"the {self.head.cfg.kind} head's {what}")
         self.step_input = step
         return tuple(x.clone() for x in tree) if replayed else tree

@@ -32,8 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.heads.base import BufferedSession, DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels, depth_loss
+from draftsmith.heads.base import (
+    BufferedSession, DraftHead, HeadSession, TargetDims, TargetFeatures, depth_labels, depth_loss, static_tree_parts,
+)  # fmt: skip
 from draftsmith.heads.layers import DecoderLayer, LayerShape, Rotary, ancestor_slots, causal_allowed, preallocate_cache, tree_visibility, truncate_cache
+from draftsmith.sampling import draws_inputs, draws_key, with_uniforms
 
 
 @dataclass
@@ -401,28 +404,31 @@ class EagleSession(BufferedSession):
         name = ("dynamic", spec.depth, spec.topk, spec.budget, key)
         return self._whole_tree(name, (spec.depth - 1) * spec.topk, spec.depth - 1, root, logp, grow, "EAGLE-2 tree")
 
-    def static_tree(self, spec: Any, root: int, build: Callable[..., Any]) -> Optional[tuple[Tensor, ...]]:
-        """A greedy static tree (``build``: ``runtime.drafters.grow_static_tree_on_device``) grown
-        as ``dynamic_tree`` grows an EAGLE-2 one: one function of device tensors, one CUDA graph a
-        step on CUDA. None where a rank of the spec is not below the vocabulary (the caller then
-        grows the tree on the host, which leaves such nodes out)."""
-        if max(spec.ranks) >= self.head.dims.vocab_size:
+    def static_tree(self, spec: Any, root: int, build: Callable[..., Any], draws: Any = None) -> Optional[tuple[Tensor, ...]]:
+        """A static tree (``build``: ``runtime.drafters.grow_static_tree_on_device``), greedy or
+        sampled from ``draws``, grown as ``dynamic_tree`` grows an EAGLE-2 one: one function of
+        device tensors, one CUDA graph a step on CUDA. None where a rank of a greedy spec is not
+        below the vocabulary (the caller then grows the tree on the host, which leaves such nodes
+        out)."""
+        if draws is None and max(spec.ranks) >= self.head.dims.vocab_size:
             return None
 
-        def grow(expand: Callable[[Any], Tensor], root_token: Tensor, device) -> tuple[Tensor, ...]:
-            tree = build(spec, root_token, expand, device)
-            return tree.tokens, tree.parents, tree.depths, tree.num_nodes
+        def grow(expand: Callable[[Any], Tensor], root_token: Tensor, device, *uniforms: Tensor) -> tuple[Tensor, ...]:
+            return static_tree_parts(build(spec, root_token, expand, device, with_uniforms(draws, uniforms)))
 
         # Levels 2.. forward the nodes below the root that get children, one entry each.
         entries = sum(1 for n in range(1, spec.num_nodes) if spec.children(n))
-        return self._whole_tree(("static", spec), entries, spec.max_depth - 1, root, lambda logits: logits, grow, "static tree")
+        name = ("static", spec, draws_key(draws))
+        return self._whole_tree(name, entries, spec.max_depth - 1, root, lambda logits: logits, grow, "static tree", draws_inputs(draws))
 
     def _whole_tree(
-        self, name: tuple, entries: int, forwards: int, root: int, rank: Callable[[Tensor], Tensor], grow: Callable[..., tuple[Tensor, ...]], what: str
+        self, name: tuple, entries: int, forwards: int, root: int, rank: Callable[[Tensor], Tensor], grow: Callable[..., tuple[Tensor, ...]], what: str,
+        extra: tuple[Tensor, ...] = (),
     ) -> tuple[Tensor, ...]:
-        """A tree grown through ``_tree_function`` (``grow(expand, root_token, device)`` over levels
-        ranked by ``rank``), captured once per ``name`` where the session has graphs. ``entries``:
-        what the levels' forwards write after the decided ones; ``forwards``: how many they are."""
+        """A tree grown through ``_tree_function`` (``grow(expand, root_token, device, *extra)``
+        over levels ranked by ``rank``), captured once per ``name`` where the session has graphs,
+        ``extra`` among its inputs. ``entries``: what the levels' forwards write after the decided
+        ones; ``forwards``: how many they are."""
         device = self.outputs[0].device
         if self.decided + entries > self.capacity:
             self._grow(max(2 * self.capacity, self.decided + entries + 64))  # drops the captured graphs
@@ -430,10 +436,11 @@ class EagleSession(BufferedSession):
             self.outputs[0][0],
             torch.full((1,), root, dtype=torch.long, device=device),
             torch.full((), self.decided, dtype=torch.long, device=device),
+            *extra,
         )
 
-        def tree_function(root_out: Tensor, root_token: Tensor, decided: Tensor) -> tuple[Tensor, ...]:
-            return self._tree_function(rank, grow, root_out, root_token, decided)
+        def tree_function(root_out: Tensor, root_token: Tensor, decided: Tensor, *extra: Tensor) -> tuple[Tensor, ...]:
+            return self._tree_function(rank, grow, root_out, root_token, decided, extra)
 
         tree, replayed = self.graphs.run(name, tree_function, inputs, f"the {self.head.cfg.kind} head's {what}")
         if replayed:  # a graph's outputs are overwritten by its next replay: the tree gets its own copies
@@ -443,7 +450,8 @@ class EagleSession(BufferedSession):
         return tree
 
     def _tree_function(
-        self, rank: Callable[[Tensor], Tensor], grow: Callable[..., tuple[Tensor, ...]], root_out: Tensor, root_token: Tensor, decided: Tensor
+        self, rank: Callable[[Tensor], Tensor], grow: Callable[..., tuple[Tensor, ...]], root_out: Tensor, root_token: Tensor, decided: Tensor,
+        extra: tuple[Tensor, ...] = (),
     ) -> tuple[Tensor, ...]:
         """``_whole_tree``'s function: ``expand_level`` with the decided length a tensor, so the
         visibility is over the whole buffer ([F, capacity]: the decided columns, then the tree's
@@ -466,7 +474,7 @@ class EagleSession(BufferedSession):
             level_state["level"], logits = self._tree_level(frontier, root_out, level_state["level"], forward)
             return rank(logits)
 
-        return grow(expand, root_token, device)
+        return grow(expand, root_token, device, *extra)
 
     def rollback(self) -> None:
         if not self.capacity:

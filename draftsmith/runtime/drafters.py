@@ -46,12 +46,14 @@ from draftsmith.runtime.tree import (
     build_scored_tree,
 )
 from draftsmith.runtime.verify import SamplingParams, VerifyResult, logits_to_probs
+from draftsmith.sampling import DeviceDraws, gumbel
 from draftsmith.target import check_attention
 
 __all__ = [
     "DrafterError",
     "DraftState",
     "Drafter",
+    "DeviceDraws",
     "HeadDrafter",
     "StandaloneDrafter",
     "grow_dynamic_tree_on_device",
@@ -123,8 +125,7 @@ def sample_without_replacement(probs: Tensor, count: int, generator: Optional[to
     (Gumbel top-k: the order of the perturbed top-k is the draw order). m = min(count, support)."""
     m = min(count, int((probs > 0).sum()))
     u = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=torch.float64)
-    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-    return torch.topk(probs.double().log() + gumbel, m).indices
+    return torch.topk(probs.double().log() + gumbel(u), m).indices
 
 
 def grow_static_tree(
@@ -159,6 +160,8 @@ def grow_static_tree(
             # One top-k over the whole level and one read: each row's ranks are a prefix of it.
             widest = max(spec.ranks[k] for node in frontier for k in spec.children(spec_ids[node])) + 1
             level_top = torch.topk(logits, min(widest, logits.shape[-1]), dim=-1).indices.tolist()
+        else:
+            level_q = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         for row, node in enumerate(frontier):
             kids = spec.children(spec_ids[node])
             if not sampling.sampled:
@@ -166,8 +169,7 @@ def grow_static_tree(
                 top = level_top[row]
                 chosen = [(k, top[r]) for k, r in zip(kids, ranks) if r < len(top)]
             else:
-                q = logits_to_probs(logits[row], sampling.temperature, sampling.top_k, sampling.top_p)
-                probs_rows[node] = q
+                q = probs_rows[node] = level_q[row]
                 draws = sample_without_replacement(q, len(kids), generator).tolist()
                 chosen = list(zip(kids, draws))
             for spec_node, token in chosen:
@@ -190,7 +192,6 @@ def grow_static_tree(
 # parents [1,N], depths [1,N] and size [1] on the device, and what each device drafting adds to them.
 _SHAPES: dict = {}
 _STATIC_SHAPES: dict = {}
-_STATIC_LEVELS: dict = {}
 
 
 def spec_on_device(spec: TreeSpec, device) -> tuple[Tensor, Tensor, Tensor]:
@@ -203,54 +204,138 @@ def spec_on_device(spec: TreeSpec, device) -> tuple[Tensor, Tensor, Tensor]:
     return _SHAPES[key]
 
 
-def static_tree_on_device(spec: TreeSpec, root: int, levels: Tensor) -> Optional[DraftTree]:
-    """Greedy drafting of the static tree ``spec`` when every node at depth d takes its children
-    from ``levels[d]`` ([depth,V] logits) whatever its path: one top-k and one gather on the
-    device, no host read (grow_static_tree reads every level back). The tree is the one
-    grow_static_tree makes, node for node (spec order). None where it does not apply (fewer
-    levels than the tree is deep, or more ranks than tokens)."""
-    depth, widest = spec.max_depth, max(spec.ranks) + 1
-    if spec.num_nodes < 2 or levels.shape[0] < depth or widest > levels.shape[-1]:
-        return None
-    device = levels.device
-    key = (spec, device)
-    if key not in _STATIC_SHAPES:
-        long = dict(dtype=torch.long, device=device)
-        _STATIC_SHAPES[key] = (torch.tensor([d - 1 for d in spec.depths[1:]], **long), torch.tensor(spec.ranks[1:], **long))
-    level, rank = _STATIC_SHAPES[key]
-    top = torch.topk(levels[:depth], widest, dim=-1).indices  # [depth, widest]
-    tokens = torch.cat([torch.full((1,), root, dtype=torch.long, device=device), top[level, rank]]).unsqueeze(0)
-    return DraftTree(tokens, *spec_on_device(spec, device), known_max_depth=depth)
+@dataclass(frozen=True)
+class _Level:
+    """One level of a static tree grown on the device, as index tensors: the frontier (its spec
+    nodes with children and their parents), and per child drafted there its frontier row, its rank
+    (greedy: the rank-th most likely token) and its order among its siblings (sampled: the order-th
+    draw); the widest rank and the most siblings."""
+
+    nodes: Tensor
+    parents: Tensor
+    draw_rows: Tensor  # each frontier node's row of DeviceDraws.uniforms
+    kids: Tensor
+    rows: Tensor
+    ranks: Tensor
+    orders: Tensor
+    widest: int
+    most: int
 
 
-def grow_static_tree_on_device(spec: TreeSpec, root: Union[int, Tensor], level_logits: Callable[[LevelFrontier], Tensor], device) -> Optional[DraftTree]:
-    """Greedy drafting of the static tree ``spec`` by a drafter whose nodes condition on their
-    path and that expands a level held on the device (``HeadSession.expand_level``): the tree
-    ``grow_static_tree`` makes, node for node (spec order), with no host read; each level's
-    frontier is the spec's nodes of that depth that have children. None, before anything is
-    forwarded, where a rank is not below the vocabulary (grow_static_tree then leaves nodes out)."""
+# Per (spec, device), made once (a static tree's shape never changes between steps).
+_LEVELS: dict = {}
+
+
+def _levels(spec: TreeSpec, device) -> list[_Level]:
     key = (spec, device)
-    if key not in _STATIC_LEVELS:  # per level: its frontier, their parents, the children it drafts with their rows and ranks, the widest rank
+    if key not in _LEVELS:
         long = dict(dtype=torch.long, device=device)
+        drafting = [n for n in range(spec.num_nodes) if spec.children(n)]
         levels = []
         for depth in range(spec.max_depth):
-            frontier = [n for n in range(spec.num_nodes) if spec.depths[n] == depth and spec.children(n)]
-            kids = [(row, k) for row, n in enumerate(frontier) for k in spec.children(n)]
-            levels.append(tuple(torch.tensor(x, **long) for x in (
-                frontier, [spec.parents[n] for n in frontier], [k for _, k in kids], [row for row, _ in kids], [spec.ranks[k] for _, k in kids],
-            )) + (max(spec.ranks[k] for _, k in kids) + 1,))  # fmt: skip
-        _STATIC_LEVELS[key] = levels
+            frontier = [n for n in drafting if spec.depths[n] == depth]
+            kids = [(row, order, k) for row, n in enumerate(frontier) for order, k in enumerate(spec.children(n))]
+            levels.append(_Level(
+                *(torch.tensor(x, **long) for x in (
+                    frontier, [spec.parents[n] for n in frontier], [drafting.index(n) for n in frontier], [k for *_, k in kids],
+                    [row for row, *_ in kids], [spec.ranks[k] for *_, k in kids], [order for _, order, _ in kids],
+                )),
+                widest=max(spec.ranks[k] for *_, k in kids) + 1, most=max(order for _, order, _ in kids) + 1,
+            ))  # fmt: skip
+        _LEVELS[key] = levels
+    return _LEVELS[key]
+
+
+def _fits(spec: TreeSpec, vocab: int, sampled: bool) -> bool:
+    """Whether every child of ``spec`` is drafted on the device: greedy, each rank below the
+    vocabulary (grow_static_tree leaves the others out); sampled, each node's children at most the
+    vocabulary (the children past q's support stay in place)."""
+    if not sampled:
+        return max(spec.ranks) < vocab
+    return max(len(spec.children(n)) for n in range(spec.num_nodes)) <= vocab
+
+
+def _on_device_tree(spec: TreeSpec, tokens: Tensor, draft_probs: Optional[Tensor]) -> DraftTree:
+    return DraftTree(
+        tokens.unsqueeze(0), *spec_on_device(spec, tokens.device), draft_probs=None if draft_probs is None else draft_probs.unsqueeze(0),
+        known_max_depth=spec.max_depth,
+    )  # fmt: skip
+
+
+def static_tree_on_device(spec: TreeSpec, root: int, levels: Tensor, draws: Optional[DeviceDraws] = None) -> Optional[DraftTree]:
+    """Drafting of the static tree ``spec`` when every node at depth d takes its children from
+    ``levels[d]`` ([depth,V] logits) whatever its path, on the device, no host read
+    (grow_static_tree reads every level back). Greedy (``draws`` None): one top-k and one gather,
+    the tree grow_static_tree makes, node for node (spec order). Sampled: each node's children
+    drawn from the processed ``levels[d]`` (``DeviceDraws``), the tree grow_static_tree draws from
+    the same uniforms, and draft_probs. None where it does not apply (fewer levels than the tree is
+    deep, or more children than tokens)."""
+    depth = spec.max_depth
+    if spec.num_nodes < 2 or levels.shape[0] < depth or not _fits(spec, levels.shape[-1], draws is not None):
+        return None
+    device = levels.device
+    tokens = torch.full((spec.num_nodes,), root, dtype=torch.long, device=device)
+    if draws is None:
+        key = (spec, device)
+        if key not in _STATIC_SHAPES:
+            long = dict(dtype=torch.long, device=device)
+            _STATIC_SHAPES[key] = (torch.tensor([d - 1 for d in spec.depths[1:]], **long), torch.tensor(spec.ranks[1:], **long))
+        level, rank = _STATIC_SHAPES[key]
+        top = torch.topk(levels[:depth], max(spec.ranks) + 1, dim=-1).indices  # [depth, widest]
+        return _on_device_tree(spec, torch.cat([tokens[:1], top[level, rank]]), None)
+    # Every node's draws at once: a node at depth d draws from q of levels[d], whatever its path.
+    drafting, depths, kid_rows, kid_orders, most = _sampled_shape(spec, device)
+    q = draws.probs(levels[:depth])[depths]  # [F,V]
+    top = draws.children(q, most)
+    tokens = torch.cat([tokens[:1], top[kid_rows, kid_orders]])
+    return _on_device_tree(spec, tokens, q.new_zeros(spec.num_nodes, q.shape[-1]).index_copy(0, drafting, q))
+
+
+def _sampled_shape(spec: TreeSpec, device) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """For drawing every node of ``spec`` at once: (the nodes that get children [F] in spec order,
+    their depths [F], and for nodes 1..N-1 their parent's row among those [N-1] and their order
+    among their siblings [N-1]; the most siblings), made once per spec and device."""
+    key = (spec, device, "sampled")
+    if key not in _STATIC_SHAPES:
+        long = dict(dtype=torch.long, device=device)
+        drafting = [n for n in range(spec.num_nodes) if spec.children(n)]
+        orders = [spec.children(spec.parents[n]).index(n) for n in range(1, spec.num_nodes)]
+        _STATIC_SHAPES[key] = (
+            torch.tensor(drafting, **long), torch.tensor([spec.depths[n] for n in drafting], **long),
+            torch.tensor([drafting.index(spec.parents[n]) for n in range(1, spec.num_nodes)], **long), torch.tensor(orders, **long), max(orders) + 1,
+        )  # fmt: skip
+    return _STATIC_SHAPES[key]
+
+
+def grow_static_tree_on_device(
+    spec: TreeSpec, root: Union[int, Tensor], level_logits: Callable[[LevelFrontier], Tensor], device, draws: Optional[DeviceDraws] = None
+) -> Optional[DraftTree]:
+    """Drafting of the static tree ``spec`` by a drafter whose nodes condition on their path and
+    that expands a level held on the device (``HeadSession.expand_level``), with no host read:
+    greedy (``draws`` None), the tree ``grow_static_tree`` makes, node for node (spec order);
+    sampled, the tree it draws from the same uniforms (``DeviceDraws``), with draft_probs. Each
+    level's frontier is the spec's nodes of that depth that have children. None, before anything is
+    forwarded, where a child would not be drafted (``_fits``)."""
     if isinstance(root, Tensor):  # a device tensor (the whole tree as one graph): no host read
         tokens = root.to(torch.long).reshape(1).expand(spec.num_nodes).clone()
     else:
         tokens = torch.full((spec.num_nodes,), int(root), dtype=torch.long, device=device)
-    for level, (nodes, node_parents, kids, rows, ranks, widest) in enumerate(_STATIC_LEVELS[key], start=1):
-        logits = level_logits(LevelFrontier(level, nodes, node_parents, tokens[nodes]))
-        if level == 1 and max(spec.ranks) >= logits.shape[-1]:
+    draft_probs = None
+    for number, level in enumerate(_levels(spec, device), start=1):
+        logits = level_logits(LevelFrontier(number, level.nodes, level.parents, tokens[level.nodes]))
+        if number == 1 and not _fits(spec, logits.shape[-1], draws is not None):
             return None
-        top = torch.topk(logits, widest, dim=-1).indices  # one top-k a level, as grow_static_tree
-        tokens = tokens.index_copy(0, kids, top[rows, ranks])
-    return DraftTree(tokens.unsqueeze(0), *spec_on_device(spec, device), known_max_depth=spec.max_depth)
+        if draws is None:
+            top = torch.topk(logits, level.widest, dim=-1).indices  # one top-k a level, as grow_static_tree
+            tokens = tokens.index_copy(0, level.kids, top[level.rows, level.ranks])
+            continue
+        q = draws.probs(logits)
+        top = draws.children(q, level.most, level.draw_rows)
+        tokens = tokens.index_copy(0, level.kids, top[level.rows, level.orders])
+        if draft_probs is None:
+            draft_probs = q.new_zeros(spec.num_nodes, q.shape[-1])
+        draft_probs = draft_probs.index_copy(0, level.nodes, q)
+    return _on_device_tree(spec, tokens, draft_probs)
 
 
 def grow_tree(
@@ -371,6 +456,7 @@ class HeadDrafter:
     def reset(self, prompt: Optional[Tensor]) -> None:
         device = next(self.head.parameters()).device
         preallocated, capacity = wants_static(self.cache_kind, device), drafting_capacity(prompt)
+        self.static_cache = preallocated
         # A session with preallocated buffers starts over in them: its graphs are captured once.
         if preallocated and self.session is not None and self.session.restart(capacity):
             return
@@ -406,13 +492,20 @@ class HeadDrafter:
         if not self.read(state):
             # Nothing has predicted the root yet (one-token prompt): let the target take one plain step.
             return _root_only(state.root, device)
-        levels = self.session.level_logits() if isinstance(self.tree, TreeSpec) and not state.sampling.sampled else None
-        tree = None if levels is None else static_tree_on_device(self.tree, state.root, levels)
+        sampling = state.sampling
+        # A static tree grows on the device, greedy, or sampled on the static cache (elsewhere a
+        # sampled one grows on the host: the reference path).
+        static = isinstance(self.tree, TreeSpec) and (not sampling.sampled or self.static_cache)
+        levels = self.session.level_logits() if static else None
+        draws = None
+        if static and sampling.sampled and (levels is not None or self.session.levels_on_device):
+            static = _fits(self.tree, self.head.dims.vocab_size, True)
+            draws = DeviceDraws.draw(self.tree, sampling, self.head.dims.vocab_size, state.generator, device) if static else None
+        tree = None if levels is None or not static else static_tree_on_device(self.tree, state.root, levels, draws)
         if tree is None and self.session.levels_on_device:
             # A path-conditioned head on preallocated caches (EAGLE, EAGLE-3): the tree grows on the device.
             if isinstance(self.tree, DynamicTreeSpec):
                 # The session grows the whole tree itself where it can (EAGLE: one CUDA graph a step).
-                sampling = state.sampling
                 key = (sampling.sampled, sampling.temperature, sampling.top_k, sampling.top_p)
                 parts = self.session.dynamic_tree(self.tree, state.root, _ranking(sampling), key, sampling.sampled, build_dynamic_tree_on_device)
                 if parts is not None:
@@ -421,14 +514,15 @@ class HeadDrafter:
                                      deterministic=sampling.sampled, known_depth_bound=self.tree.depth)  # fmt: skip
                 else:
                     tree = grow_dynamic_tree_on_device(self.tree, state, self.session.expand_level, device)
-            elif isinstance(self.tree, TreeSpec) and not state.sampling.sampled:
-                # The session grows the whole tree itself where it can (EAGLE: one CUDA graph a step).
-                parts = self.session.static_tree(self.tree, state.root, grow_static_tree_on_device)
+            elif static:
+                # The session grows the whole tree itself where it can (EAGLE, Hydra, Clover: one CUDA graph a step).
+                parts = self.session.static_tree(self.tree, state.root, grow_static_tree_on_device, draws)
                 if parts is not None:
-                    tokens, parents, depths, num_nodes = parts
-                    tree = DraftTree(tokens=tokens, parents=parents, depths=depths, num_nodes=num_nodes, known_max_depth=self.tree.max_depth)
+                    tokens, parents, depths, num_nodes, *probs = parts
+                    tree = DraftTree(tokens=tokens, parents=parents, depths=depths, num_nodes=num_nodes, draft_probs=probs[0] if probs else None,
+                                     known_max_depth=self.tree.max_depth)  # fmt: skip
                 else:
-                    tree = grow_static_tree_on_device(self.tree, state.root, self.session.expand_level, device)
+                    tree = grow_static_tree_on_device(self.tree, state.root, self.session.expand_level, device, draws)
         if tree is None:
             tree, _ = grow_tree(self.tree, state, self.session.expand, device)
         return tree
@@ -510,14 +604,15 @@ class StandaloneDrafter:
         if self.cached_len >= T:
             raise DrafterError(f"the drafter has seen {self.cached_len} tokens but the state holds {T}; call reset(prompt) first")
         unseen = state.tokens[:, self.cached_len :]
-        if self._drafts_on_device(state):
-            # Greedy on a static tree and the static cache: the read and every level on the device,
-            # one CUDA graph a step on a GPU (StaticSession.draft_tree), nothing read back.
-            tokens = self.static.draft_tree(self.tree, unseen, grow_static_tree_on_device)
+        draws = self._draws_on_device(state)
+        if draws is not False:
+            # A static tree on the static cache, greedy or sampled: the read and every level on the
+            # device, one CUDA graph a step on a GPU (StaticSession.draft_tree), nothing read back.
+            tokens, draft_probs = self.static.draft_tree(self.tree, unseen, grow_static_tree_on_device, draws)
             self._rows = self.static.tree_rows(self.tree)
             self.cached_len, self._prefix = self.static.length, T
             self.forwards += self.tree.max_depth  # the read, then one forward a level below the root
-            return DraftTree(tokens, *spec_on_device(self.tree, device), known_max_depth=self.tree.max_depth)
+            return DraftTree(tokens, *spec_on_device(self.tree, device), draft_probs=draft_probs, known_max_depth=self.tree.max_depth)
         positions = torch.arange(self.cached_len, T, device=device).unsqueeze(0)
         if self.static is not None:
             # Causal over the cache; a few tokens (a step's accepted path) replay a graph, a prompt runs eagerly.
@@ -540,14 +635,16 @@ class StandaloneDrafter:
         tree, self._tree_ids = grow_tree(self.tree, state, node_logits, device)
         return tree
 
-    def _drafts_on_device(self, state: DraftState) -> bool:
-        """Whether this step drafts through ``StaticSession.draft_tree``: the static cache, a static
-        tree of drafted nodes, greedy (or typical) drafting, every rank below the vocabulary (else
-        grow_static_tree leaves nodes out, on the host)."""
-        if self.static is None or not isinstance(self.tree, TreeSpec) or self.tree.num_nodes < 2 or state.sampling.sampled:
+    def _draws_on_device(self, state: DraftState) -> Union[DeviceDraws, None, bool]:
+        """False where this step drafts on the host; else it drafts through
+        ``StaticSession.draft_tree`` (the static cache, a static tree of drafted nodes, each child
+        drafted: ``_fits``), and this is its DeviceDraws, None when greedy (or typical)."""
+        if self.static is None or not isinstance(self.tree, TreeSpec) or self.tree.num_nodes < 2:
             return False
         vocab = getattr(self.model.get_output_embeddings(), "out_features", None) or self.model.config.vocab_size
-        return max(self.tree.ranks) < vocab
+        if not _fits(self.tree, vocab, state.sampling.sampled):
+            return False
+        return DeviceDraws.draw(self.tree, state.sampling, vocab, state.generator, state.tokens.device)
 
     def _forward_nodes(self, todo: list[int], frontier: Frontier, T: int, device, logits_of: dict) -> None:
         """One draft forward over tree nodes ``todo`` on top of the cache (prefix + earlier tree nodes)."""

@@ -30,6 +30,7 @@ from torch import Tensor
 from draftsmith.runtime.drafters import DrafterError, DraftState, grow_static_tree, grow_static_tree_on_device, spec_on_device
 from draftsmith.runtime.tree import DraftTree, TreeSpec, tree_attention_mask
 from draftsmith.runtime.verify import VerifyResult
+from draftsmith.sampling import DeviceDraws, draws_inputs, draws_key, with_uniforms
 from draftsmith.target import TargetLoadError, decoder_stack
 
 __all__ = ["DEFAULT_DRAFT_LENGTH", "EarlyExitDrafter", "ExitLayerError", "check_exit_layer"]
@@ -134,18 +135,19 @@ class EarlyExitDrafter:
         self._exit_hidden.append(hidden)
         return self.target.lm_head(self.stack.norm(hidden))[0]
 
-    def _chain(self, root: Tensor, base: Tensor) -> tuple[Tensor, Tensor]:
-        """The greedy chain from the root [1] at slot ``base`` [1]: (tokens [1,k+1], layer E-1's
-        outputs at nodes 0..k-1 [1,k,D]). Device tensors only: one graph."""
+    def _chain(self, root: Tensor, base: Tensor, draws=None) -> tuple[Tensor, ...]:
+        """The chain from the root [1] at slot ``base`` [1], greedy or sampled from ``draws``
+        (``runtime.drafters.DeviceDraws``): (tokens [1,k+1], layer E-1's outputs at nodes 0..k-1
+        [1,k,D], and the draft_probs [1,k+1,V] where sampled). Device tensors only: one graph."""
 
         self._exit_hidden = []
 
         def level_logits(frontier) -> Tensor:
             return self._exit_logits(frontier.tokens.view(1, 1), base + (frontier.level - 1))
 
-        tree = grow_static_tree_on_device(self.tree, root, level_logits, root.device)
+        tree = grow_static_tree_on_device(self.tree, root, level_logits, root.device, draws)
         exits, self._exit_hidden = self._drafted_exits(root.device), []
-        return tree.tokens, exits
+        return (tree.tokens, exits) if tree.draft_probs is None else (tree.tokens, exits, tree.draft_probs)
 
     def _drafted_exits(self, device) -> Tensor:
         """Layer E-1's outputs at the drafted levels' nodes [1,d,D] (d = 0 for a chain of 0)."""
@@ -157,15 +159,16 @@ class EarlyExitDrafter:
         session, k, device = self.session, self.tree.max_depth, state.tokens.device
         session.reserve(k + 1)
         base = session.columns[session.length : session.length + 1]
-        if state.sampling.sampled:  # a draw a level, on the host: levels run one by one
-            tree, _ = grow_static_tree(
-                self.tree, state.root, lambda f: self._exit_logits(torch.tensor([[f.tokens[f.nodes[0]]]], device=device), base + f.depths[f.nodes[0]]),
-                state.sampling, state.generator, device,
-            )  # fmt: skip
-            return tree
-        (tokens, exits), replayed = session.graphs.run(("early-exit draft", self.exit_layer, k), self._chain, (state.tokens[0, -1:], base), "the early-exit draft")
-        self._exit_hidden = [exits.clone() if replayed else exits]
-        return DraftTree(tokens.clone() if replayed else tokens, *spec_on_device(self.tree, device), known_max_depth=k)
+        draws = DeviceDraws.draw(self.tree, state.sampling, self.target.dims.vocab_size, state.generator, device)
+
+        def chain(root: Tensor, base: Tensor, *uniforms: Tensor) -> tuple[Tensor, ...]:
+            return self._chain(root, base, with_uniforms(draws, uniforms))
+
+        name = ("early-exit draft", self.exit_layer, k, draws_key(draws))
+        out, replayed = session.graphs.run(name, chain, (state.tokens[0, -1:], base, *draws_inputs(draws)), "the early-exit draft")
+        tokens, exits, *probs = (x.clone() for x in out) if replayed else out
+        self._exit_hidden = [exits]
+        return DraftTree(tokens, *spec_on_device(self.tree, device), draft_probs=probs[0] if probs else None, known_max_depth=k)
 
     def _verified_static(self, tokens: Tensor, done: Tensor, base: Tensor) -> tuple[Tensor, Tensor]:
         """The verify forward on the static cache: the chain's nodes past the ``done`` [1,d,D]

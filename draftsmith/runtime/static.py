@@ -33,6 +33,7 @@ from draftsmith.runtime.errors import DrafterError
 from draftsmith.runtime.tree import DraftTree, ancestor_mask
 from draftsmith.runtime.verdict import verdict_row
 from draftsmith.runtime.verify import VerifyResult, verify_greedy_on_device
+from draftsmith.sampling import draws_inputs, draws_key, with_uniforms
 from draftsmith.target import TargetLoadError, decoder_stack
 
 __all__ = ["CACHES", "StaticCache", "StaticSession", "check_cache", "drafting_capacity", "static_session_supported", "tree_visibility", "wants_static"]
@@ -420,12 +421,14 @@ class StaticSession:
             plans[spec] = (rows, torch.tensor(rows, **long), torch.tensor([rows[spec.parents[n]] for n in written], **long))
         return plans[spec]
 
-    def _drafted_tree(self, spec, build, root_logits: Tensor, root_token: Tensor, base: Tensor) -> Tensor:
-        """The greedy tree ``spec`` grown from the root's logits [V] (``build``:
-        ``runtime.drafters.grow_static_tree_on_device``): each level's nodes that get children are
-        forwarded at slots ``base`` [1] + their row (``tree_rows``), at rotary position base - 1 +
-        depth, each seeing the cache before ``base``, its ancestors and itself. A function of
-        device tensors only: one graph per spec. Returns the tree's tokens [1,N]."""
+    def _drafted_tree(self, spec, build, root_logits: Tensor, root_token: Tensor, base: Tensor, draws=None) -> tuple[Tensor, ...]:
+        """The tree ``spec`` grown from the root's logits [V] (``build``:
+        ``runtime.drafters.grow_static_tree_on_device``), greedy or sampled from ``draws``
+        (``runtime.drafters.DeviceDraws``): each level's nodes that get children are forwarded at
+        slots ``base`` [1] + their row (``tree_rows``), at rotary position base - 1 + depth, each
+        seeing the cache before ``base``, its ancestors and itself. A function of device tensors
+        only: one graph per spec. Returns (the tree's tokens [1,N], and its draft_probs [1,N,V]
+        where sampled)."""
         _, rows, parents = self._tree_plan(spec)
         visible = tree_visibility(self.columns, parents, base) if parents.numel() else None  # [F, capacity]
 
@@ -437,47 +440,53 @@ class StaticSession:
             logits, _, _ = self._eager(frontier.tokens.unsqueeze(0), positions, base + own, self.additive_mask(visible.index_select(0, own)))
             return logits[0]
 
-        return build(spec, root_token, level_logits, self.device).tokens
+        tree = build(spec, root_token, level_logits, self.device, draws)
+        return (tree.tokens,) if tree.draft_probs is None else (tree.tokens, tree.draft_probs)
 
-    def _read_then_draft(self, spec, build, ids: Tensor, start: Tensor) -> Tensor:
+    def _read_then_draft(self, spec, build, ids: Tensor, start: Tensor, draws=None) -> tuple[Tensor, ...]:
         """``_drafted_tree`` after appending ids [1,M] at slots ``start`` [1] + 0..M-1 (causal over
         the cache), its root the last of them: a draft model's whole step as one function."""
         m = ids.shape[1]
         positions = start + torch.arange(m, device=self.device)
         logits, _, _ = self._eager(ids, positions.unsqueeze(0), positions, self.causal_mask(positions))
-        return self._drafted_tree(spec, build, logits[0, -1], ids[0, -1:], start + m)
+        return self._drafted_tree(spec, build, logits[0, -1], ids[0, -1:], start + m, draws)
 
     @torch.no_grad()
-    def draft_tree(self, spec, ids: Tensor, build) -> Tensor:
-        """A draft model's step on its own session, greedy on a static tree ``spec``: append ids
-        [1,M] (the decided tokens it has not read, the root last), then grow the tree (``build``:
+    def draft_tree(self, spec, ids: Tensor, build, draws=None) -> tuple[Tensor, Optional[Tensor]]:
+        """A draft model's step on its own session on a static tree ``spec``, greedy or sampled from
+        ``draws`` (``runtime.drafters.DeviceDraws``): append ids [1,M] (the decided tokens it has not
+        read, the root last), then grow the tree (``build``:
         ``runtime.drafters.grow_static_tree_on_device``) with one forward a level, writing the
         entries of the nodes that get children after the M (``tree_rows``). Nothing is read to the
         host. Where the session has graphs, a read of up to ``GRAPHED_READ`` tokens and the whole
-        tree replay as one CUDA graph (one per M); a longer read (a prompt) runs eagerly, then the
-        tree replays a graph of its own. Returns the tree's tokens [1,N] (spec order)."""
+        tree replay as one CUDA graph (one per M and sampling settings, the draws' uniforms an
+        input); a longer read (a prompt) runs eagerly, then the tree replays a graph of its own.
+        Returns (the tree's tokens [1,N] (spec order), its draft_probs [1,N,V] or None: greedy)."""
         _, _, parents = self._tree_plan(spec)
         m = ids.shape[1]
         self._room(m + parents.numel())  # may reallocate, dropping the graphs: they are captured again
         start = self.columns[self.length : self.length + 1]
+        key, extra = draws_key(draws), draws_inputs(draws)
+
         if m <= GRAPHED_READ:
 
-            def step(ids: Tensor, start: Tensor) -> Tensor:
-                return self._read_then_draft(spec, build, ids, start)
+            def step(ids: Tensor, start: Tensor, *uniforms: Tensor) -> tuple[Tensor, ...]:
+                return self._read_then_draft(spec, build, ids, start, with_uniforms(draws, uniforms))
 
-            tokens, replayed = self.graphs.run(("draft", spec, m), step, (ids, start), "the draft model's step")
+            out, replayed = self.graphs.run(("draft", spec, m, key), step, (ids, start, *extra), "the draft model's step")
             self.length += m
         else:
             logits, _, _ = self._append(ids, "last")
             base = self.columns[self.length : self.length + 1]
 
-            def tree(root_logits: Tensor, root: Tensor, base: Tensor) -> Tensor:
-                return self._drafted_tree(spec, build, root_logits, root, base)
+            def tree(root_logits: Tensor, root: Tensor, base: Tensor, *uniforms: Tensor) -> tuple[Tensor, ...]:
+                return self._drafted_tree(spec, build, root_logits, root, base, with_uniforms(draws, uniforms))
 
-            tokens, replayed = self.graphs.run(("draft-tree", spec), tree, (logits[0, -1], ids[0, -1:], base), "the draft model's tree")
+            out, replayed = self.graphs.run(("draft-tree", spec, key), tree, (logits[0, -1], ids[0, -1:], base, *extra), "the draft model's tree")
         self.length += parents.numel()
         self._tree_base = None
-        return tokens.clone() if replayed else tokens
+        tokens, *probs = (x.clone() for x in out) if replayed else out
+        return tokens, probs[0] if probs else None
 
     def keep_entries(self, start: int, rows: Sequence[int]) -> None:
         """``pack(start, start + rows)`` for rows known on the host (ascending), moving nothing

@@ -139,3 +139,27 @@ def test_a_graphed_eagle_head_drafts_what_the_eager_one_drafts(target):
             whole = [graph for name, graph in drafter.session.graphs.captured.items() if isinstance(name, tuple) and name[0] == "dynamic"]
             assert whole and all(graph is not None for graph in whole)
     assert runs["static"] == runs["dynamic"]
+
+
+@pytest.mark.parametrize("kind", ["medusa-tree", "dflash-chain", "clover-tree", "noisy-tree", "early-exit"])
+def test_graphed_sampled_drafting_at_top_k_1_equals_hf_greedy(target, kind):
+    """Sampled drafting of a static tree on CUDA: every draw on the device (inside the drafter's
+    graph where it has one, the uniforms an input), the fused sampled verification. At top-k 1 the
+    target's distribution is one token, so the output is its greedy output, though the trees hold
+    children past the draft's one-token support."""
+    from draftsmith.runtime.verify import SamplingParams
+
+    drafter = _drafters(target)[kind]
+    sampling = SamplingParams(mode="sample", temperature=1.0, top_k=1)
+    for ids in (torch.tensor([[5, 9, 14, 20]], device=CUDA), torch.tensor([[7, 7, 30, 31, 32, 33, 34, 35, 36]], device=CUDA)):
+        want = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24, pad_token_id=0, eos_token_id=None)
+        got, _ = speculative_generate(target, drafter, ids, 24, sampling=sampling, generator=torch.Generator(device=CUDA).manual_seed(0))
+        assert got.tolist() == want.tolist(), kind
+    # The sampled drafting was captured (its graph named by the sampling settings), not run eagerly.
+    graphs = {"noisy-tree": lambda: drafter.static.graphs, "clover-tree": lambda: drafter.session.graphs}.get(kind)
+    if kind == "early-exit":
+        graphs = lambda: target._static_sessions[((), target.device, target.dtype)].graphs  # noqa: E731
+    if graphs is not None:
+        captured = graphs().captured
+        sampled = [g for name, g in captured.items() if isinstance(name, tuple) and name[-1] == (1.0, 1, 1.0)]
+        assert sampled and all(g is not None for g in sampled), list(captured)

@@ -190,18 +190,19 @@ def _peaky(seed):
     return model
 
 
-def _speculative_joint_p_value(n, seed, drafter_kind="static", head=None):
+def _speculative_joint_p_value(n, seed, drafter_kind="static", head=None, cache="auto", trees=None, top_p=TOP_P, prompt=PROMPT):
     """Chi-square p-value of n sampled pairs of first tokens against the target's law. The drafter:
     a second peaky model drafting a static tree ("static") or an EAGLE-2 dynamic tree ("dynamic"),
     a perturbed EAGLE head drafting a dynamic tree ("eagle-dynamic"), or `head(target)` drafting the
-    static tree."""
+    static tree; ``cache`` the target's and the drafter's; ``trees``, a list: the proposed trees;
+    ``top_p`` the sampling's (temperature TEMPERATURE); ``prompt`` [1,3]."""
     target_model, draft_model = _peaky(0), _peaky(1)
     target = FrozenTarget(target_model)
     static = TreeSpec.from_choices([(0,), (1,), (0, 0), (1, 0)])
     if head is not None:
-        drafter = HeadDrafter(head(target), target, static)
+        drafter = HeadDrafter(head(target), target, static, cache=cache)
     elif drafter_kind == "static":
-        drafter = StandaloneDrafter(draft_model, static)
+        drafter = StandaloneDrafter(draft_model, static, cache=cache)
     elif drafter_kind == "dynamic":
         # EAGLE-2's dynamic tree: fixed top candidates, verified with EAGLE's rule.
         drafter = StandaloneDrafter(draft_model, DynamicTreeSpec(depth=2, topk=3, budget=5))
@@ -212,12 +213,15 @@ def _speculative_joint_p_value(n, seed, drafter_kind="static", head=None):
             for p in eagle.parameters():
                 p.add_(torch.randn_like(p) * 0.5)
         drafter = HeadDrafter(eagle, target, DynamicTreeSpec(depth=2, topk=3, budget=5))
+    if trees is not None:
+        propose = drafter.propose
+        drafter.propose = lambda state: trees.append(propose(state)) or trees[-1]
     gen = torch.Generator().manual_seed(seed)
     pairs = []
     for _ in range(n):
-        out, _ = speculative_generate(target, drafter, PROMPT, 2, SamplingParams("sample", TEMPERATURE, top_p=TOP_P), generator=gen)
+        out, _ = speculative_generate(target, drafter, prompt, 2, SamplingParams("sample", TEMPERATURE, top_p=top_p), generator=gen, cache=cache)
         pairs.append((int(out[0, 3]), int(out[0, 4])))
-    return joint_p_value(pairs, target_model, PROMPT, TEMPERATURE, TOP_P)
+    return joint_p_value(pairs, target_model, prompt, TEMPERATURE, top_p)
 
 
 @pytest.mark.parametrize("drafter_kind", ["static", "dynamic", "eagle-dynamic"])
@@ -235,6 +239,42 @@ def test_sampled_speculative_tokens_follow_the_target_with_a_dflash_head():
     """A block of 3 (anchor + 2 slots) drafts the static tree's two depths in one forward."""
     head = lambda t: _random_dflash(t, 14, block_size=3, mask_token_id=V - 1, draft_vocab_size=6)  # noqa: E731
     assert _speculative_joint_p_value(500, seed=0, head=head) > 1e-3
+
+
+STATIC_HEADS = {
+    "clover": lambda t: _random_clover(t, 11, depth=2),
+    "dflash": lambda t: _random_dflash(t, 14, block_size=3, mask_token_id=V - 1, draft_vocab_size=6),
+}
+
+
+def _past_the_support(trees) -> int:
+    """Drafted nodes whose token has q = 0 at their parent: children past the draft's support."""
+    return sum(int(t.draft_probs[0, int(t.parents[0, n]), int(t.tokens[0, n])] == 0) for t in trees for n in range(1, t.size))
+
+
+# After this prompt, at top-p 0.7, the draft model keeps one token where the root has two children
+# and the target keeps four: the root's second child is past the draft's support at every first step.
+NARROW_DRAFT, NARROW_TOP_P = torch.tensor([[0, 2, 0]]), 0.7
+
+
+@pytest.mark.parametrize("drafter_kind", ["static", "clover", "dflash"])
+def test_sampled_trees_drawn_on_the_device_follow_the_target(drafter_kind):
+    """The same check on the static cache, where a static tree's draws run on the device
+    (draftsmith.sampling.DeviceDraws) and the tree keeps its fixed shape. With the draft model,
+    children past the draft's support (q = 0) are in the trees, which verification must never
+    accept."""
+    trees = []
+    head = STATIC_HEADS.get(drafter_kind)
+    assert _speculative_joint_p_value(500, seed=0, head=head, cache="static", trees=trees, top_p=NARROW_TOP_P, prompt=NARROW_DRAFT) > 1e-3
+    assert all(t.draft_probs is not None and t.size == 5 for t in trees)  # drawn on the device: the spec's five nodes every step
+    assert drafter_kind != "static" or _past_the_support(trees) >= 500
+
+
+def test_the_sampling_check_rejects_accepting_children_past_the_draft_support(monkeypatch):
+    """Accepting a child of q(x) = 0 wherever p(x) > 0 (the rule before trees kept such children)
+    over-produces whatever token the device put there: the check on the static cache sees it."""
+    monkeypatch.setattr(verify_module, "_accepts", lambda u, p_x, q_x: u * q_x < p_x)
+    assert _speculative_joint_p_value(500, seed=0, cache="static", top_p=NARROW_TOP_P, prompt=NARROW_DRAFT) < 1e-6
 
 
 def test_the_sampling_check_rejects_a_verifier_that_always_accepts(monkeypatch):

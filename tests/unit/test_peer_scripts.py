@@ -122,6 +122,16 @@ def test_bench_gpu_times_every_drafter_kind_on_the_cpu(tmp_path):
     assert bench.main(argv) == 0
     rows = json.loads((tmp_path / "s.json").read_text())["rows"]
     assert {r["cache"] for r in rows} == {"transformers dynamic", "transformers static", "static"} and len(rows) == 2 + 1 + 8
+    assert all(r["decoding"] == "exact, greedy" for r in rows)
+    # --temperature 1: every row samples; the target drafting for itself still accepts whole chains.
+    argv = ["--device", "cpu", "--shapes", "tiny", "--prompts", "1", "--prompt-len", "8", "--new-tokens", "11", "--out", str(tmp_path / "t.md"), "--caches", "static",
+            "--temperature", "1"]  # fmt: skip
+    assert bench.main(argv) == 0
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert len(rows) == 11 and all(r["decoding"].startswith("exact, lossless sampling at temperature 1.0") for r in rows)
+    assert "lossless sampling at temperature 1 in every row" in (tmp_path / "t.md").read_text()
+    itself = [r for r in rows if r["drafter"].startswith("target drafting for itself")]
+    assert len(itself) == 1 and itself[0]["tokens_per_step"] > 3.0
 
 
 def test_bench_gpu_train_times_eagle3_and_dflash_training_on_the_cpu(tmp_path):
@@ -355,6 +365,22 @@ def test_bench_eager_ops_counts_what_cuda_would_launch_eagerly(tmp_path):
     assert 0 < counts["left-out"]["eagle3"] < counts["left-out"]["dflash"]
     assert counts["simulated"]["dflash"] < counts["left-out"]["dflash"]
     assert all(0 < n < 60 for n in counts["simulated"].values()), counts
+
+
+def test_bench_eager_ops_counts_sampled_steps(tmp_path):
+    """Sampled (--temperatures 1), a draft model's and a Medusa head's static trees are drawn on the
+    device: a step makes about one host read besides the draft model's path (a draw a node on the
+    host made 11 to 15), and a few dozen eager operations (113 to 225 before; 33.6 and 58.1 at 40
+    new tokens, docs/bench/eager-ops.md), the torch reference verification counted apart."""
+    bench = load_script("scripts/bench_eager_ops.py")
+    out = tmp_path / "ops.md"
+    assert bench.main(["--drafters", "standalone", "medusa", "--new-tokens", "16", "--temperatures", "1", "--out", str(out)]) == 0
+    rows = {r["drafter"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert "| tiny | medusa | sampled, T=1 |" in out.read_text()
+    for kind, r in rows.items():
+        assert r["temperature"] == 1.0 and r["steps"] > 0 and r["reference_verification_per_step"] > 0
+        assert 0 < r["eager_ops_per_step"] < 80, (kind, r["top"])
+        assert r["host_reads_per_step"] <= (2.3 if kind == "standalone" else 1.3), (kind, r["host_read_lines"])
 
 
 def test_speculators_script_resumes_an_interrupted_run(peers, tmp_path, monkeypatch):

@@ -120,7 +120,7 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
         # A step's read and its whole tree are one graph; the 9-token prompt (the second: its larger
         # cache took new graphs) is read eagerly, then its tree replays a graph of its own.
         names = [name for name in drafter.static.graphs.captured if isinstance(name, tuple)]
-        assert {name[2] for name in names if name[0] == "draft"} & {1, 2} and ("draft-tree", drafter.tree) in names
+        assert {name[2] for name in names if name[0] == "draft"} & {1, 2} and ("draft-tree", drafter.tree, ()) in names  # () greedy
         assert all(isinstance(name, tuple) for name in drafter.static.graphs.captured), "a level forward replayed on its own"
 
 
@@ -198,3 +198,93 @@ def test_a_traced_graph_freezes_what_it_read_at_capture_and_reuses_its_outputs()
     kept = first[0]
     second = graph(torch.tensor([3.0, 4.0]))
     assert second[0] is kept and kept.tolist() == [6.0, 8.0] and second[1].tolist() == [4.0, 5.0]
+
+
+# The static trees of the kinds above, sampled: on the static cache their drafting runs on the device
+# (runtime.sampling.DeviceDraws), through the graphs; on the dynamic cache it runs on the host.
+SAMPLED = ["eagle3-static", "medusa-tree", "dflash-chain", "hydra-static", "clover-static", "noisy-tree", "self-chain", "early-exit"]
+
+
+# Several nodes with children at each level: each draws from its own row of uniforms.
+BRANCHY = TreeSpec.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (1, 0, 0), (0, 0, 0, 0)])
+
+
+def _sampled_drafter(kind, target, cache):
+    """The drafter of ``kind``, its static tree BRANCHY where it drafts a tree."""
+    if kind == "hydra-static":
+        head = HydraHead(HydraConfig(num_heads=4, num_layers=2), target.dims)
+        head.init_from_target(target)
+        drafter = HeadDrafter(_perturbed(head, 0.005, 6).eval(), target, BRANCHY, cache=cache)
+    else:
+        drafter = _drafter(kind, target, cache)
+    if drafter.tree.num_nodes > drafter.tree.max_depth + 1:
+        drafter.tree = BRANCHY
+    return drafter
+
+
+def _no_host_growth(monkeypatch):
+    """Growing a static tree on the host (grow_static_tree, a draw a node) raises from here on."""
+    import draftsmith.runtime.drafters as drafters
+    import draftsmith.runtime.early_exit as early_exit
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a sampled static tree grew on the host")
+
+    monkeypatch.setattr(drafters, "grow_static_tree", refused)
+    monkeypatch.setattr(early_exit, "grow_static_tree", refused)
+
+
+@pytest.mark.parametrize("kind", SAMPLED)
+def test_a_sampled_tree_drawn_through_the_graphs_is_the_hosts(kind, monkeypatch, capsys):
+    """Sampled drafting of a static tree on the static cache (every draw on the device, the whole
+    tree in the drafter's graph, its uniforms an input) draws, step for step, the tree the host
+    draws on the dynamic cache from the same generator: the same tokens, the same draft
+    distributions; and so the same output and acceptance."""
+    from draftsmith.runtime.verify import SamplingParams
+
+    ids = torch.tensor([[5, 9, 14, 20, 7, 3]])
+    sampling = SamplingParams(mode="sample", temperature=0.9, top_k=30)
+    runs, probs = {}, {}
+    for cache in ("dynamic", "static"):
+        with simulated_cuda_graphs() as graphs, torch.no_grad(), monkeypatch.context() as patch:
+            target = FrozenTarget(tiny_causal_lm("llama", seed=0))
+            drafter = _sampled_drafter(kind, target, cache)
+            if cache == "static":
+                _no_host_growth(patch)
+            proposed, propose = [], drafter.propose
+            drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
+            out, stats = speculative_generate(target, drafter, ids, 24, sampling=sampling, generator=torch.Generator().manual_seed(3), cache=cache)
+            if cache == "static":
+                assert graphs.captured and all(graph.replays for graph in graphs.captured)
+        runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens.tolist(), t.parents.tolist()) for t in proposed])
+        probs[cache] = [t.draft_probs for t in proposed]
+    assert "capture failed" not in capsys.readouterr().err
+    assert runs["static"] == runs["dynamic"]
+    for want, got in zip(probs["dynamic"], probs["static"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert 0 < sum(runs["static"][1])  # something was accepted: the caches were rolled back and kept
+
+
+@pytest.mark.parametrize("kind", SAMPLED)
+def test_children_past_the_draft_support_decode_as_the_target(kind, monkeypatch):
+    """Top-k 1 sampling keeps one token of each distribution: every node of the tree with more
+    than one child holds children past the draft's support (kept in place on the device, tokens of
+    q = 0). The target's own distribution is one token too, so the output is its greedy output."""
+    from draftsmith.runtime.verify import SamplingParams
+
+    ids = torch.tensor([[5, 9, 14, 20, 7, 3]])
+    with simulated_cuda_graphs(), torch.no_grad(), monkeypatch.context() as patch:
+        target = FrozenTarget(tiny_causal_lm("llama", seed=0))
+        want = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20, pad_token_id=0, eos_token_id=None)
+        drafter = _sampled_drafter(kind, target, "static")
+        _no_host_growth(patch)
+        proposed, propose = [], drafter.propose
+        drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
+        sampling = SamplingParams(mode="sample", temperature=1.0, top_k=1)
+        out, stats = speculative_generate(target, drafter, ids, 20, sampling=sampling, generator=torch.Generator().manual_seed(4), cache="static")
+    assert out.tolist() == want.tolist()
+    spec = drafter.tree
+    assert all(t.size == spec.num_nodes for t in proposed)  # the fixed shape, past-support children included
+    if any(len(spec.children(n)) > 1 for n in range(spec.num_nodes)):
+        past = [(t.draft_probs[0, spec.parents[n], t.tokens[0, n]] == 0).item() for t in proposed for n in range(1, spec.num_nodes)]
+        assert any(past)
