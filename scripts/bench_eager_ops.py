@@ -145,12 +145,14 @@ def build_drafter(kind: str, target):
 
 
 def sampling_of(temperature: float):
-    """Greedy at 0, else lossless sampling at ``temperature`` (no top-k / top-p), and its generator."""
+    """Greedy at 0, else lossless sampling at ``temperature`` (no top-k / top-p); and a generator
+    seeded alike for each generation, so that the counted one draws what the warm-up drew and
+    meets no shape (a number of accepted positions) whose graph the warm-up did not capture."""
     from draftsmith.runtime.verify import SamplingParams
 
     if temperature == 0:
-        return SamplingParams(), None
-    return SamplingParams(mode="sample", temperature=temperature), torch.Generator().manual_seed(0)
+        return SamplingParams(), lambda: None
+    return SamplingParams(mode="sample", temperature=temperature), lambda: torch.Generator().manual_seed(0)
 
 
 def decoding(temperature: float) -> str:
@@ -174,11 +176,13 @@ def host_reads(shape: str, kind: str, args, temperature: float = 0.0) -> tuple[f
         drafter = build_drafter(kind, target)
         prompt = torch.randint(3, target.dims.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
         sampling, generator = sampling_of(temperature)
-        speculative_generate(target, drafter, prompt, args.new_tokens, cache="static", sampling=sampling, generator=generator)
+        speculative_generate(target, drafter, prompt, args.new_tokens, cache="static", sampling=sampling, generator=generator())
         before = len(guard.reads)
-        _, stats = speculative_generate(target, drafter, prompt, args.new_tokens, cache="static", sampling=sampling, generator=generator)
-    lines, first = inspect.getsourcelines(DraftTree.validate)  # the tree checks the reference verification starts with
-    checks = {f"tree.py:{n}" for n in range(first, first + len(lines))}
+        _, stats = speculative_generate(target, drafter, prompt, args.new_tokens, cache="static", sampling=sampling, generator=generator())
+    checks = set()
+    for method in (DraftTree.validate, DraftTree.children_table):  # the tree checks and the table of the reference verification
+        lines, first = inspect.getsourcelines(method)
+        checks |= {f"tree.py:{n}" for n in range(first, first + len(lines))}
     reads = [r for r in guard.reads[before:] if not r.split(" at ")[1].startswith("verify.py") and r.split(" at ")[1] not in checks]
     steps = len(stats.accept_lens)
     return round(len(reads) / steps, 2), [(line, round(n / steps, 2)) for line, n in collections.Counter(reads).most_common(args.top)]
@@ -196,14 +200,14 @@ def count(shape: str, kind: str, args, temperature: float = 0.0) -> dict:
         prompt = torch.randint(3, target.dims.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
         sampling, generator = sampling_of(temperature)
         # warm-up: buffers, sessions and graphs made (as large)
-        speculative_generate(target, drafter, prompt, args.new_tokens, cache="static", sampling=sampling, generator=generator)
+        speculative_generate(target, drafter, prompt, args.new_tokens, cache="static", sampling=sampling, generator=generator())
         counter = EagerOps()
         with ExitStack() as stack:
             counter.patch(stack)
             if args.graphs == "simulated":
                 counter.patch_replays(stack, TracedGraph)
             with counter:
-                _, stats = speculative_generate(target, drafter, prompt, args.new_tokens, cache="static", sampling=sampling, generator=generator)
+                _, stats = speculative_generate(target, drafter, prompt, args.new_tokens, cache="static", sampling=sampling, generator=generator())
     steps = len(stats.accept_lens)
     reference = sum(n for line, n in counter.lines.items() if reference_verification(line))
     total = sum(counter.lines.values()) - reference
@@ -242,11 +246,11 @@ def main(argv=None) -> int:
         for temperature in args.temperatures:
             for kind in args.drafters:
                 rows.append(count(shape, kind, args, temperature))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("top", "host_read_lines")}), flush=True)
-            for line, n in rows[-1]["top"]:
-                print(f"  {n:7.1f}  {line}")
-            for line, n in rows[-1]["host_read_lines"]:
-                print(f"  {n:7.2f}  host read: {line}")
+                print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("top", "host_read_lines")}), flush=True)
+                for line, n in rows[-1]["top"]:
+                    print(f"  {n:7.1f}  {line}")
+                for line, n in rows[-1]["host_read_lines"]:
+                    print(f"  {n:7.2f}  host read: {line}")
     if args.out:
         meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__, "new_tokens": args.new_tokens, "graphs": args.graphs}
         lines = [

@@ -17,8 +17,11 @@ early-exit self-drafting only need the tokens. A drafter names the decoder layer
 
 Sampling contract (see ``verify``): in "sample" mode the children of a node of a static tree are
 distinct tokens drawn without replacement, in index order, from the node's processed draft
-distribution, which goes into ``DraftTree.draft_probs``; drafters here draw them with Gumbel top-k.
-A dynamic tree's children are chosen by rank (EAGLE-2), so it is marked ``deterministic`` and
+distribution, which goes into ``DraftTree.draft_probs``; drafters here draw them with Gumbel top-k,
+on the host a node at a time (``grow_static_tree``: a node gets no more children than its
+distribution has tokens), or on the static cache all at once on the device
+(``draftsmith.sampling.DeviceDraws``: the tree keeps its shape, children past the support holding
+tokens of q = 0, which verification never accepts). A dynamic tree's children are chosen by rank (EAGLE-2), so it is marked ``deterministic`` and
 verified as fixed candidates. In "typical" mode (NOT lossless) every tree drafts by rank.
 """
 
@@ -274,7 +277,7 @@ def static_tree_on_device(spec: TreeSpec, root: int, levels: Tensor, draws: Opti
     if spec.num_nodes < 2 or levels.shape[0] < depth or not _fits(spec, levels.shape[-1], draws is not None):
         return None
     device = levels.device
-    tokens = torch.full((spec.num_nodes,), root, dtype=torch.long, device=device)
+    root_token = torch.full((1,), root, dtype=torch.long, device=device)
     if draws is None:
         key = (spec, device)
         if key not in _STATIC_SHAPES:
@@ -282,12 +285,12 @@ def static_tree_on_device(spec: TreeSpec, root: int, levels: Tensor, draws: Opti
             _STATIC_SHAPES[key] = (torch.tensor([d - 1 for d in spec.depths[1:]], **long), torch.tensor(spec.ranks[1:], **long))
         level, rank = _STATIC_SHAPES[key]
         top = torch.topk(levels[:depth], max(spec.ranks) + 1, dim=-1).indices  # [depth, widest]
-        return _on_device_tree(spec, torch.cat([tokens[:1], top[level, rank]]), None)
+        return _on_device_tree(spec, torch.cat([root_token, top[level, rank]]), None)
     # Every node's draws at once: a node at depth d draws from q of levels[d], whatever its path.
     drafting, depths, kid_rows, kid_orders, most = _sampled_shape(spec, device)
     q = draws.probs(levels[:depth])[depths]  # [F,V]
     top = draws.children(q, most)
-    tokens = torch.cat([tokens[:1], top[kid_rows, kid_orders]])
+    tokens = torch.cat([root_token, top[kid_rows, kid_orders]])
     return _on_device_tree(spec, tokens, q.new_zeros(spec.num_nodes, q.shape[-1]).index_copy(0, drafting, q))
 
 

@@ -369,9 +369,10 @@ def test_bench_eager_ops_counts_what_cuda_would_launch_eagerly(tmp_path):
 
 def test_bench_eager_ops_counts_sampled_steps(tmp_path):
     """Sampled (--temperatures 1), a draft model's and a Medusa head's static trees are drawn on the
-    device: a step makes about one host read besides the draft model's path (a draw a node on the
-    host made 11 to 15), and a few dozen eager operations (113 to 225 before; 33.6 and 58.1 at 40
-    new tokens, docs/bench/eager-ops.md), the torch reference verification counted apart."""
+    device: a step makes about one host read besides the draft model's path (drawing a node at a
+    time on the host made 9 to 14), and a few dozen eager operations (226 and 124 before; 34.0 and
+    56.1 at 40 new tokens, docs/bench/eager-ops.md), the torch reference verification counted
+    apart."""
     bench = load_script("scripts/bench_eager_ops.py")
     out = tmp_path / "ops.md"
     assert bench.main(["--drafters", "standalone", "medusa", "--new-tokens", "16", "--temperatures", "1", "--out", str(out)]) == 0
