@@ -561,7 +561,8 @@ class StandaloneDrafter:
         self._slots: dict[int, int] = {}  # node id -> cache position, for the tree being drafted
         self._tree_ids: list[int] = []  # tree node index -> node id
         self._prefix = 0  # cache length before the tree nodes (decided tokens, root included)
-        self._rows: Optional[list[int]] = None  # a tree drafted on the device: each node's entry after the prefix (-1: none)
+        self._rows: Optional[list[int]] = None  # a static tree drafted on the device: each node's entry after the prefix (-1: none)
+        self._entries: Optional[Tensor] = None  # the same for an EAGLE-2 tree, on the device
         self.reset(None)
 
     def required_layers(self) -> Sequence[int]:
@@ -571,7 +572,7 @@ class StandaloneDrafter:
         self.cache = DynamicCache(config=self.model.config)
         self.static = self._static_session(prompt)
         self.cached_len = 0
-        self._slots, self._tree_ids, self._prefix, self._rows = {}, [], 0, None
+        self._slots, self._tree_ids, self._prefix, self._rows, self._entries = {}, [], 0, None, None
         self.forwards = 0  # draft model forwards since reset
 
     def _static_session(self, prompt: Optional[Tensor]):
@@ -602,11 +603,22 @@ class StandaloneDrafter:
     def propose(self, state: DraftState) -> DraftTree:
         T = state.tokens.shape[1]
         device = state.tokens.device
-        if self._tree_ids or self._rows is not None:
+        if self._tree_ids or self._rows is not None or self._entries is not None:
             raise DrafterError("propose was called again before accept: the drafter's cache still holds the last tree")
         if self.cached_len >= T:
             raise DrafterError(f"the drafter has seen {self.cached_len} tokens but the state holds {T}; call reset(prompt) first")
         unseen = state.tokens[:, self.cached_len :]
+        if self.static is not None and isinstance(self.tree, DynamicTreeSpec) and self.tree.topk <= self._vocab:
+            # An EAGLE-2 tree on the static cache: the read and every level on the device, one CUDA
+            # graph a step on a GPU (StaticSession.draft_dynamic_tree), nothing read back.
+            sampling = state.sampling
+            key = (sampling.sampled, sampling.temperature, sampling.top_k, sampling.top_p)
+            tokens, parents, depths, num_nodes, self._entries = self.static.draft_dynamic_tree(
+                self.tree, unseen, build_dynamic_tree_on_device, _ranking(sampling), key, sampling.sampled
+            )  # fmt: skip
+            self.cached_len, self._prefix = self.static.length, T
+            self.forwards += self.tree.depth  # the read, then one forward a level past the first
+            return DraftTree(tokens, parents, depths, num_nodes, deterministic=sampling.sampled, known_depth_bound=self.tree.depth)
         draws = self._draws_on_device(state)
         if draws is not False:
             # A static tree on the static cache, greedy or sampled: the read and every level on the
@@ -644,10 +656,14 @@ class StandaloneDrafter:
         drafted: ``_fits``), and this is its DeviceDraws, None when greedy (or typical)."""
         if self.static is None or not isinstance(self.tree, TreeSpec) or self.tree.num_nodes < 2:
             return False
-        vocab = getattr(self.model.get_output_embeddings(), "out_features", None) or self.model.config.vocab_size
-        if not _fits(self.tree, vocab, state.sampling.sampled):
+        if not _fits(self.tree, self._vocab, state.sampling.sampled):
             return False
-        return DeviceDraws.draw(self.tree, state.sampling, vocab, state.generator, state.tokens.device)
+        return DeviceDraws.draw(self.tree, state.sampling, self._vocab, state.generator, state.tokens.device)
+
+    @property
+    def _vocab(self) -> int:
+        """The draft model's logits per position."""
+        return getattr(self.model.get_output_embeddings(), "out_features", None) or self.model.config.vocab_size
 
     def _forward_nodes(self, todo: list[int], frontier: Frontier, T: int, device, logits_of: dict) -> None:
         """One draft forward over tree nodes ``todo`` on top of the cache (prefix + earlier tree nodes)."""
@@ -673,6 +689,14 @@ class StandaloneDrafter:
 
     def accept(self, result: VerifyResult) -> None:
         """Keep the decided tokens and the accepted path's tree entries; drop the other nodes."""
+        if self._entries is not None:
+            # An EAGLE-2 tree drafted on the device: the path and its nodes' entries in one read.
+            path = result.path[0]
+            nodes, entries = torch.stack([path, self._entries[path.clamp_min(0)]]).tolist()
+            kept = [entry for node, entry in zip(nodes, entries) if node >= 0 and entry >= 0]  # in depth order: ascending
+            self.static.keep_entries(self._prefix, kept)
+            self.cached_len, self._entries = self._prefix + len(kept), None
+            return
         if self._rows is not None:
             # One read of the path (the step has synced on its verdict already); a chain's accepted
             # entries are in place.

@@ -488,6 +488,71 @@ class StaticSession:
         tokens, *probs = (x.clone() for x in out) if replayed else out
         return tokens, probs[0] if probs else None
 
+    def _dynamic_tree(self, spec, build, rank, root_logits: Tensor, root_token: Tensor, base: Tensor, deterministic: bool) -> tuple[Tensor, ...]:
+        """The EAGLE-2 tree ``spec`` (``build``: ``runtime.tree.build_dynamic_tree_on_device``,
+        candidates ranked by ``rank`` of the logits) grown from the root's logits [V]: level L >= 2
+        forwards its ``topk`` frontier nodes at slots ``base`` [1] + (L-2) * topk + their row, at
+        rotary position base + L - 2, each seeing the cache before ``base``, its ancestors' entries
+        and its own. A function of device tensors only: one graph per spec. Returns the tree's
+        (tokens, parents, depths, num_nodes [1], and each node's entry after ``base`` [N], -1 for
+        the root and the nodes never forwarded)."""
+        k = spec.topk
+        created = 1 + k + (spec.depth - 1) * k * k  # build_dynamic_tree_on_device's ids
+        entry_of = torch.full((created,), -1, dtype=torch.long, device=self.device)
+        level: dict = {}
+
+        def expand(frontier) -> Tensor:
+            if frontier.level == 1:
+                level.update(nodes=frontier.nodes, seen=torch.zeros(1, 0, dtype=torch.bool, device=self.device))
+                return rank(root_logits.unsqueeze(0))
+            width, done = frontier.nodes.shape[0], (frontier.level - 2) * k
+            # Each node's parent is one of the last level's nodes: it sees what its parent saw, and itself.
+            parent_rows = (frontier.parents.unsqueeze(1) == level["nodes"].unsqueeze(0)).int().argmax(dim=1)
+            seen = torch.cat([level["seen"][parent_rows], torch.eye(width, dtype=torch.bool, device=self.device)], dim=1)
+            entries = done + torch.arange(width, device=self.device)
+            visible = (self.columns < base).expand(width, -1).clone()
+            visible.index_copy_(1, base + torch.arange(done + width, device=self.device), seen)
+            positions = (base + (frontier.level - 2)).expand(width).unsqueeze(0)
+            logits, _, _ = self._eager(frontier.tokens.unsqueeze(0), positions, base + entries, self.additive_mask(visible))
+            entry_of.index_copy_(0, frontier.nodes, entries)
+            level.update(nodes=frontier.nodes, seen=seen)
+            return rank(logits[0])
+
+        tree, kept = build(expand, root_token, spec.depth, k, spec.budget, self.device, deterministic)
+        return tree.tokens, tree.parents, tree.depths, tree.num_nodes, entry_of[kept]
+
+    @torch.no_grad()
+    def draft_dynamic_tree(self, spec, ids: Tensor, build, rank, key: tuple, deterministic: bool) -> tuple[Tensor, ...]:
+        """A draft model's step on its own session drafting the EAGLE-2 tree ``spec`` on the device,
+        as ``draft_tree`` drafts a static one: append ids [1,M] (the root last), then the tree
+        (``_dynamic_tree``; ``key`` names what ``rank`` depends on), its levels writing (depth - 1)
+        * topk entries after the M. Nothing is read to the host; on CUDA, a read of up to
+        ``GRAPHED_READ`` tokens and the tree replay as one graph. Returns ``_dynamic_tree``'s."""
+        m, entries = ids.shape[1], (spec.depth - 1) * spec.topk
+        self._room(m + entries)  # may reallocate, dropping the graphs: they are captured again
+        start = self.columns[self.length : self.length + 1]
+        name = ("draft-dynamic", spec.depth, spec.topk, spec.budget, key)
+        if m <= GRAPHED_READ:
+
+            def step(ids: Tensor, start: Tensor) -> tuple[Tensor, ...]:
+                positions = start + torch.arange(m, device=self.device)
+                logits, _, _ = self._eager(ids, positions.unsqueeze(0), positions, self.causal_mask(positions))
+                return self._dynamic_tree(spec, build, rank, logits[0, -1], ids[0, -1:], start + m, deterministic)
+
+            out, replayed = self.graphs.run((*name, m), step, (ids, start), "the draft model's step")
+            self.length += m
+        else:
+            logits, _, _ = self._append(ids, "last")
+            base = self.columns[self.length : self.length + 1]
+
+            def tree(root_logits: Tensor, root: Tensor, base: Tensor) -> tuple[Tensor, ...]:
+                return self._dynamic_tree(spec, build, rank, root_logits, root, base, deterministic)
+
+            out, replayed = self.graphs.run((*name, "tree"), tree, (logits[0, -1], ids[0, -1:], base), "the draft model's tree")
+        self.length += entries
+        self._tree_base = None
+        return tuple(x.clone() for x in out) if replayed else out
+
     def keep_entries(self, start: int, rows: Sequence[int]) -> None:
         """``pack(start, start + rows)`` for rows known on the host (ascending), moving nothing
         where they are already in place (0, 1, 2, ...: a chain's accepted path)."""

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 KINDS = [
     "plain", "eagle-dynamic", "eagle3-dynamic", "eagle3-static", "medusa-tree", "dflash-chain", "hydra-dynamic", "clover-static", "noisy-tree",
-    "self-chain", "early-exit", "suffix", "hybrid",
+    "noisy-dynamic", "self-chain", "early-exit", "suffix", "hybrid",
 ]  # fmt: skip
 
 
@@ -56,8 +56,9 @@ def _drafter(kind, target, cache="static"):
         head = DFlashHead(DFlashConfig(aux_layer_ids=[1, L], num_layers=1, block_size=5), dims)
         head.init_from_target(target)
         return HeadDrafter(_perturbed(head, 0.05, 5).eval(), target, TreeSpec.chain(4), cache=cache)
-    if kind == "noisy-tree":
-        return StandaloneDrafter(_perturbed(copy.deepcopy(target.model), 0.15, 1), default_tree(4, (3, 2, 2, 1)), cache=cache)
+    if kind in ("noisy-tree", "noisy-dynamic"):
+        spec = default_tree(4, (3, 2, 2, 1)) if kind == "noisy-tree" else DynamicTreeSpec(depth=4, topk=3, budget=10)
+        return StandaloneDrafter(_perturbed(copy.deepcopy(target.model), 0.15, 1), spec, cache=cache)
     if kind == "suffix":  # trees of every size and depth, step to step
         return LookupDrafter(SuffixMatcher())
     if kind == "hybrid":
@@ -120,11 +121,14 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
         # A step's read and its whole tree are one graph; the 9-token prompt (the second: its larger
         # cache took new graphs) is read eagerly, then its tree replays a graph of its own.
         names = [name for name in drafter.static.graphs.captured if isinstance(name, tuple)]
-        assert {name[2] for name in names if name[0] == "draft"} & {1, 2} and ("draft-tree", drafter.tree, ()) in names  # () greedy
+        if kind == "noisy-dynamic":  # an EAGLE-2 tree: the same, named by its depth, top-k and budget
+            assert {name[-1] for name in names if name[0] == "draft-dynamic"} >= {1, "tree"}
+        else:
+            assert {name[2] for name in names if name[0] == "draft"} & {1, 2} and ("draft-tree", drafter.tree, ()) in names  # () greedy
         assert all(isinstance(name, tuple) for name in drafter.static.graphs.captured), "a level forward replayed on its own"
 
 
-@pytest.mark.parametrize("kind", ["eagle3-dynamic", "eagle3-static", "dflash-chain", "hydra-dynamic", "clover-static", "noisy-tree", "self-chain", "early-exit"])
+@pytest.mark.parametrize("kind", ["eagle3-dynamic", "eagle3-static", "dflash-chain", "hydra-dynamic", "clover-static", "noisy-tree", "noisy-dynamic", "self-chain", "early-exit"])
 def test_a_graphed_drafter_drafts_what_the_eager_one_drafts(kind):
     """Output identity cannot see a drafter (verification keeps any draft lossless): the trees a
     head or a draft model drafts through its replayed graphs are the trees it drafts on growing
@@ -140,7 +144,7 @@ def test_a_graphed_drafter_drafts_what_the_eager_one_drafts(kind):
             out, stats = speculative_generate(target, drafter, ids, 24, cache=cache)
         runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens.tolist(), t.parents.tolist()) for t in proposed])
     assert runs["static"] == runs["dynamic"]
-    if kind.startswith(("eagle", "hydra", "clover")) or kind in ("noisy-tree", "early-exit"):  # something was accepted: the caches were rolled back and kept
+    if kind.startswith(("eagle", "hydra", "clover", "noisy")) or kind == "early-exit":  # something was accepted: the caches were rolled back and kept
         assert 0 < sum(runs["static"][1])
 
 
@@ -202,7 +206,7 @@ def test_a_traced_graph_freezes_what_it_read_at_capture_and_reuses_its_outputs()
 
 # The static trees of the kinds above, sampled: on the static cache their drafting runs on the device
 # (runtime.sampling.DeviceDraws), through the graphs; on the dynamic cache it runs on the host.
-SAMPLED = ["eagle3-static", "medusa-tree", "dflash-chain", "hydra-static", "clover-static", "noisy-tree", "self-chain", "early-exit"]
+SAMPLED = ["eagle3-static", "medusa-tree", "dflash-chain", "hydra-static", "clover-static", "noisy-tree", "noisy-dynamic", "self-chain", "early-exit"]
 
 
 # Several nodes with children at each level: each draws from its own row of uniforms.
@@ -217,21 +221,22 @@ def _sampled_drafter(kind, target, cache):
         drafter = HeadDrafter(_perturbed(head, 0.005, 6).eval(), target, BRANCHY, cache=cache)
     else:
         drafter = _drafter(kind, target, cache)
-    if drafter.tree.num_nodes > drafter.tree.max_depth + 1:
+    if isinstance(drafter.tree, TreeSpec) and drafter.tree.num_nodes > drafter.tree.max_depth + 1:
         drafter.tree = BRANCHY
     return drafter
 
 
 def _no_host_growth(monkeypatch):
-    """Growing a static tree on the host (grow_static_tree, a draw a node) raises from here on."""
+    """Growing a tree on the host (grow_static_tree, a draw a node; build_dynamic_tree, a read a
+    level) raises from here on."""
     import draftsmith.runtime.drafters as drafters
     import draftsmith.runtime.early_exit as early_exit
 
     def refused(*args, **kwargs):
-        raise AssertionError("a sampled static tree grew on the host")
+        raise AssertionError("a sampled tree grew on the host")
 
-    monkeypatch.setattr(drafters, "grow_static_tree", refused)
-    monkeypatch.setattr(early_exit, "grow_static_tree", refused)
+    for module, name in ((drafters, "grow_static_tree"), (early_exit, "grow_static_tree"), (drafters, "build_dynamic_tree")):
+        monkeypatch.setattr(module, name, refused)
 
 
 @pytest.mark.parametrize("kind", SAMPLED)
@@ -284,6 +289,8 @@ def test_children_past_the_draft_support_decode_as_the_target(kind, monkeypatch)
         out, stats = speculative_generate(target, drafter, ids, 20, sampling=sampling, generator=torch.Generator().manual_seed(4), cache="static")
     assert out.tolist() == want.tolist()
     spec = drafter.tree
+    if not isinstance(spec, TreeSpec):
+        return  # an EAGLE-2 tree ranks its candidates: nothing is drawn
     assert all(t.size == spec.num_nodes for t in proposed)  # the fixed shape, past-support children included
     if any(len(spec.children(n)) > 1 for n in range(spec.num_nodes)):
         past = [(t.draft_probs[0, spec.parents[n], t.tokens[0, n]] == 0).item() for t in proposed for n in range(1, spec.num_nodes)]

@@ -157,15 +157,27 @@ def test_a_draft_model_on_the_static_cache_drafts_what_it_drafts_on_the_dynamic_
             p.add_(torch.randn(p.shape, generator=gen) * 0.15 * p.std().clamp_min(1e-3))
     ids = torch.tensor([[5, 9, 14, 20, 7, 3]])
     for tree in (default_tree(4, (3, 2, 2, 1)), BUSHY, DynamicTreeSpec(depth=4, topk=3, budget=10)):
-        runs = {}
+        runs, kept = {}, {}
         for cache in ("dynamic", "static"):
             drafter = StandaloneDrafter(noisy, tree, cache=cache)
-            proposed = []
-            propose = drafter.propose
+            proposed, entries = [], []
+            propose, accept = drafter.propose, drafter.accept
             drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
+
+            def accepted(result, drafter=drafter, accept=accept, entries=entries):
+                # The draft's kept keys (their rotary positions in them) after each step, every layer.
+                accept(result)
+                n = drafter.cached_len
+                keys = drafter.static.cache.keys[:, 0, :, :n] if drafter.static is not None else torch.stack([layer.keys[0, :, :n] for layer in drafter.cache.layers])
+                entries.append(keys.clone())
+
+            drafter.accept = accepted
             out, stats = speculative_generate(target, drafter, ids, 30, cache=cache)
             runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens.tolist(), t.parents.tolist()) for t in proposed])
+            kept[cache] = entries
         assert runs["static"] == runs["dynamic"]
+        for want, got in zip(kept["dynamic"], kept["static"]):
+            _close(got, want)
         assert 0 < sum(runs["static"][1]) < sum(len(t[0][0]) - 1 for t in runs["static"][2])  # partial acceptance: rollbacks happened
 
 
@@ -371,12 +383,18 @@ def test_a_tree_grown_on_the_device_stays_there(kind, shape):
     assert outputs["static"] == outputs["dynamic"]
 
 
-def test_a_draft_models_greedy_step_stays_on_the_device():
-    """A draft model on the static cache drafting a static tree greedily (StaticSession.draft_tree:
-    what CUDA replays as one graph a step) under SimulatedDevice: no operation mixes a host tensor
-    with a device one, the drafter reads the device once a step (the accepted path, after the
-    step's verdict), its trees are the dynamic cache's, and so is the output."""
+@pytest.mark.parametrize("shape", ["static", "dynamic"])
+def test_a_draft_models_greedy_step_stays_on_the_device(shape):
+    """A draft model on the static cache drafting greedily a static tree (StaticSession.draft_tree)
+    or an EAGLE-2 tree (draft_dynamic_tree), what CUDA replays as one graph a step, under
+    SimulatedDevice: no operation mixes a host tensor with a device one, the drafter reads the
+    device once a step (the accepted path, after the step's verdict), its trees are the dynamic
+    cache's, and so is the output."""
+    from draftsmith.runtime.tree import DynamicTreeSpec
     from draftsmith.testing import SimulatedDevice
+
+    spec = BUSHY if shape == "static" else DynamicTreeSpec(depth=4, topk=3, budget=10)
+    read = "result.path[0].tolist()" if shape == "static" else "torch.stack([path, self._entries"
 
     device, runs = torch.device("cpu"), {}
     for cache in ("dynamic", "static"):
@@ -387,7 +405,7 @@ def test_a_draft_models_greedy_step_stays_on_the_device():
             with torch.no_grad():
                 for p in draft.parameters():  # a draft close to the target: partial acceptance, non-contiguous paths kept
                     p.add_(torch.randn(p.shape, generator=gen).to(device) * 0.15 * p.std().clamp_min(1e-3))
-            drafter = StandaloneDrafter(draft, BUSHY, cache=cache)
+            drafter = StandaloneDrafter(draft, spec, cache=cache)
             proposed, propose = [], drafter.propose
             drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
             if cache == "static":
@@ -400,7 +418,8 @@ def test_a_draft_models_greedy_step_stays_on_the_device():
         if cache == "static":
             steps = len(stats.accept_lens)
             assert guard.checked > 200
-            assert [r for r in reads if "drafters.py" in r] == [f"tolist at drafters.py:{_line_of(StandaloneDrafter.accept, 'result.path[0].tolist()')}"] * steps
+            assert [r for r in reads if "drafters.py" in r] == [f"tolist at drafters.py:{_line_of(StandaloneDrafter.accept, read)}"] * steps
+            assert not [r for r in reads if "static.py" in r], reads
             assert any(rows != list(range(len(rows))) for rows in kept), kept  # accepted entries moved into place
     assert runs["static"] == runs["dynamic"]
     assert 0 < sum(runs["static"][1]) < sum(len(t[0][0]) - 1 for t in runs["static"][2])
