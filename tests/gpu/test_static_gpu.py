@@ -59,6 +59,7 @@ def _drafters(target):
         "medusa-tree": HeadDrafter(medusa, target, default_tree(4, (4, 2, 2, 1))),
         "dflash-chain": HeadDrafter(dflash, target, TreeSpec.chain(4)),
         "noisy-tree": StandaloneDrafter(noisy, default_tree(4, (3, 2, 2, 1))),
+        "noisy-dynamic": StandaloneDrafter(noisy, DynamicTreeSpec(depth=4, topk=3, budget=10)),
         "self-chain": StandaloneDrafter(target.model, TreeSpec.chain(4)),
         "early-exit": EarlyExitDrafter(target, exit_layer=1, tree=TreeSpec.chain(3)),
         "hydra-dynamic": HeadDrafter(_perturbed(hydra.to(CUDA), 0.005, 6).eval(), target, DynamicTreeSpec(depth=4, topk=3, budget=10)),
@@ -86,7 +87,9 @@ def test_graphed_forwards_match_the_dynamic_cache(target):
     assert static.cache.capacity > 16 and sorted(static.graphs.captured) == [("tree", 4), ("tree", 6)] and static.graphs
 
 
-@pytest.mark.parametrize("kind", ["eagle-dynamic", "medusa-tree", "dflash-chain", "hydra-dynamic", "clover-tree", "noisy-tree", "self-chain", "early-exit", "plain"])
+@pytest.mark.parametrize(
+    "kind", ["eagle-dynamic", "medusa-tree", "dflash-chain", "hydra-dynamic", "clover-tree", "noisy-tree", "noisy-dynamic", "self-chain", "early-exit", "plain"]
+)
 def test_graphed_decoding_equals_hf_greedy(target, kind):
     prompts = [torch.tensor([[5, 9, 14, 20]], device=CUDA), torch.tensor([[7, 7, 30, 31, 32, 33, 34, 35, 36]], device=CUDA)]
     drafter = None if kind == "plain" else _drafters(target)[kind]
@@ -109,7 +112,7 @@ def test_graphed_decoding_equals_hf_greedy(target, kind):
     if isinstance(drafter, StandaloneDrafter):  # the draft model's own forwards are graphed too
         assert drafter.static is not None and drafter.static.graphs and drafter.static.graphs.captured
         # A step's read and whole tree as one graph (StaticSession.draft_tree), captured, not eager.
-        steps = [g for name, g in drafter.static.graphs.captured.items() if isinstance(name, tuple) and name[0] == "draft"]
+        steps = [g for name, g in drafter.static.graphs.captured.items() if isinstance(name, tuple) and name[0] in ("draft", "draft-dynamic")]
         assert steps and all(graph is not None for graph in steps)
     if kind == "eagle-dynamic":  # and an EAGLE head's tree levels
         assert drafter.session.capacity and drafter.session.graphs and drafter.session.graphs.captured
