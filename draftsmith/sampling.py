@@ -60,7 +60,9 @@ class DeviceDraws:
 
     A node's children are its Gumbel top-k over the processed distribution q, the m-th child the
     m-th draw without replacement: ``runtime.drafters.sample_without_replacement``'s draws from the
-    same uniforms, which ``grow_static_tree`` draws one node at a time in the same order. Where q
+    same uniforms, which ``grow_static_tree`` draws one node at a time in the same order (on the
+    CPU one call gives the numbers the per-node calls give, so the two draw the same trees there;
+    CUDA's generator splits its numbers differently, both are draws from q all the same). Where q
     keeps fewer tokens than the node has children, the children past its support keep their place
     in the tree's fixed shape and hold a token of q(x) = 0, which verification never accepts and
     whose rejection changes nothing (runtime/verify.py); grow_static_tree leaves them out."""
@@ -74,7 +76,7 @@ class DeviceDraws:
         ``torch.rand``."""
         if not sampling.sampled:
             return None
-        rows = sum(1 for n in range(spec.num_nodes) if spec.children(n))
+        rows = sum(1 for count in spec.child_counts if count)
         return cls(sampling, torch.rand(rows, vocab, generator=generator, device=device, dtype=torch.float64))
 
     @property

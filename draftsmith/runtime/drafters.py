@@ -255,7 +255,7 @@ def _fits(spec: TreeSpec, vocab: int, sampled: bool) -> bool:
     vocabulary (the children past q's support stay in place)."""
     if not sampled:
         return max(spec.ranks) < vocab
-    return max(len(spec.children(n)) for n in range(spec.num_nodes)) <= vocab
+    return max(spec.child_counts) <= vocab
 
 
 def _on_device_tree(spec: TreeSpec, tokens: Tensor, draft_probs: Optional[Tensor]) -> DraftTree:

@@ -19,6 +19,7 @@ Shapes: B trees, N nodes, V vocabulary.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -134,6 +135,14 @@ class TreeSpec:
     def children(self, node: int) -> list[int]:
         """Children of ``node`` in index order (= rank order)."""
         return [i for i, p in enumerate(self.parents) if p == node]
+
+    @functools.cached_property
+    def child_counts(self) -> tuple[int, ...]:
+        """How many children each node has, counted once (a decoding step asks every time)."""
+        counts = [0] * len(self.parents)
+        for parent in self.parents[1:]:
+            counts[parent] += 1
+        return tuple(counts)
 
     def parents_tensor(self, device=None) -> Tensor:
         """parents as a long tensor [N]."""

@@ -283,6 +283,25 @@ def test_sample_residual_edge_cases(kernels):
     assert int(want.best_node[1]) != 1
 
 
+def test_a_float64_draft_below_fp32s_range_takes_the_reference(kernels):
+    """The kernel carries q in fp32: a float64 q(x) = 1e-50 would read as 0 there and the child
+    would never be accepted, where the reference renormalises q after its sibling's rejection and
+    accepts it with probability p(x). float64 drafts take the reference: the same decisions."""
+    V = 4
+    draft = torch.zeros(3, V, dtype=torch.float64)
+    draft[0] = torch.tensor([1.0, 1e-50, 0.0, 0.0], dtype=torch.float64)
+    tree = DraftTree.from_lists([2, 0, 1], [-1, 0, 0], draft_probs=draft)
+    logits = torch.zeros(1, 3, V, dtype=torch.float64)
+    logits[0, 0, 0] = -30.0  # p(0) ~ 0: the first child is rejected, the second tested with q = 1
+    gen, accepted = torch.Generator().manual_seed(0), 0
+    for _ in range(60):
+        u = torch.rand(1, 4, generator=gen, dtype=torch.float64)
+        want = verify_sample(tree, logits, 1.0, uniforms=u)
+        assert_same(kernels.fused_verify(tree, logits, SamplingParams("sample"), uniforms=u), want)
+        accepted += int(want.best_node[0] == 2)
+    assert 5 < accepted < 40  # p(1) = 1/3
+
+
 def test_sample_generator_draws_the_same_uniforms(kernels):
     """Without uniforms both draw [B,N+1] from the generator: same seed, same result."""
     gen = torch.Generator().manual_seed(12)

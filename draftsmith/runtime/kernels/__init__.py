@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.runtime.tree import DraftTree
-from draftsmith.runtime.verify import GREEDY, SamplingParams, VerifyResult, logits_to_probs, verify_typical
+from draftsmith.runtime.verify import GREEDY, SamplingParams, VerifyResult, logits_to_probs, verify, verify_typical
 
 __all__ = ["VerifyWorkspace", "fused_verify", "kernel_available", "mode_conflict"]
 
@@ -230,6 +230,10 @@ def fused_verify(
     sampling = sampling or GREEDY
     if sampling.mode == "typical":
         return verify_typical(tree, target_logits, sampling.temperature, sampling.posterior_threshold, sampling.posterior_alpha)
+    if sampling.sampled and not tree.deterministic and tree.draft_probs is not None and tree.draft_probs.dtype == torch.float64:
+        # The kernel carries q in fp32: a float64 q below fp32's range would read as 0 there, a child
+        # it never accepts where the reference may. float64 drafts (tests, not drafters) take the reference.
+        return verify(tree, target_logits, sampling, generator=generator, uniforms=uniforms)
     temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     B, N = tree.tokens.shape
     if target_logits.shape[:2] != (B, N):
