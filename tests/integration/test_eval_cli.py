@@ -55,6 +55,14 @@ def test_the_static_cache_is_chosen_by_flag_and_decodes_the_same(head_export, pr
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["kv_cache"] == "static cache" and report["greedy_identical_to_baseline"] == "3/3"
+    # Sampled, the head's static tree drawn on the device (top-k 2 under nodes of more children: some past the support).
+    proc = cli(
+        "eval", "--drafter", export, "--prompts", prompts, "--max-new-tokens", 16, "--cache", "static", "--temperature", "0.8", "--top-k", "2",
+        "--out", tmp_path / "sampled",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "sampled" / "report.json").read_text())
+    assert report["kv_cache"] == "static cache" and report["lossless"] is True and "top_k 2" in report["verification"]
     proc = cli("generate", "--drafter", tmp / "run", "--prompt", "say red", "--max-new-tokens", 12, "--cache", "static")
     assert proc.returncode == 0 and "on cpu, static cache;" in proc.stderr, proc.stderr[-2000:]
     proc = cli("generate", "--drafter", tmp / "run", "--prompt", "say red", "--cache", "paged")
