@@ -56,9 +56,9 @@ class Reliability:
     def record(self, tree: DraftTree, seeded: Sequence[bool], result: VerifyResult) -> None:
         """Count the seeded nodes of ``tree`` whose parent lies on the accepted path (tested) and
         those on the path (accepted)."""
-        a = int(result.accept_len[0])
-        path = set(result.path[0, : a + 1].tolist())
-        parents = tree.parents[0].tolist()
+        a, *path = torch.cat([result.accept_len[:1], result.path[0]]).tolist()  # one read
+        path = set(path[: a + 1])
+        parents = tree.host_parents if tree.host_parents is not None else tree.parents[0].tolist()
         for node in range(1, len(parents)):
             if seeded[node] and parents[node] in path:
                 self.tested += 1
@@ -83,11 +83,13 @@ class _Matcher:
             self.index.setdefault(int(token), []).append(len(self.text))
             self.text.append(int(token))
 
-    def sync(self, tokens: Sequence[int]) -> None:
-        """Catch up with the decided tokens (they only ever grow by appending)."""
+    def sync(self, tokens: Union[Sequence[int], Tensor]) -> None:
+        """Catch up with the decided tokens (they only ever grow by appending): a list, or a tensor
+        [T] on any device, of which only the tokens not read yet are read."""
         if len(tokens) < len(self.text):
             raise DrafterError(f"the lookup drafter has read {len(self.text)} tokens but the state holds {len(tokens)}; call reset(prompt) first")
-        self.extend(tokens[len(self.text) :])
+        new = tokens[len(self.text) :]
+        self.extend(new.tolist() if isinstance(new, Tensor) else new)
 
     def candidates(self, depth: int, budget: int, reliability: float) -> Candidates:
         raise NotImplementedError
@@ -269,7 +271,7 @@ class LookupDrafter:
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> DraftTree:
-        self.matcher.sync(state.tokens[0].tolist())
+        self.matcher.sync(state.tokens[0])
         seeds = self.matcher.candidates(self.shape.depth, self.shape.budget * 4, self.reliability.value)
         tree, _, seeded, expected = build_scored_tree(state.root, self.shape, seeds=seeds, device=state.tokens.device, deterministic=True)
         self.expected.append(expected)
@@ -324,7 +326,7 @@ class HybridDrafter:
     @torch.no_grad()
     def propose(self, state: DraftState) -> DraftTree:
         device = state.tokens.device
-        self.matcher.sync(state.tokens[0].tolist())
+        self.matcher.sync(state.tokens[0])
         if not self.head.read(state):
             return _root_only(state.root, device)
         sampling = state.sampling

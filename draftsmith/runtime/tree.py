@@ -371,6 +371,8 @@ class DraftTree:
     # A depth no node exceeds, when the builder knows one but not the deepest node (a tree grown
     # on the device: its spec's depth).
     known_depth_bound: Optional[int] = field(default=None, repr=False, compare=False)
+    # The parents on the host, when the tree was built there (from_lists): read without a sync.
+    host_parents: Optional[tuple[int, ...]] = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_lists(
@@ -389,14 +391,19 @@ class DraftTree:
             depths.append(depths[p] + 1)
         if draft_probs is not None and draft_probs.shape[0] != len(tokens):
             raise TreeError(f"a draft tree that is not a tree: draft_probs has shape {tuple(draft_probs.shape)}, tokens (1, {len(tokens)})")
+        # One upload (a copy to a GPU is a launch and a wait): tokens, parents, depths and the size.
+        n = len(tokens)
+        flat = torch.tensor([*tokens, *parents, *depths, n], dtype=torch.long).to(device)
+        rows = flat[: 3 * n].view(3, 1, n).unbind(0)
         return cls(
-            tokens=torch.tensor([list(tokens)], dtype=torch.long, device=device),
-            parents=torch.tensor([list(parents)], dtype=torch.long, device=device),
-            depths=torch.tensor([depths], dtype=torch.long, device=device),
-            num_nodes=torch.tensor([len(tokens)], dtype=torch.long, device=device),
+            tokens=rows[0],
+            parents=rows[1],
+            depths=rows[2],
+            num_nodes=flat[3 * n :],
             draft_probs=None if draft_probs is None else draft_probs.unsqueeze(0),
             deterministic=deterministic,
             known_max_depth=max(depths),
+            host_parents=tuple(parents),
         )
 
     @property

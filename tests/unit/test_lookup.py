@@ -115,6 +115,35 @@ def test_the_drafter_catches_up_with_decided_tokens_and_refuses_a_shorter_state(
         drafter.propose(DraftState(tokens=torch.tensor([[1, 2]])))
 
 
+def test_a_lookup_step_reads_only_the_new_tokens_and_the_verdict_once():
+    """Under SimulatedDevice a lookup step reads the decided tokens it has not read yet (not the
+    whole text again: a long prompt made every step read it all), and its acceptance bookkeeping
+    reads the verdict once, the tree's parents coming from the host it built them on; the output
+    is the target's greedy output."""
+    from draftsmith.runtime.generate import speculative_generate
+    from draftsmith.target import FrozenTarget
+    from draftsmith.testing import SimulatedDevice, tiny_causal_lm
+
+    device = torch.device("cpu")
+    with SimulatedDevice() as guard:
+        target = FrozenTarget(tiny_causal_lm("llama", seed=0).to(device))
+        ids = torch.tensor([[5, 9, 14, 20, 5, 9, 14, 20, 5, 9]]).to(device)
+        drafter, synced = LookupDrafter(SuffixMatcher()), []
+        sync = drafter.matcher.sync
+        drafter.matcher.sync = lambda tokens: synced.append((torch.is_tensor(tokens), len(tokens) - len(drafter.matcher.text))) or sync(tokens)
+        before = len(guard.reads)
+        out, stats = speculative_generate(target, drafter, ids, 20, cache="static")
+        want = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20, pad_token_id=0, eos_token_id=None)
+    assert out.tolist() == want.tolist()
+    steps, reads = len(stats.accept_lens), [r for r in guard.reads[before:] if "lookup.py" in r]
+    # reset read the prompt; then each step hands the matcher the decided tokens as they are (on
+    # the device), of which it reads what the step before emitted, no more.
+    assert all(tensor for tensor, _ in synced) and synced[0][1] == 0, synced
+    assert all(0 < n <= 1 + max(stats.accept_lens) for _, n in synced[1:]), synced
+    assert len(reads) == 1 + 2 * steps, reads  # the prompt, then its sync and its verdict once each a step
+    assert sum(stats.accept_lens) > 0
+
+
 # ---------------------------------------------------------------- the scored tree (OPT-Tree)
 
 
