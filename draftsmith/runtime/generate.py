@@ -352,9 +352,10 @@ def speculative_generate(
     if shares_cache:
         drafter.bind(session)
     drafter.reset(input_ids)
-    # A static session with graphs verifies greedily inside its tree forward's graph, a self-drafter's
-    # verify forward included (the default verification only: a caller's verify_fn runs as given).
-    in_graph = chosen is None and sampling.mode == "greedy" and getattr(session, "graphs", False)
+    # A static session with graphs verifies inside its tree forward's graph (the default verification
+    # only: a caller's verify_fn runs as given): greedy, a self-drafter's verify forward included,
+    # and lossless sampling, its uniforms drawn before the graph from the generator.
+    in_graph = chosen is None and getattr(session, "graphs", False) and (sampling.mode == "greedy" or (sampling.mode == "sample" and not shares_cache))
     tokens = input_ids
     # The last prompt token is the first root: it enters the cache with the first tree.
     hidden, layers = None, {}
@@ -374,8 +375,11 @@ def speculative_generate(
         if tree.batch_size != 1:
             raise DrafterError(f"{type(drafter).__name__} proposed {tree.batch_size} trees for one sequence")
         if in_graph:
-            # Greedy on graphs: the verification replays inside the tree forward's graph.
-            logits, tree_hidden, tree_layers, result = drafter.verify_forward(tree, verified=True) if shares_cache else session.forward_tree_verified(tree)
+            # On graphs: the verification replays inside the tree forward's graph.
+            if shares_cache:
+                logits, tree_hidden, tree_layers, result = drafter.verify_forward(tree, verified=True)
+            else:
+                logits, tree_hidden, tree_layers, result = session.forward_tree_verified(tree, sampling, generator)
         else:
             logits, tree_hidden, tree_layers = drafter.verify_forward(tree) if shares_cache else session.forward_tree(tree)
             result = verify_fn(tree, logits, sampling, generator=generator)

@@ -32,7 +32,7 @@ from draftsmith.graphs import CapturedForward, Graphs, can_capture, graph_pool
 from draftsmith.runtime.errors import DrafterError
 from draftsmith.runtime.tree import DraftTree, ancestor_mask
 from draftsmith.runtime.verdict import verdict_row
-from draftsmith.runtime.verify import VerifyResult, verify_greedy_on_device
+from draftsmith.runtime.verify import VerifyResult, logits_to_probs, verify_greedy_on_device, verify_sample_on_device
 from draftsmith.sampling import draws_inputs, draws_key, with_uniforms
 from draftsmith.target import TargetLoadError, decoder_stack
 
@@ -118,10 +118,37 @@ def greedy_in_graph(tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: 
     return verify_greedy_on_device(tokens, parents, depths, depth_bound, logits)
 
 
-def verified_in_graph(tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: Tensor, logits: Tensor, depth_bound: int) -> tuple[Tensor, ...]:
-    """``greedy_in_graph`` and the step's verdict row made beside it (the step's one read, inside
+def sampled_in_graph(
+    tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: Tensor, logits: Tensor, depth_bound: int, sampling, draft_probs: Optional[Tensor], uniforms: Tensor
+) -> VerifyResult:
+    """Lossless sampled verification with no value read to the host, from ``uniforms`` [1,N+1]
+    drawn before (as ``verify_sample`` would draw them): the fused kernel where it runs (CUDA with
+    triton; a float64 draft, which the kernel would carry in fp32, excepted),
+    ``verify_sample_on_device`` elsewhere. ``draft_probs`` None: fixed candidates. Both decide what
+    ``verify_sample`` decides from the same uniforms."""
+    fp64_draft = draft_probs is not None and draft_probs.dtype == torch.float64
+    if logits.is_cuda and not fp64_draft:
+        from draftsmith.runtime.kernels import _kernel_logits, _kernels, kernel_available
+
+        if kernel_available(logits.device):
+            x, temperature = _kernel_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            with torch.cuda.device(logits.device):  # triton launches on the current device
+                accept_len, best, bonus, path, accepted = _kernels().sample(tokens, parents, num_nodes, x, temperature, draft_probs, uniforms, depth_bound + 1, token_pad=-1)
+            return VerifyResult(accept_len=accept_len, best_node=best, path=path, accepted_tokens=accepted, bonus=bonus)
+    probs = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    return verify_sample_on_device(tokens, parents, depths, num_nodes, probs, draft_probs, uniforms, depth_bound)
+
+
+def verified_in_graph(
+    tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: Tensor, logits: Tensor, depth_bound: int, sampled: Optional[tuple] = None
+) -> tuple[Tensor, ...]:
+    """``greedy_in_graph`` (or, with ``sampled`` = (sampling, draft_probs or None, uniforms),
+    ``sampled_in_graph``) and the step's verdict row made beside it (the step's one read, inside
     the verify forward's graph): the VerifyResult's tensors, the verdict last."""
-    result = greedy_in_graph(tokens, parents, depths, num_nodes, logits, depth_bound)
+    if sampled is None:
+        result = greedy_in_graph(tokens, parents, depths, num_nodes, logits, depth_bound)
+    else:
+        result = sampled_in_graph(tokens, parents, depths, num_nodes, logits, depth_bound, *sampled)
     return result.accept_len, result.best_node, result.path, result.accepted_tokens, result.bonus, verdict_row(tokens, parents, depths, result)
 
 
@@ -237,31 +264,40 @@ class StaticSession:
         mask = self.additive_mask(tree_visibility(self.columns, parents[0], base))
         return self._eager(ids, depths + base, self.columns[:n] + base, mask)
 
-    def _tree_verified(self, ids: Tensor, depths: Tensor, parents: Tensor, base: Tensor, num_nodes: Tensor, depth_bound: int):
-        """``_tree_eager``, then the tree's greedy verification on its logits, in the same function
-        (one graph on CUDA: the fused kernel's launches replay with the forward). Returns the
-        forward's outputs and the VerifyResult's tensors, its verdict row last."""
+    def _tree_verified(self, ids: Tensor, depths: Tensor, parents: Tensor, base: Tensor, num_nodes: Tensor, depth_bound: int, sampled: Optional[tuple] = None):
+        """``_tree_eager``, then the tree's verification on its logits (greedy, or ``sampled`` as
+        ``verified_in_graph`` takes it), in the same function (one graph on CUDA: the fused
+        kernel's launches replay with the forward). Returns the forward's outputs and the
+        VerifyResult's tensors, its verdict row last."""
         out, final, wanted = self._tree_eager(ids, depths, parents, base)
-        return out, final, wanted, verified_in_graph(ids, parents, depths, num_nodes, out, depth_bound)
+        return out, final, wanted, verified_in_graph(ids, parents, depths, num_nodes, out, depth_bound, sampled)
 
-    def _tree_forward(self, ids: Tensor, depths: Tensor, parents: Tensor, verify: Optional[tuple[Tensor, int]] = None):
+    def _tree_forward(self, ids: Tensor, depths: Tensor, parents: Tensor, verify: Optional[tuple] = None):
         """N = ids.shape[1] tree nodes (depths and parents [1,N], parents topological, -1 for the
         root) appended at slots length.., each seeing the cache and its ancestors. Replays the
-        tree-size graph where the session has graphs. ``verify`` (num_nodes [1], depth bound):
-        verify greedily in the same graph and return the VerifyResult too."""
+        tree-size graph where the session has graphs. ``verify`` (num_nodes [1], depth bound, and
+        for sampling (sampling, draft_probs or None, uniforms), else None): verify in the same
+        graph and return the VerifyResult too."""
         n = ids.shape[1]
         self._room(n)
         inputs = (ids, depths, parents, self.columns[self.length : self.length + 1])
         if verify is None:
             fn, key, what = self._tree_eager, ("tree", n), "the target's tree forward"
         else:
-            num_nodes, bound = verify
+            num_nodes, bound, sampled = verify
             inputs += (num_nodes,)
-
-            def fn(ids, depths, parents, base, num_nodes):
-                return self._tree_verified(ids, depths, parents, base, num_nodes, bound)
-
             key, what = ("tree-verify", n), "the target's tree forward and verification"
+            if sampled is not None:
+                # The draws' uniforms (and the draft's distributions, but for fixed candidates) are
+                # inputs; the settings are baked into the graph, named by them.
+                sampling, draft, uniforms = sampled
+                inputs += (uniforms,) if draft is None else (uniforms, draft)
+                key += (sampling.temperature, sampling.top_k, sampling.top_p, draft is None)
+
+            def fn(ids, depths, parents, base, num_nodes, *drawn):
+                picked = None if sampled is None else (sampled[0], drawn[1] if len(drawn) > 1 else None, drawn[0])
+                return self._tree_verified(ids, depths, parents, base, num_nodes, bound, picked)
+
         (out, final, wanted, *checked), replayed = self.graphs.run(key, fn, inputs, what)
         if replayed:
             # The features a drafter may keep are copied (small); the logits and the verdict are
@@ -349,15 +385,25 @@ class StaticSession:
         return out
 
     @torch.no_grad()
-    def forward_tree_verified(self, tree: DraftTree) -> tuple[Tensor, Tensor, dict[int, Tensor], VerifyResult]:
-        """``forward_tree`` and greedy verification of the tree in one graph: (logits, final
-        hidden, layers, VerifyResult). The result equals ``verify_greedy``'s (the fused kernel's
-        on CUDA), its path and accepted tokens padded to N - 1 steps, and lives in the graph's
-        buffers until the next forward."""
+    def forward_tree_verified(self, tree: DraftTree, sampling=None, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor, dict[int, Tensor], VerifyResult]:
+        """``forward_tree`` and the tree's verification in one graph: (logits, final hidden,
+        layers, VerifyResult). Greedy (``sampling`` None or greedy), the result equals
+        ``verify_greedy``'s (the fused kernel's on CUDA); sampled (lossless), ``verify_sample``'s
+        from the uniforms it would draw from ``generator``, drawn here first. Its path and accepted
+        tokens are padded to N - 1 steps, and it lives in the graph's buffers until the next
+        forward."""
         base = self.length
+        sampled = None
+        if sampling is not None and sampling.sampled:
+            draft = None if tree.deterministic or tree.draft_probs is None else tree.draft_probs
+            # verify_sample's draw: the same shape, dtype and generator call.
+            dtype = torch.promote_types(self.dtype, torch.float32)
+            dtype = dtype if draft is None else torch.promote_types(dtype, draft.dtype)
+            uniforms = torch.rand(1, tree.size + 1, generator=generator, device=self.device, dtype=dtype)
+            sampled = (sampling, draft, uniforms)
         # Paths sized for the deepest tree of N nodes (N - 1), not this tree's bound: one graph per
         # tree size, whatever depth each step's tree reaches (a lookup's trees vary).
-        out = self._tree_forward(tree.tokens, tree.depths, tree.parents, verify=(tree.num_nodes, tree.size - 1))
+        out = self._tree_forward(tree.tokens, tree.depths, tree.parents, verify=(tree.num_nodes, tree.size - 1, sampled))
         self._tree_base = base
         return out
 

@@ -51,7 +51,9 @@ from torch import Tensor
 from draftsmith.runtime.tree import DraftTree, ancestor_mask
 from draftsmith.sampling import logits_to_probs
 
-__all__ = ["GREEDY", "SamplingParams", "VerifyResult", "logits_to_probs", "verify", "verify_greedy", "verify_sample", "verify_typical"]
+__all__ = [
+    "GREEDY", "SamplingParams", "VerifyResult", "logits_to_probs", "verify", "verify_greedy", "verify_sample", "verify_sample_on_device", "verify_typical",
+]  # fmt: skip
 
 MODES = ("greedy", "sample", "typical")
 # Medusa's typical acceptance defaults (its medusa_generate): the threshold epsilon and alpha = sqrt(epsilon).
@@ -346,6 +348,48 @@ def verify_sample(
         done |= ~moved
     bonus = _inverse_cdf(p, uniforms[:, N])
     return _result(tree, cur, bonus)
+
+
+def verify_sample_on_device(
+    tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: Tensor, probs: Tensor, draft_probs: Optional[Tensor], uniforms: Tensor, depth_bound: int
+) -> VerifyResult:
+    """``verify_sample`` on a tree's tensors with no value read to the host, so that a CUDA graph
+    can hold it (StaticSession verifies inside the graph of its tree forward; on CUDA the fused
+    kernel runs there instead). probs [B,N,V]: the target's processed distributions;
+    draft_probs [B,N,V], or None for fixed candidates (a ``deterministic`` tree); uniforms
+    [B,N+1] as ``verify_sample`` takes them. The same tests in the same order with the same rules:
+    each pass tests the next untried child of the current node (the lowest index above the last
+    one tried), so N passes are always enough. Equals ``verify_sample`` given the same uniforms."""
+    B, N = tokens.shape
+    device = tokens.device
+    index = torch.arange(N, device=device)
+    live = index.unsqueeze(0) < num_nodes.unsqueeze(1)
+    rows = torch.arange(B, device=device)
+    Q = torch.zeros_like(probs) if draft_probs is None else draft_probs
+    dtype = torch.promote_types(probs.dtype, Q.dtype)
+    P, Q, uniforms = probs.to(dtype), Q.to(dtype), uniforms.to(dtype)
+    cur = torch.zeros(B, dtype=torch.long, device=device)
+    last = torch.zeros(B, dtype=torch.long, device=device)  # children tried have index <= last
+    p, q = P[:, 0].clone(), Q[:, 0].clone()
+    for _ in range(N - 1):  # a pass tests one child (N - 1 of them at most) or finds none left
+        untried = live & (parents == cur.unsqueeze(1)) & (index.unsqueeze(0) > last.unsqueeze(1))
+        child = torch.where(untried, index.unsqueeze(0), N).amin(-1)
+        test = child < N
+        c = child.clamp(max=N - 1)
+        x = tokens[rows, c]
+        if draft_probs is None:  # a fixed candidate is a draw from the point mass at x
+            q = torch.zeros_like(p).scatter_(1, x.unsqueeze(1), 1.0)
+        p_x, q_x = p.gather(1, x.unsqueeze(1)).squeeze(1), q.gather(1, x.unsqueeze(1)).squeeze(1)
+        acc = test & _accepts(uniforms[rows, c], p_x, q_x)
+        rej = (test & ~acc).unsqueeze(1)
+        p = torch.where(rej, _residual(p, q), p)
+        q = torch.where(rej, _without(q, x), q)
+        last = torch.where(test, c, last)
+        cur = torch.where(acc, c, cur)
+        p = torch.where(acc.unsqueeze(1), P[rows, c], p)
+        q = torch.where(acc.unsqueeze(1), Q[rows, c], q)
+    bonus = _inverse_cdf(p, uniforms[:, N])
+    return result_on_device(tokens, parents, depths, depth_bound, cur, bonus)
 
 
 def typical_accepts(target_logits: Tensor, tokens: Tensor, temperature: float, posterior_threshold: float, posterior_alpha: float) -> Tensor:

@@ -270,6 +270,23 @@ def test_sampled_trees_drawn_on_the_device_follow_the_target(drafter_kind):
     assert drafter_kind != "static" or _past_the_support(trees) >= 500
 
 
+@pytest.mark.parametrize("drafter_kind", ["static", "clover"])
+def test_sampled_decoding_through_the_graphs_follows_the_target(drafter_kind):
+    """The same check through the graphs a GPU captures (draftsmith.testing.simulated_cuda_graphs):
+    the draws inside the drafter's graph and the sampled verification inside the target's
+    (``verify_sample_on_device`` here, the fused kernel on CUDA), children past the support and all."""
+    from draftsmith.testing import simulated_cuda_graphs
+
+    trees = []
+    with simulated_cuda_graphs() as graphs:
+        p_value = _speculative_joint_p_value(
+            500, seed=1, head=STATIC_HEADS.get(drafter_kind), cache="static", trees=trees, top_p=NARROW_TOP_P, prompt=NARROW_DRAFT
+        )  # fmt: skip
+    assert p_value > 1e-3
+    assert graphs.captured and all(graph.replays for graph in graphs.captured)
+    assert drafter_kind != "static" or _past_the_support(trees) >= 500
+
+
 def test_the_sampling_check_rejects_accepting_children_past_the_draft_support(monkeypatch):
     """Accepting a child of q(x) = 0 wherever p(x) > 0 (the rule before trees kept such children)
     over-produces whatever token the device put there: the check on the static cache sees it."""

@@ -1,6 +1,7 @@
 """Verification: greedy by hand, sampling by hand and in distribution (with broken rules that must fail)."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from scipy import stats
 
 from draftsmith.runtime import verify as verify_module
 from draftsmith.runtime.tree import DraftTree, TreeSpec
-from draftsmith.runtime.verify import SamplingParams, logits_to_probs, verify, verify_greedy, verify_sample, verify_typical
+from draftsmith.runtime.verify import SamplingParams, logits_to_probs, verify, verify_greedy, verify_sample, verify_sample_on_device, verify_typical
 
 LN2, LN4 = math.log(2.0), math.log(4.0)
 
@@ -367,6 +368,37 @@ def test_children_past_the_draft_support_change_nothing(broken, monkeypatch):
     assert observed[~live].sum() == 0
     p_value = float(stats.chisquare(observed[live].numpy(), (p[live] * n).numpy()).pvalue)
     assert (p_value < 1e-6) if broken else (p_value > 1e-3), p_value
+
+
+def _checked_against_the_walk_on_the_device(tree, target_logits, temperature, top_k, top_p, generator):
+    """verify_sample, after checking that verify_sample_on_device decides the same from the same
+    uniforms (half the rows cut to a smaller tree, padding after it)."""
+    B, N = tree.tokens.shape
+    if N > 4:
+        cut = torch.arange(B) % 2 == 1
+        index = torch.arange(N).unsqueeze(0)
+        parents = torch.where(cut.unsqueeze(1) & (index >= 4), -1, tree.parents)
+        depths = torch.where(cut.unsqueeze(1) & (index >= 4), 0, tree.depths)
+        tree = DraftTree(tree.tokens, parents, depths, torch.where(cut, 4, tree.num_nodes), tree.draft_probs, tree.deterministic)
+    uniforms = torch.rand(B, N + 1, generator=generator, dtype=torch.float64)
+    want = verify_module.verify_sample(tree, target_logits, temperature, top_k, top_p, uniforms=uniforms)
+    probs = logits_to_probs(target_logits, temperature, top_k, top_p)
+    draft = None if tree.deterministic else tree.draft_probs
+    got = verify_sample_on_device(tree.tokens, tree.parents, tree.depths, tree.num_nodes, probs, draft, uniforms, tree.depth_bound)
+    for name in ("accept_len", "best_node", "path", "accepted_tokens", "bonus"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    return want
+
+
+@pytest.mark.parametrize("step", ["drawn", "fixed"])
+@pytest.mark.parametrize("params", list(PARAMS), ids=list(PARAMS))
+def test_the_walk_on_the_device_decides_what_verify_sample_decides(params, step, monkeypatch):
+    """verify_sample_on_device (what a CUDA graph holds on the CPU) against verify_sample over the
+    chi-square test's trees: drawn children (with children past the draft's support at top-k 2)
+    and fixed candidates, chains and trees, full and padded; every decision the same."""
+    monkeypatch.setattr(sys.modules[__name__], "verify_sample", _checked_against_the_walk_on_the_device)
+    for spec in (CHAIN, TREE):
+        _first_two_tokens(spec, PARAMS[params], 2_000, seed=3, step=_markov_step if step == "drawn" else _topk_step)
 
 
 @pytest.mark.parametrize("params", list(PARAMS), ids=list(PARAMS))
