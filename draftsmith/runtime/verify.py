@@ -3,6 +3,8 @@ Medusa's typical acceptance (NOT lossless).
 
 Pure functions of tensors. The fused kernel (runtime/kernels) must match ``verify_greedy`` exactly
 and ``verify_sample`` given the same ``uniforms``; the decoding loop is lossless with either.
+``verify_greedy_on_device`` and ``verify_sample_on_device`` are the same decisions with no value
+read to the host, what a CUDA graph can hold where the kernel does not run (the CPU).
 Tree conventions (node 0 = root, topological order, padding) are in ``draftsmith.runtime.tree``.
 
 Shapes: B trees, N nodes per tree, V vocabulary, D = the deepest node's depth in the batch.

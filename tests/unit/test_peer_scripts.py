@@ -369,17 +369,17 @@ def test_bench_eager_ops_counts_what_cuda_would_launch_eagerly(tmp_path):
 
 def test_bench_eager_ops_counts_sampled_steps(tmp_path):
     """Sampled (--temperatures 1), a draft model's and a Medusa head's static trees are drawn on the
-    device: a step makes about one host read besides the draft model's path (drawing a node at a
-    time on the host made 9 to 14), and a few dozen eager operations (226 and 124 before; 34.0 and
-    56.1 at 40 new tokens, docs/bench/eager-ops.md), the torch reference verification counted
-    apart."""
+    device and verified inside the target's graph: a step makes about one host read besides the
+    draft model's path (drawing a node at a time on the host made 9 to 14), and a few dozen eager
+    operations (226 and 124 before, the verification apart; 32.0 and 55.0 at 40 new tokens,
+    docs/bench/eager-ops.md), none of them a verification's."""
     bench = load_script("scripts/bench_eager_ops.py")
     out = tmp_path / "ops.md"
     assert bench.main(["--drafters", "standalone", "medusa", "--new-tokens", "16", "--temperatures", "1", "--out", str(out)]) == 0
     rows = {r["drafter"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
     assert "| tiny | medusa | sampled, T=1 |" in out.read_text()
     for kind, r in rows.items():
-        assert r["temperature"] == 1.0 and r["steps"] > 0 and r["reference_verification_per_step"] > 0
+        assert r["temperature"] == 1.0 and r["steps"] > 0 and r["reference_verification_per_step"] == 0
         assert 0 < r["eager_ops_per_step"] < 80, (kind, r["top"])
         assert r["host_reads_per_step"] <= (2.3 if kind == "standalone" else 1.3), (kind, r["host_read_lines"])
 
