@@ -181,32 +181,40 @@ class EarlyExitDrafter:
         final = self.stack.norm(out)
         return self.target.lm_head(final), final
 
-    def _checked_static(self, tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: Tensor, done: Tensor, base: Tensor, bound: int):
-        """``_verified_static``, then the chain's greedy verification and the step's verdict row in
-        the same function (one graph on CUDA, the fused kernel's launches inside), as
+    def _checked_static(
+        self, tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: Tensor, done: Tensor, base: Tensor, bound: int, sampled: Optional[tuple] = None
+    ):
+        """``_verified_static``, then the chain's verification (greedy, or ``sampled`` as
+        ``runtime.static.verified_in_graph`` takes it) and the step's verdict row in the same
+        function (one graph on CUDA, the fused kernel's launches inside), as
         ``StaticSession._tree_verified``. Returns (logits, final hidden, the VerifyResult's tensors)."""
         from draftsmith.runtime.static import verified_in_graph
 
         logits, final = self._verified_static(tokens, done, base)
-        return logits, final, verified_in_graph(tokens, parents, depths, num_nodes, logits, bound)
+        return logits, final, verified_in_graph(tokens, parents, depths, num_nodes, logits, bound, sampled)
 
     @torch.no_grad()
-    def verify_forward(self, tree: DraftTree, verified: bool = False):
+    def verify_forward(self, tree: DraftTree, verified: bool = False, sampling=None, generator: Optional[torch.Generator] = None):
         """The target's forward over the proposed chain, reusing the draft's early layers.
-        Returns what TargetSession.forward_tree returns; with ``verified`` (greedy, on a static
-        session), what ``StaticSession.forward_tree_verified`` returns: the greedy verification
-        made in the same graph, its VerifyResult fourth."""
+        Returns what TargetSession.forward_tree returns; with ``verified`` (on a static session),
+        what ``StaticSession.forward_tree_verified`` returns: the verification (greedy, or as
+        ``sampling`` says from ``generator``'s uniforms) made in the same graph, its VerifyResult
+        fourth."""
         if self.static:
+            from draftsmith.runtime.static import sampled_inputs, verification_draws, with_sampled
+
             session, done = self.session, self._drafted_exits(tree.tokens.device)
             base = session.columns[session.length : session.length + 1]
             if verified:
                 bound = tree.size - 1  # paths sized for the deepest tree of N nodes, as forward_tree_verified
+                sampled = verification_draws(tree, sampling, generator, self.target.dtype)
+                named, drawn = sampled_inputs(sampled)
 
-                def checked(tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: Tensor, done: Tensor, base: Tensor):
-                    return self._checked_static(tokens, parents, depths, num_nodes, done, base, bound)
+                def checked(tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: Tensor, done: Tensor, base: Tensor, *drawn: Tensor):
+                    return self._checked_static(tokens, parents, depths, num_nodes, done, base, bound, with_sampled(sampled, drawn))
 
-                name, fn = ("early-exit verify", self.exit_layer, tree.size, done.shape[1], "verified"), checked
-                inputs = (tree.tokens, tree.parents, tree.depths, tree.num_nodes, done, base)
+                name, fn = ("early-exit verify", self.exit_layer, tree.size, done.shape[1], "verified", *named), checked
+                inputs = (tree.tokens, tree.parents, tree.depths, tree.num_nodes, done, base, *drawn)
             else:
                 name, fn, inputs = ("early-exit verify", self.exit_layer, tree.size, done.shape[1]), self._verified_static, (tree.tokens, done, base)
             (logits, final, *result), replayed = session.graphs.run(name, fn, inputs, "the early-exit verify forward")

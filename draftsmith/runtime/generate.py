@@ -352,10 +352,10 @@ def speculative_generate(
     if shares_cache:
         drafter.bind(session)
     drafter.reset(input_ids)
-    # A static session with graphs verifies inside its tree forward's graph (the default verification
-    # only: a caller's verify_fn runs as given): greedy, a self-drafter's verify forward included,
+    # A static session with graphs verifies inside its tree forward's graph, a self-drafter's verify
+    # forward included (the default verification only: a caller's verify_fn runs as given): greedy,
     # and lossless sampling, its uniforms drawn before the graph from the generator.
-    in_graph = chosen is None and getattr(session, "graphs", False) and (sampling.mode == "greedy" or (sampling.mode == "sample" and not shares_cache))
+    in_graph = chosen is None and getattr(session, "graphs", False) and sampling.mode in ("greedy", "sample")
     tokens = input_ids
     # The last prompt token is the first root: it enters the cache with the first tree.
     hidden, layers = None, {}
@@ -377,7 +377,7 @@ def speculative_generate(
         if in_graph:
             # On graphs: the verification replays inside the tree forward's graph.
             if shares_cache:
-                logits, tree_hidden, tree_layers, result = drafter.verify_forward(tree, verified=True)
+                logits, tree_hidden, tree_layers, result = drafter.verify_forward(tree, verified=True, sampling=sampling, generator=generator)
             else:
                 logits, tree_hidden, tree_layers, result = session.forward_tree_verified(tree, sampling, generator)
         else:

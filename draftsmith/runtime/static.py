@@ -139,6 +139,33 @@ def sampled_in_graph(
     return verify_sample_on_device(tokens, parents, depths, num_nodes, probs, draft_probs, uniforms, depth_bound)
 
 
+def verification_draws(tree: DraftTree, sampling, generator: Optional[torch.Generator], dtype: torch.dtype) -> Optional[tuple]:
+    """What a sampled verification inside a graph takes besides the tree (``verified_in_graph``'s
+    ``sampled``): (sampling, the draft's distributions or None for fixed candidates, the uniforms
+    [1,N+1] ``verify_sample`` would draw: the same shape, dtype and generator call, for logits of
+    ``dtype``). None unless ``sampling`` samples."""
+    if sampling is None or not sampling.sampled:
+        return None
+    draft = None if tree.deterministic or tree.draft_probs is None else tree.draft_probs
+    drawn = torch.promote_types(dtype, torch.float32)
+    drawn = drawn if draft is None else torch.promote_types(drawn, draft.dtype)
+    return sampling, draft, torch.rand(1, tree.size + 1, generator=generator, device=tree.tokens.device, dtype=drawn)
+
+
+def sampled_inputs(sampled: Optional[tuple]) -> tuple[tuple, tuple[Tensor, ...]]:
+    """(what a graph's name adds, the graph inputs it adds) for ``verification_draws``' result;
+    ``with_sampled`` takes the inputs back inside the graph function."""
+    if sampled is None:
+        return (), ()
+    sampling, draft, uniforms = sampled
+    return (sampling.temperature, sampling.top_k, sampling.top_p, draft is None), (uniforms,) if draft is None else (uniforms, draft)
+
+
+def with_sampled(sampled: Optional[tuple], drawn: Sequence[Tensor]) -> Optional[tuple]:
+    """``sampled`` on the inputs a graph function received (``sampled_inputs``' order)."""
+    return None if sampled is None else (sampled[0], drawn[1] if len(drawn) > 1 else None, drawn[0])
+
+
 def verified_in_graph(
     tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: Tensor, logits: Tensor, depth_bound: int, sampled: Optional[tuple] = None
 ) -> tuple[Tensor, ...]:
@@ -285,18 +312,14 @@ class StaticSession:
             fn, key, what = self._tree_eager, ("tree", n), "the target's tree forward"
         else:
             num_nodes, bound, sampled = verify
-            inputs += (num_nodes,)
-            key, what = ("tree-verify", n), "the target's tree forward and verification"
-            if sampled is not None:
-                # The draws' uniforms (and the draft's distributions, but for fixed candidates) are
-                # inputs; the settings are baked into the graph, named by them.
-                sampling, draft, uniforms = sampled
-                inputs += (uniforms,) if draft is None else (uniforms, draft)
-                key += (sampling.temperature, sampling.top_k, sampling.top_p, draft is None)
+            # Sampled, the uniforms (and the draft's distributions, but for fixed candidates) are
+            # inputs; the settings are baked into the graph, named by them.
+            named, drawn = sampled_inputs(sampled)
+            inputs += (num_nodes, *drawn)
+            key, what = ("tree-verify", n, *named), "the target's tree forward and verification"
 
             def fn(ids, depths, parents, base, num_nodes, *drawn):
-                picked = None if sampled is None else (sampled[0], drawn[1] if len(drawn) > 1 else None, drawn[0])
-                return self._tree_verified(ids, depths, parents, base, num_nodes, bound, picked)
+                return self._tree_verified(ids, depths, parents, base, num_nodes, bound, with_sampled(sampled, drawn))
 
         (out, final, wanted, *checked), replayed = self.graphs.run(key, fn, inputs, what)
         if replayed:
@@ -393,14 +416,7 @@ class StaticSession:
         tokens are padded to N - 1 steps, and it lives in the graph's buffers until the next
         forward."""
         base = self.length
-        sampled = None
-        if sampling is not None and sampling.sampled:
-            draft = None if tree.deterministic or tree.draft_probs is None else tree.draft_probs
-            # verify_sample's draw: the same shape, dtype and generator call.
-            dtype = torch.promote_types(self.dtype, torch.float32)
-            dtype = dtype if draft is None else torch.promote_types(dtype, draft.dtype)
-            uniforms = torch.rand(1, tree.size + 1, generator=generator, device=self.device, dtype=dtype)
-            sampled = (sampling, draft, uniforms)
+        sampled = verification_draws(tree, sampling, generator, self.dtype)
         # Paths sized for the deepest tree of N nodes (N - 1), not this tree's bound: one graph per
         # tree size, whatever depth each step's tree reaches (a lookup's trees vary).
         out = self._tree_forward(tree.tokens, tree.depths, tree.parents, verify=(tree.num_nodes, tree.size - 1, sampled))

@@ -159,12 +159,11 @@ def test_graphed_sampled_drafting_at_top_k_1_equals_hf_greedy(target, kind):
         want = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24, pad_token_id=0, eos_token_id=None)
         got, _ = speculative_generate(target, drafter, ids, 24, sampling=sampling, generator=torch.Generator(device=CUDA).manual_seed(0))
         assert got.tolist() == want.tolist(), kind
-    # The sampled verification ran in the target's graph (the fused kernel inside it), but an early
-    # exit's, which verifies after its own verify forward.
-    if kind != "early-exit":
-        session = target._static_sessions[(tuple(drafter.required_layers()), target.device, target.dtype)]
-        verified = [name for name, g in session.graphs.captured.items() if name[0] == "tree-verify" and name[2:5] == (1.0, 1, 1.0)]
-        assert verified and all(session.graphs.captured[name] is not None for name in verified), list(session.graphs.captured)
+    # The sampled verification ran in the target's graph (the fused kernel inside it; an early
+    # exit's inside its verify forward's).
+    session = target._static_sessions[(tuple(drafter.required_layers()), target.device, target.dtype)]
+    verified = [name for name in session.graphs.captured if name[0] in ("tree-verify", "early-exit verify") and name[-4:-1] == (1.0, 1, 1.0)]
+    assert verified and all(session.graphs.captured[name] is not None for name in verified), list(session.graphs.captured)
     # The sampled drafting was captured (its graph named by the sampling settings), not run eagerly.
     graphs = {"noisy-tree": lambda: drafter.static.graphs, "clover-tree": lambda: drafter.session.graphs}.get(kind)
     if kind == "early-exit":
