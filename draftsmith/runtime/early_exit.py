@@ -207,7 +207,7 @@ class EarlyExitDrafter:
             base = session.columns[session.length : session.length + 1]
             if verified:
                 bound = tree.size - 1  # paths sized for the deepest tree of N nodes, as forward_tree_verified
-                sampled = verification_draws(tree, sampling, generator, self.target.dtype)
+                sampled = verification_draws(tree, sampling, generator, (self.target.dims.vocab_size, self.target.dtype, tree.tokens.device))
                 named, drawn = sampled_inputs(sampled)
 
                 def checked(tokens: Tensor, parents: Tensor, depths: Tensor, num_nodes: Tensor, done: Tensor, base: Tensor, *drawn: Tensor):

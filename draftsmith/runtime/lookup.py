@@ -88,8 +88,9 @@ class _Matcher:
         [T] on any device, of which only the tokens not read yet are read."""
         if len(tokens) < len(self.text):
             raise DrafterError(f"the lookup drafter has read {len(self.text)} tokens but the state holds {len(tokens)}; call reset(prompt) first")
-        new = tokens[len(self.text) :]
-        self.extend(new.tolist() if isinstance(new, Tensor) else new)
+        if len(tokens) > len(self.text):  # nothing new: no read (on a GPU, a sync for nothing)
+            new = tokens[len(self.text) :]
+            self.extend(new.tolist() if isinstance(new, Tensor) else new)
 
     def candidates(self, depth: int, budget: int, reliability: float) -> Candidates:
         raise NotImplementedError

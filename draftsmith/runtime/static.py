@@ -139,26 +139,35 @@ def sampled_in_graph(
     return verify_sample_on_device(tokens, parents, depths, num_nodes, probs, draft_probs, uniforms, depth_bound)
 
 
-def verification_draws(tree: DraftTree, sampling, generator: Optional[torch.Generator], dtype: torch.dtype) -> Optional[tuple]:
+def verification_draws(tree: DraftTree, sampling, generator: Optional[torch.Generator], logits_like: tuple[int, torch.dtype, torch.device]) -> Optional[tuple]:
     """What a sampled verification inside a graph takes besides the tree (``verified_in_graph``'s
     ``sampled``): (sampling, the draft's distributions or None for fixed candidates, the uniforms
     [1,N+1] ``verify_sample`` would draw: the same shape, dtype and generator call, for logits of
-    ``dtype``). None unless ``sampling`` samples."""
+    ``logits_like`` = (vocabulary, dtype, device)). None unless ``sampling`` samples. The tree is
+    checked as ``verify_sample`` checks it, with what the host knows (no read): a capture would
+    fail on a wrong shape, and a drawn tree without its distributions is a drafter's bug."""
     if sampling is None or not sampling.sampled:
         return None
-    draft = None if tree.deterministic or tree.draft_probs is None else tree.draft_probs
+    vocab, dtype, device = logits_like
+    draft = None if tree.deterministic else tree.draft_probs
+    if draft is None and not tree.deterministic and tree.size > 1:
+        raise ValueError("sampled verification needs tree.draft_probs (the drafter's processed distributions)")
+    if draft is not None and tuple(draft.shape) != (1, tree.size, vocab):
+        raise ValueError(f"draft_probs has shape {tuple(draft.shape)}, target probs {(1, tree.size, vocab)}")
     drawn = torch.promote_types(dtype, torch.float32)
     drawn = drawn if draft is None else torch.promote_types(drawn, draft.dtype)
-    return sampling, draft, torch.rand(1, tree.size + 1, generator=generator, device=tree.tokens.device, dtype=drawn)
+    return sampling, draft, torch.rand(1, tree.size + 1, generator=generator, device=device, dtype=drawn)
 
 
 def sampled_inputs(sampled: Optional[tuple]) -> tuple[tuple, tuple[Tensor, ...]]:
     """(what a graph's name adds, the graph inputs it adds) for ``verification_draws``' result;
-    ``with_sampled`` takes the inputs back inside the graph function."""
+    ``with_sampled`` takes the inputs back inside the graph function. The name holds the settings
+    and the draft's dtype (None: fixed candidates), which decide what the capture runs."""
     if sampled is None:
         return (), ()
     sampling, draft, uniforms = sampled
-    return (sampling.temperature, sampling.top_k, sampling.top_p, draft is None), (uniforms,) if draft is None else (uniforms, draft)
+    named = (sampling.temperature, sampling.top_k, sampling.top_p, None if draft is None else draft.dtype)
+    return named, (uniforms,) if draft is None else (uniforms, draft)
 
 
 def with_sampled(sampled: Optional[tuple], drawn: Sequence[Tensor]) -> Optional[tuple]:
@@ -416,7 +425,7 @@ class StaticSession:
         tokens are padded to N - 1 steps, and it lives in the graph's buffers until the next
         forward."""
         base = self.length
-        sampled = verification_draws(tree, sampling, generator, self.dtype)
+        sampled = verification_draws(tree, sampling, generator, (self.target.dims.vocab_size, self.dtype, self.device))
         # Paths sized for the deepest tree of N nodes (N - 1), not this tree's bound: one graph per
         # tree size, whatever depth each step's tree reaches (a lookup's trees vary).
         out = self._tree_forward(tree.tokens, tree.depths, tree.parents, verify=(tree.num_nodes, tree.size - 1, sampled))

@@ -140,7 +140,8 @@ def test_a_lookup_step_reads_only_the_new_tokens_and_the_verdict_once():
     # the device), of which it reads what the step before emitted, no more.
     assert all(tensor for tensor, _ in synced) and synced[0][1] == 0, synced
     assert all(0 < n <= 1 + max(stats.accept_lens) for _, n in synced[1:]), synced
-    assert len(reads) == 1 + 2 * steps, reads  # the prompt, then its sync and its verdict once each a step
+    # The prompt, then a step's sync (none on the first: nothing new) and its verdict, once each.
+    assert len(reads) == 2 * steps, reads
     assert sum(stats.accept_lens) > 0
 
 

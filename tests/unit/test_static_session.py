@@ -524,3 +524,27 @@ def test_tree_visibility_is_the_prefix_and_the_ancestors_and_holds_no_host_value
         got_eager = tree_visibility(columns, torch.tensor(parents), torch.tensor([base]))
         got_replayed = traced(columns, torch.tensor(parents), torch.tensor([base]))
         assert torch.equal(got_eager, expected(parents, base)) and torch.equal(got_replayed, got_eager)
+
+
+def test_a_sampled_verification_in_the_graph_checks_the_tree_as_the_reference_does():
+    """Inside the target's graph the sampled verification has no reference to raise for it: a drawn
+    tree without its draft distributions, or with distributions of the wrong vocabulary, gets the
+    reference's error before any capture (where a wrong shape would switch the session's graphs
+    off for good), and the session keeps its graphs."""
+    from draftsmith.runtime.verify import SamplingParams
+    from draftsmith.testing import simulated_cuda_graphs
+
+    sampling = SamplingParams(mode="sample", temperature=1.0)
+    with simulated_cuda_graphs(), torch.no_grad():
+        target = FrozenTarget(tiny_causal_lm("llama", seed=0))
+        session = StaticSession.for_target(target, capacity=32)
+        session.prefill(torch.tensor([[5, 9, 14]]))
+        V = target.dims.vocab_size
+        for draft_probs, words in ((None, "needs tree.draft_probs"), (torch.full((3, V + 1), 1.0 / (V + 1)), "draft_probs has shape")):
+            tree = DraftTree.from_lists([7, 8, 9], [-1, 0, 0], draft_probs=draft_probs)
+            with pytest.raises(ValueError, match=words):
+                session.forward_tree_verified(tree, sampling, torch.Generator().manual_seed(0))
+        assert session.graphs and not session.graphs.captured
+        tree = DraftTree.from_lists([7, 8, 9], [-1, 0, 0], draft_probs=torch.full((3, V), 1.0 / V))
+        session.forward_tree_verified(tree, sampling, torch.Generator().manual_seed(0))
+        assert session.graphs and [key[:2] for key in session.graphs.captured] == [("tree-verify", 3)]
