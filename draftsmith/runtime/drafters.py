@@ -300,12 +300,12 @@ def _sampled_shape(spec: TreeSpec, device) -> tuple[Tensor, Tensor, Tensor, Tens
     among their siblings [N-1]; the most siblings), made once per spec and device."""
     key = (spec, device, "sampled")
     if key not in _STATIC_SHAPES:
-        long = dict(dtype=torch.long, device=device)
-        drafting = [n for n in range(spec.num_nodes) if spec.children(n)]
-        orders = [spec.children(spec.parents[n]).index(n) for n in range(1, spec.num_nodes)]
+        # The levels' plan, joined: level by level, their children are nodes 1..N-1 in spec order.
+        levels = _levels(spec, device)
         _STATIC_SHAPES[key] = (
-            torch.tensor(drafting, **long), torch.tensor([spec.depths[n] for n in drafting], **long),
-            torch.tensor([drafting.index(spec.parents[n]) for n in range(1, spec.num_nodes)], **long), torch.tensor(orders, **long), max(orders) + 1,
+            torch.cat([level.nodes for level in levels]), torch.cat([torch.full_like(level.nodes, d) for d, level in enumerate(levels)]),
+            torch.cat([level.draw_rows[level.rows] for level in levels]), torch.cat([level.orders for level in levels]),
+            max(level.most for level in levels),
         )  # fmt: skip
     return _STATIC_SHAPES[key]
 
