@@ -9,7 +9,8 @@ graph is one launch, every other operation a launch and a pass through Python. T
 any machine: the drafters of scripts/bench_gpu.py (EAGLE-3 with its EAGLE-2 tree, DFlash, Medusa,
 Hydra++, Clover-2,
 the one-layer draft model drafting a chain of 4, the target drafting a chain of 4 from its first
-quarter of layers: early exit) at a shape on the static cache, one generation
+quarter of layers: early exit; and suffix lookup merged with the EAGLE-3 head: hybrid) at a shape
+on the static cache, one generation
 each after a warm-up one, every aten operation dispatched (a TorchDispatchMode; views count too:
 they cost Python, not a kernel). Beside it, the host reads a step makes (a GPU's host syncs:
 ``.tolist()``, ``int()`` of a device tensor...), counted by ``draftsmith.testing.SimulatedDevice``
@@ -47,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-KINDS = ("eagle3", "dflash", "medusa", "hydra", "clover", "standalone", "early-exit")
+KINDS = ("eagle3", "dflash", "medusa", "hydra", "clover", "standalone", "early-exit", "hybrid")
 
 
 def graphed_callables():
@@ -141,6 +142,10 @@ def build_drafter(kind: str, target):
         from draftsmith.runtime.tree import TreeSpec
 
         return EarlyExitDrafter(target, exit_layer=max(1, target.dims.num_layers // 4), tree=TreeSpec.chain(4))
+    if kind == "hybrid":
+        from draftsmith.runtime.lookup import HybridDrafter, SuffixMatcher
+
+        return HybridDrafter(build_head_drafter("eagle3", target, cache="static"), SuffixMatcher())
     return build_draft_model_drafter(target, cache="static") if kind == "standalone" else build_head_drafter(kind, target, cache="static")
 
 

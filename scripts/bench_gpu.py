@@ -146,6 +146,7 @@ def bench_shape(shape: str, device: torch.device, args, saved=lambda rows: None)
     from draftsmith.runtime.drafters import HeadDrafter, StandaloneDrafter
     from draftsmith.runtime.early_exit import EarlyExitDrafter
     from draftsmith.runtime.generate import autoregressive_generate, speculative_generate, verification_kernel
+    from draftsmith.runtime.lookup import HybridDrafter, SuffixMatcher
     from draftsmith.runtime.tree import TreeSpec
     from draftsmith.runtime.verify import SamplingParams
 
@@ -215,6 +216,8 @@ def bench_shape(shape: str, device: torch.device, args, saved=lambda rows: None)
         drafters[f"early exit at layer {exit_layer} (chain of 4)"] = EarlyExitDrafter(target, exit_layer, TreeSpec.chain(4))
         drafters["target drafting for itself (chain of 4)"] = StandaloneDrafter(target.model, TreeSpec.chain(4))
         drafters.update((kind, build_head_drafter(kind, target)) for kind in LATER)
+        # Suffix lookup merged with the EAGLE-3 head under one budget (the tree merged on the device).
+        drafters["eagle3 + suffix lookup (hybrid)"] = HybridDrafter(drafters["eagle3"], SuffixMatcher())
         for name, built in drafters.items():
             for cache in args.caches:
                 # A draft model and an EAGLE head keep caches of their own: the target's kind in each row.
@@ -222,11 +225,15 @@ def bench_shape(shape: str, device: torch.device, args, saved=lambda rows: None)
                     drafter = StandaloneDrafter(built.model, built.tree, cache=cache)
                 elif isinstance(built, EarlyExitDrafter):  # drafts on the target's own session: its cache is the row's
                     drafter = built
+                elif isinstance(built, HybridDrafter):
+                    drafter = HybridDrafter(HeadDrafter(built.head.head, target, built.head.tree, cache=cache), SuffixMatcher())
                 else:
                     drafter = HeadDrafter(built.head, target, built.tree, cache=cache)
                 # Untrained heads and draft models accept as good as nothing; an early exit from the
-                # target's own layers may accept some (its row's tokens / step says how much).
-                accepted = "everything accepted" if "itself" in name else "its own acceptance" if name.startswith("early exit") else "nothing accepted"
+                # target's own layers, or lookup in the target's own (repetitive) output, may accept
+                # some (its row's tokens / step says how much).
+                own = name.startswith("early exit") or isinstance(built, HybridDrafter)
+                accepted = "everything accepted" if "itself" in name else "its own acceptance" if own else "nothing accepted"
                 record(f"{name}, {accepted}, {CACHE_NAMES[cache]}", *time_generation(speculative(drafter, cache), prompts, device), cache=cache)
                 rows[-1]["cost_over_plain"] = round(rows[-1]["ms_per_step"] / plain, 3)
                 if name in MEASURED_TAU:

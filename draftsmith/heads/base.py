@@ -253,13 +253,16 @@ class HeadSession:
         return False
 
     def dynamic_tree(
-        self, spec: Any, root: int, logp: Callable[[Tensor], Tensor], key: Any, deterministic: bool, build: Callable[..., Any]
+        self, spec: Any, root: int, logp: Callable[[Tensor], Tensor], key: Any, deterministic: bool, build: Callable[..., Any],
+        extra: tuple[Tensor, ...] = (),
     ) -> Optional[tuple[Tensor, ...]]:
         """The whole EAGLE-2 tree of a step grown by the session itself (EAGLE, EAGLE-3: one CUDA
-        graph a step on CUDA): ``build`` (``runtime.tree.build_dynamic_tree_on_device``) over the
-        session's levels ranked by ``logp``, ``key`` naming what ``logp`` depends on. Returns the
-        tree's (tokens, parents, depths, num_nodes); None (the default) where the session does not:
-        the caller grows it level by level through ``expand_level``."""
+        graph a step on CUDA): ``build`` (``runtime.tree.build_dynamic_tree_on_device``, or
+        ``build_scored_tree_on_device`` for a hybrid) over the session's levels ranked by ``logp``,
+        ``key`` naming what ``logp`` and ``build`` depend on, ``extra`` more device inputs ``build``
+        takes after its own. Returns the tree's (tokens, parents, depths, num_nodes), then what
+        ``build`` returns after the tree and its ids; None (the default) where the session does
+        not: the caller grows it level by level through ``expand_level``."""
         return None
 
     def static_tree(self, spec: Any, root: int, build: Callable[..., Any], draws: Any = None) -> Optional[tuple[Tensor, ...]]:
@@ -403,13 +406,14 @@ class LevelSession(HeadSession):
         return logits
 
     def dynamic_tree(
-        self, spec: Any, root: int, logp: Callable[[Tensor], Tensor], key: Any, deterministic: bool, build: Callable[..., Any]
+        self, spec: Any, root: int, logp: Callable[[Tensor], Tensor], key: Any, deterministic: bool, build: Callable[..., Any],
+        extra: tuple[Tensor, ...] = (),
     ) -> Optional[tuple[Tensor, ...]]:
-        def grow(root_token: Tensor, device) -> tuple[Tensor, ...]:
-            tree, _ = build(lambda f: logp(self.expand_level(f)), root_token, spec.depth, spec.topk, spec.budget, device, deterministic)
-            return tree.tokens, tree.parents, tree.depths, tree.num_nodes
+        def grow(root_token: Tensor, device, *extra: Tensor) -> tuple[Tensor, ...]:
+            tree, _, *more = build(lambda f: logp(self.expand_level(f)), root_token, spec.depth, spec.topk, spec.budget, device, deterministic, *extra)
+            return (tree.tokens, tree.parents, tree.depths, tree.num_nodes, *more)
 
-        return self._whole_tree(("dynamic", spec.depth, spec.topk, spec.budget, key), root, grow, "EAGLE-2 tree")
+        return self._whole_tree(("dynamic", spec.depth, spec.topk, spec.budget, key), root, grow, "EAGLE-2 tree", extra)
 
     def static_tree(self, spec: Any, root: int, build: Callable[..., Any], draws: Any = None) -> Optional[tuple[Tensor, ...]]:
         if draws is None and max(spec.ranks) >= self.head.dims.vocab_size:

@@ -386,23 +386,26 @@ class EagleSession(BufferedSession):
         return (frontier.nodes, out[0], seen), self.head.logits(out[0], self.lm_head)
 
     def dynamic_tree(
-        self, spec: Any, root: int, logp: Callable[[Tensor], Tensor], key: Any, deterministic: bool, build: Callable[..., Any]
+        self, spec: Any, root: int, logp: Callable[[Tensor], Tensor], key: Any, deterministic: bool, build: Callable[..., Any],
+        extra: tuple[Tensor, ...] = (),
     ) -> Optional[tuple[Tensor, ...]]:
         """An EAGLE-2 tree (``build``: ``runtime.tree.build_dynamic_tree_on_device``, over
         ``expand_level``'s levels ranked by ``logp`` of the logits) as one function of device
         tensors whose shapes never depend on the step: the decided length and the root token are
-        tensors. On CUDA it is captured once per (spec, ``key``: what ``logp`` depends on) as one
-        CUDA graph, every level's forward, top-k and the tree's assembly in a single launch;
-        elsewhere, or where capture fails, it runs eagerly. Returns the tree's (tokens, parents,
-        depths, num_nodes): the tree grown level by level (tests/unit/test_static_session.py)."""
+        tensors. On CUDA it is captured once per (spec, ``key``: what ``logp`` and ``build``
+        depend on) as one CUDA graph, every level's forward, top-k and the tree's assembly in a
+        single launch; elsewhere, or where capture fails, it runs eagerly. ``extra``: more inputs
+        ``build`` takes after its own (a hybrid's lookup seeds). Returns the tree's (tokens, parents,
+        depths, num_nodes), then what ``build`` returns after the tree and its ids: the tree grown
+        level by level (tests/unit/test_static_session.py)."""
 
-        def grow(expand: Callable[[Any], Tensor], root_token: Tensor, device) -> tuple[Tensor, ...]:
-            tree, _ = build(expand, root_token, spec.depth, spec.topk, spec.budget, device, deterministic)
-            return tree.tokens, tree.parents, tree.depths, tree.num_nodes
+        def grow(expand: Callable[[Any], Tensor], root_token: Tensor, device, *extra: Tensor) -> tuple[Tensor, ...]:
+            tree, _, *more = build(expand, root_token, spec.depth, spec.topk, spec.budget, device, deterministic, *extra)
+            return (tree.tokens, tree.parents, tree.depths, tree.num_nodes, *more)
 
         # The levels' forwards write topk entries each after the decided ones.
         name = ("dynamic", spec.depth, spec.topk, spec.budget, key)
-        return self._whole_tree(name, (spec.depth - 1) * spec.topk, spec.depth - 1, root, logp, grow, "EAGLE-2 tree")
+        return self._whole_tree(name, (spec.depth - 1) * spec.topk, spec.depth - 1, root, logp, grow, "EAGLE-2 tree", extra)
 
     def static_tree(self, spec: Any, root: int, build: Callable[..., Any], draws: Any = None) -> Optional[tuple[Tensor, ...]]:
         """A static tree (``build``: ``runtime.drafters.grow_static_tree_on_device``), greedy or

@@ -24,20 +24,40 @@ mass, which is lossless (runtime/verify.py).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+import functools
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from draftsmith.runtime.drafters import DrafterError, DraftState, HeadDrafter, _root_only
-from draftsmith.runtime.tree import AdaptiveTreeSpec, Candidates, DraftTree, DynamicTreeSpec, TreeSpec, build_scored_tree, tree_shape
-from draftsmith.runtime.verify import VerifyResult, logits_to_probs
+from draftsmith.runtime.tree import (
+    MAX_TREE_DEPTH,
+    AdaptiveTreeSpec,
+    Candidates,
+    DraftTree,
+    DynamicTreeSpec,
+    TreeSpec,
+    build_scored_tree,
+    build_scored_tree_on_device,
+    seed_rows,
+    tree_shape,
+)
+from draftsmith.runtime.verify import SamplingParams, VerifyResult, logits_to_probs
 
 __all__ = ["LOOKUP_KINDS", "HybridDrafter", "LookupDrafter", "PromptLookup", "SuffixMatcher", "Reliability", "lookup_hits", "make_matcher"]
 
 LOOKUP_KINDS = ("lookup", "suffix")
 # Earlier occurrences read per match: the most recent ones, enough for the counts to mean something.
 MAX_OCCURRENCES = 64
+
+
+def _probabilities(sampling: SamplingParams, logits: Tensor) -> Tensor:
+    """What a scored tree ranks a head's candidates by: its probabilities, or when sampling its
+    processed distribution (tokens the settings filter out are never proposed, as in grow_tree)."""
+    if sampling.sampled:
+        return logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
 
 class Reliability:
@@ -53,12 +73,23 @@ class Reliability:
     def value(self) -> float:
         return (self.accepted + self.prior * self.weight) / (self.tested + self.weight)
 
-    def record(self, tree: DraftTree, seeded: Sequence[bool], result: VerifyResult) -> None:
+    def record(self, tree: DraftTree, seeded: Union[Sequence[bool], Tensor], result: VerifyResult) -> None:
         """Count the seeded nodes of ``tree`` whose parent lies on the accepted path (tested) and
-        those on the path (accepted)."""
-        a, *path = torch.cat([result.accept_len[:1], result.path[0]]).tolist()  # one read
-        path = set(path[: a + 1])
-        parents = tree.host_parents if tree.host_parents is not None else tree.parents[0].tolist()
+        those on the path (accepted). ``seeded``: a flag per node, a list or a device tensor (a
+        tree drafted on the device, read with the verdict)."""
+        read = [result.accept_len[:1], result.path[0]]
+        parents = tree.host_parents
+        if parents is None:
+            read.append(tree.parents[0])
+        if isinstance(seeded, Tensor):
+            read.append(seeded.long())
+        a, *rest = torch.cat([x.to(result.path.dtype) for x in read]).tolist()  # one read
+        path, rest = set(rest[: a + 1]), rest[result.path.shape[1] :]
+        n = tree.tokens.shape[1]
+        if parents is None:
+            parents, rest = rest[:n], rest[n:]
+        if isinstance(seeded, Tensor):
+            seeded = rest[:n]
         for node in range(1, len(parents)):
             if seeded[node] and parents[node] in path:
                 self.tested += 1
@@ -308,9 +339,22 @@ class HybridDrafter:
         if self.shape.depth > head.head.depth:
             raise DrafterError(f"the tree is {self.shape.depth} deep but the {head.head.cfg.kind} head drafts {head.head.depth} tokens")
         self.lookup_depth = max(lookup_depth, self.shape.depth)
+        # The lookup's candidates a step (``candidates``' budget), and how deep a tree can reach.
+        self.seed_capacity = self.shape.budget * 4
+        self.depth_bound = min(max(self.lookup_depth, self.shape.depth), MAX_TREE_DEPTH)
         self.reliability = Reliability()
-        self.expected: list[float] = []
-        self._last: Optional[tuple[DraftTree, list[bool]]] = None
+        self._expected: list[Union[float, Tensor]] = []
+        self._last: Optional[tuple[DraftTree, Union[list[bool], Tensor]]] = None
+
+    @property
+    def expected(self) -> list[float]:
+        """The expected accepted length of each tree proposed (trees drafted on the device keep it
+        there until asked: read here, all at once)."""
+        on_device = [x for x in self._expected if isinstance(x, Tensor)]
+        if on_device:
+            values = iter(torch.stack(on_device).tolist())
+            self._expected = [next(values) if isinstance(x, Tensor) else x for x in self._expected]
+        return list(self._expected)
 
     def required_layers(self) -> Sequence[int]:
         return self.head.required_layers()
@@ -330,20 +374,39 @@ class HybridDrafter:
         self.matcher.sync(state.tokens[0])
         if not self.head.read(state):
             return _root_only(state.root, device)
-        sampling = state.sampling
-
-        def expand(frontier) -> Tensor:
-            logits = self.head.session.expand(frontier)
-            if sampling.sampled:
-                # Tokens the sampling settings filter out are never proposed (as in grow_tree).
-                return logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-            return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-
-        seeds = self.matcher.candidates(self.lookup_depth, self.shape.budget * 4, self.reliability.value)
-        tree, _, seeded, expected = build_scored_tree(state.root, self.shape, expand, seeds, device, deterministic=True)
-        self.expected.append(expected)
+        probs = functools.partial(_probabilities, state.sampling)
+        seeds = self.matcher.candidates(self.lookup_depth, self.seed_capacity, self.reliability.value)
+        drafted = self._on_device(state, seeds, probs) if self.head.static_cache else None
+        if drafted is None:  # the reference: the head's levels on the host, a read a level
+            drafted = build_scored_tree(state.root, self.shape, lambda frontier: probs(self.head.session.expand(frontier)), seeds, device, deterministic=True)
+        tree, _, seeded, expected = drafted
+        self._expected.append(expected)
         self._last = (tree, seeded)
         return tree
+
+    def _on_device(self, state: DraftState, seeds: Candidates, probs: Callable[[Tensor], Tensor]) -> Optional[tuple]:
+        """``build_scored_tree``'s tree built on the device (``build_scored_tree_on_device``), the
+        lookup's candidates uploaded in one copy: on the static cache, one CUDA graph a step for a
+        head that grows its whole tree (EAGLE, EAGLE-3; Hydra and Clover with graphs), its levels
+        on the device otherwise (Medusa's and DFlash's rows). None where the head's session can do
+        neither (the host builds it)."""
+        session, device, shape = self.head.session, state.tokens.device, self.shape
+        rows = torch.tensor(seed_rows(seeds, self.seed_capacity), dtype=torch.float64).to(device)
+        build = functools.partial(build_scored_tree_on_device, cost=shape.cost, depth_bound=self.depth_bound)
+        root = torch.full((1,), state.root, dtype=torch.long, device=device)
+        levels = session.level_logits()
+        if levels is not None:  # every node at depth d takes its children from row d (Medusa, DFlash)
+            return build(lambda f: probs(levels[f.level - 1]).expand(f.nodes.shape[0], -1), root, shape.depth, shape.topk, shape.budget, device, True, rows)
+        if not session.levels_on_device:
+            return None
+        sampling = state.sampling
+        key = ("hybrid", shape.cost, self.seed_capacity, self.depth_bound, sampling.sampled, sampling.temperature, sampling.top_k, sampling.top_p)
+        parts = session.dynamic_tree(shape, state.root, probs, key, True, build, (rows,))
+        if parts is None:  # a session without graphs grows it level by level
+            return build(lambda f: probs(session.expand_level(f)), root, shape.depth, shape.topk, shape.budget, device, True, rows)
+        tokens, parents, depths, num_nodes, seeded, expected = parts
+        tree = DraftTree(tokens=tokens, parents=parents, depths=depths, num_nodes=num_nodes, deterministic=True, known_depth_bound=self.depth_bound)
+        return tree, None, seeded, expected
 
     def accept(self, result: VerifyResult) -> None:
         """Forget the tree in the head (the accepted path, lookup branch or not, returns with the

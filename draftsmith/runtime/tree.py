@@ -44,6 +44,8 @@ __all__ = [
     "build_dynamic_tree",
     "build_dynamic_tree_on_device",
     "build_scored_tree",
+    "build_scored_tree_on_device",
+    "seed_rows",
     "tree_shape",
     "sparse_tree",
     "SparseTree",
@@ -684,6 +686,31 @@ class Candidates:
         return len(self.tokens) - 1
 
 
+def _seed_nodes(seeds: Candidates) -> tuple[list[int], list[int], list[int], list[float]]:
+    """Lookup candidates as the nodes 1.. of a scored tree's pool (node 0 is the root): their
+    tokens, parents, depths and values, a value being the product of its path's ``probs``, never
+    above its parent's. A continuation listed twice is one node (the larger value); nodes deeper
+    than MAX_TREE_DEPTH are left out."""
+    tokens, parents, depths, values = [0], [-1], [0], [1.0]
+    pool_id, child_of = {0: 0}, {}
+    for i in range(1, len(seeds.tokens)):
+        parent = pool_id.get(seeds.parents[i])
+        if parent is None or depths[parent] >= MAX_TREE_DEPTH:
+            continue
+        token, value = int(seeds.tokens[i]), min(values[parent] * float(seeds.probs[i]), values[parent])
+        node = child_of.get((parent, token))
+        if node is None:
+            node = child_of[(parent, token)] = len(tokens)
+            tokens.append(token)
+            parents.append(parent)
+            depths.append(depths[parent] + 1)
+            values.append(value)
+        else:
+            values[node] = max(values[node], value)
+        pool_id[i] = node
+    return tokens[1:], parents[1:], depths[1:], values[1:]
+
+
 def build_scored_tree(
     root_token: int,
     shape: AdaptiveTreeSpec,
@@ -715,32 +742,26 @@ def build_scored_tree(
     (possibly drafted as well), and ``expected`` is 1 + the kept nodes' values.
     """
     tokens, parents, depths, values, seeded = [int(root_token)], [-1], [0], [1.0], [False]
-    child_of: dict[tuple[int, int], int] = {}
+    if seeds is not None:
+        for column in zip(*_seed_nodes(seeds)):
+            for pool, value in zip((tokens, parents, depths, values), column):
+                pool.append(value)
+            seeded.append(True)
+    child_of = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
 
-    def add(parent: int, token: int, value: float, from_seed: bool) -> int:
+    def add(parent: int, token: int, value: float) -> None:
+        """A drafted child; one the seeds hold already keeps the larger value (and stays seeded)."""
         value = min(value, values[parent])  # rounding must not lift a child above its parent
         node = child_of.get((parent, token))
         if node is None:
-            node = len(tokens)
-            child_of[(parent, token)] = node
+            child_of[(parent, token)] = len(tokens)
             tokens.append(token)
             parents.append(parent)
             depths.append(depths[parent] + 1)
             values.append(value)
-            seeded.append(from_seed)
+            seeded.append(False)
         else:
             values[node] = max(values[node], value)
-            seeded[node] = seeded[node] or from_seed
-        return node
-
-    if seeds is not None:
-        pool_id = {0: 0}
-        for i in range(1, len(seeds.tokens)):
-            parent = pool_id[seeds.parents[i]]
-            if depths[parent] >= MAX_TREE_DEPTH:
-                continue
-            pool_id[i] = add(parent, int(seeds.tokens[i]), values[parent] * float(seeds.probs[i]), True)
-        pool_id.clear()
 
     def best_total() -> float:
         return sum(sorted(values[1:], reverse=True)[: shape.budget])
@@ -755,7 +776,7 @@ def build_scored_tree(
             for row, parent in enumerate(frontier):
                 for p, token in zip(top_p[row].tolist(), top_tokens[row].tolist()):
                     if p > 0:
-                        add(parent, int(token), values[parent] * min(p, 1.0), False)
+                        add(parent, int(token), values[parent] * min(p, 1.0))
             expanded = set(frontier)
             level_nodes = [i for i in range(1, len(tokens)) if depths[i] == level and parents[i] in expanded]
             frontier = sorted(sorted(level_nodes, key=lambda i: (-values[i], i))[: shape.topk])
@@ -782,3 +803,151 @@ def build_scored_tree(
     )
     expected = 1.0 + sum(values[i] for i in kept[1:])
     return tree, kept, [seeded[i] for i in kept], expected
+
+
+def seed_rows(seeds: Candidates, capacity: int) -> list[list[float]]:
+    """``build_scored_tree_on_device``'s seeds: rows [4, capacity] (tokens, parents, depths, values)
+    of the pool nodes 1..capacity that ``build_scored_tree`` makes of ``seeds`` (a parent is a
+    pool id, 0 the root), the rest padding (depth 0), for one upload. Raises where the seeds make
+    more nodes than ``capacity``."""
+    columns = _seed_nodes(seeds)
+    n = len(columns[0])
+    if n > capacity:
+        raise ValueError(f"{n} lookup candidates do not fit the {capacity} seed slots of the tree")
+    padding = (0, -1, 0, 0.0)
+    return [[float(x) for x in column] + [pad] * (capacity - n) for column, pad in zip(columns, padding)]
+
+
+def build_scored_tree_on_device(
+    expand: Callable[[LevelFrontier], Tensor],
+    root_token: int | Tensor,
+    depth: int,
+    topk: int,
+    budget: int,
+    device,
+    deterministic: bool,
+    seeds: Tensor,
+    cost: float = 0.0,
+    depth_bound: Optional[int] = None,
+) -> tuple[DraftTree, Tensor, Tensor, Tensor]:
+    """``build_scored_tree`` without reading anything back: the same tree, from the same draft
+    probabilities and seeds, grown and pruned on the device, so that a hybrid's step (a head's
+    tree merged with lookup's) replays as one CUDA graph and reads nothing until its verdict.
+
+    ``seeds`` [4, S] float64 on the device: ``seed_rows``. The pool holds the root (id 0), the S
+    seed slots (ids 1..S, padding that never exists included), then each level's children, ``k``
+    (``topk``, at most the vocabulary) for each of its frontier's rows, in the order the host
+    creates them; a child the seeds hold already raises that seed's value instead. Every level
+    expands ``topk`` rows from level 2 on (``expand`` gets a ``LevelFrontier``), rows past the
+    nodes worth expanding have negative ids and no children. Growth that the host stops (an empty
+    frontier, or with ``cost`` a level that gained less) goes on here with nothing added. Ties break
+    as there (stable sorts over pool ids), values multiply and add in float64 as Python floats do.
+
+    Returns (tree of ``budget`` + 1 rows, padding after ``num_nodes``, ``known_depth_bound`` set to
+    ``depth_bound`` or ``depth``; ids [budget+1]: each row's pool id; seeded [budget+1] bool;
+    expected: a 0-dim float64 tensor, 1 + the kept nodes' values).
+    """
+    long = dict(dtype=torch.long, device=device)
+    S = seeds.shape[1]
+    seed_tokens, seed_parents, seed_depths = seeds[0].long(), seeds[1].long(), seeds[2].long()
+    seed_values = seeds[3].to(torch.float64)
+    seed_exists = seed_depths > 0
+    seed_ids = torch.arange(1, S + 1, **long)
+    root = root_token.view(1).long() if isinstance(root_token, Tensor) else torch.full((1,), int(root_token), **long)
+    # The drafted children, a level at a time (values and existence settle as they are made).
+    tokens, parents, depths, values, exists = [], [], [], [], []
+
+    def best_total() -> Tensor:  # the budget's largest values, summed largest first as the host sums them
+        pool = torch.cat([torch.where(seed_exists, seed_values, 0.0), *(torch.where(e, v, 0.0) for v, e in zip(values, exists))])
+        return torch.sort(pool, descending=True).values.cumsum(0)[min(budget, pool.shape[0]) - 1]
+
+    frontier = LevelFrontier(1, torch.zeros(1, **long), torch.full((1,), -1, **long), root)
+    frontier_values = torch.ones(1, dtype=torch.float64, device=device)
+    frontier_real = torch.ones(1, dtype=torch.bool, device=device)
+    alive, total, created = torch.ones((), dtype=torch.bool, device=device), best_total(), 1 + S
+    for level in range(1, depth + 1):
+        probs = expand(frontier)
+        F = frontier.nodes.shape[0]
+        if probs.shape[0] != F:
+            raise ValueError(f"expand returned {probs.shape[0]} rows for {F} frontier nodes")
+        top_p, top_tokens = torch.topk(probs.double(), min(topk, probs.shape[-1]), dim=-1)
+        k = top_p.shape[-1]
+        parent_values = frontier_values.unsqueeze(1)
+        child_values = torch.minimum(parent_values * top_p.clamp_max(1.0), parent_values).flatten()
+        child_parents, child_tokens = frontier.nodes.repeat_interleave(k), top_tokens.flatten()
+        made = alive & frontier_real.repeat_interleave(k) & (top_p.flatten() > 0)
+        # A child the lookup proposed too is that seed, with the larger value.
+        same = made.unsqueeze(1) & seed_exists & (seed_parents == child_parents.unsqueeze(1)) & (seed_tokens == child_tokens.unsqueeze(1))
+        seed_values = torch.maximum(seed_values, torch.where(same, child_values.unsqueeze(1), 0.0).amax(dim=0))
+        made = made & ~same.any(dim=1)
+        ids = torch.arange(created, created + F * k, **long)
+        created += F * k
+        tokens.append(child_tokens)
+        parents.append(child_parents)
+        depths.append(torch.full((F * k,), level, **long))
+        values.append(child_values)
+        exists.append(made)
+        if level < depth:
+            # The next frontier: the level's nodes (seeded or drafted) under a node just expanded,
+            # the topk of largest value, in pool order; rows past them are padding.
+            expanded = torch.where(frontier_real, frontier.nodes, -2)
+            under = seed_exists & (seed_depths == level) & (seed_parents.unsqueeze(1) == expanded).any(dim=1)
+            score = torch.cat([torch.where(under, seed_values, -1.0), torch.where(made, child_values, -1.0)])
+            best = torch.sort(score, descending=True, stable=True).indices[:topk]
+            real = score[best] >= 0
+            best = best[torch.sort(best + (~real).long() * created).indices]
+            real = score[best] >= 0
+            pool_ids, pool_parents, pool_tokens = (torch.cat(x) for x in ((seed_ids, ids), (seed_parents, child_parents), (seed_tokens, child_tokens)))
+            padding = -2 - torch.arange(best.shape[0], **long)  # ids nobody's parent holds
+            frontier = LevelFrontier(level + 1, torch.where(real, pool_ids[best], padding), pool_parents[best], pool_tokens[best])
+            frontier_values, frontier_real = score[best].clamp_min(0.0), real
+        else:
+            real = frontier_real
+        new_total = best_total()
+        stop = ~real.any() if level < depth else torch.zeros((), dtype=torch.bool, device=device)
+        if cost > 0:
+            stop = stop | (new_total - total < cost)
+        total = torch.where(alive & ~stop, new_total, total)
+        alive = alive & ~stop
+
+    # The pool in id order: the root, the seed slots, each level's children.
+    all_tokens = torch.cat([root, seed_tokens, *tokens])
+    all_parents = torch.cat([torch.full((1,), -1, **long), seed_parents, *parents])
+    all_depths = torch.cat([torch.zeros(1, **long), seed_depths, *depths])
+    all_values = torch.cat([torch.ones(1, dtype=torch.float64, device=device), seed_values, *values])
+    all_exists = torch.cat([torch.zeros(1, dtype=torch.bool, device=device), seed_exists, *exists])  # the root is no candidate
+    all_seeded = torch.cat([torch.zeros(1, dtype=torch.bool, device=device), seed_exists, torch.zeros(created - 1 - S, dtype=torch.bool, device=device)])
+    # The nodes below the root ranked by value, then shallower, then earlier: stable sorts, the last key first.
+    score = torch.where(all_exists, all_values, -1.0)[1:]
+    by_depth = torch.sort(torch.where(all_exists, all_depths, MAX_TREE_DEPTH + 1)[1:], stable=True).indices
+    ranked = by_depth[torch.sort(score[by_depth], descending=True, stable=True).indices][:budget]
+    keep = score[ranked] > 0
+    ranked = ranked + 1
+
+    def in_id_order(chosen: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:  # the kept ones first, ascending
+        order = torch.sort(chosen + (~keep).long() * created).indices
+        return chosen[order], keep[order]
+
+    chosen, keep = in_id_order(ranked, keep)
+    if cost > 0:
+        # Levels whose kept nodes add less than the cost are cut, from the first such level on.
+        gain = torch.zeros(MAX_TREE_DEPTH + 2, dtype=torch.float64, device=device)
+        gain.index_add_(0, all_depths[chosen], torch.where(keep, all_values[chosen], 0.0))
+        last = (gain[1:] >= cost).long().cumprod(0).sum()
+        chosen, keep = in_id_order(chosen, keep & (all_depths[chosen] <= last))
+    kept = torch.cat([torch.zeros(1, **long), chosen])
+    real = torch.cat([torch.ones(1, dtype=torch.bool, device=device), keep])
+    new_index = torch.full((created,), -1, **long)
+    new_index[kept] = torch.arange(kept.shape[0], **long)
+    old_parents = all_parents[kept]
+    zeros = torch.zeros_like(old_parents)
+    tree = DraftTree(
+        tokens=torch.where(real, all_tokens[kept], zeros).unsqueeze(0),
+        parents=torch.where(real & (old_parents >= 0), new_index[old_parents.clamp_min(0)], torch.full_like(old_parents, -1)).unsqueeze(0),
+        depths=torch.where(real, all_depths[kept], zeros).unsqueeze(0),
+        num_nodes=real.sum().view(1),
+        deterministic=deterministic,
+        known_depth_bound=depth if depth_bound is None else depth_bound,
+    )
+    expected = 1.0 + torch.where(real[1:], all_values[chosen], 0.0).cumsum(0)[-1]
+    return tree, kept, real & all_seeded[kept], expected

@@ -20,6 +20,7 @@ from draftsmith.heads.medusa import MedusaConfig, MedusaHead  # noqa: E402
 from draftsmith.runtime.drafters import HeadDrafter, StandaloneDrafter  # noqa: E402
 from draftsmith.runtime.early_exit import EarlyExitDrafter  # noqa: E402
 from draftsmith.runtime.generate import TargetSession, autoregressive_generate, speculative_generate  # noqa: E402
+from draftsmith.runtime.lookup import HybridDrafter, SuffixMatcher  # noqa: E402
 from draftsmith.runtime.static import StaticSession  # noqa: E402
 from draftsmith.runtime.tree import DraftTree, DynamicTreeSpec, TreeSpec, default_tree  # noqa: E402
 from draftsmith.target import FrozenTarget  # noqa: E402
@@ -64,6 +65,9 @@ def _drafters(target):
         "early-exit": EarlyExitDrafter(target, exit_layer=1, tree=TreeSpec.chain(3)),
         "hydra-dynamic": HeadDrafter(_perturbed(hydra.to(CUDA), 0.005, 6).eval(), target, DynamicTreeSpec(depth=4, topk=3, budget=10)),
         "clover-tree": HeadDrafter(_perturbed(clover.to(CUDA), 0.005, 6).eval(), target, default_tree(4, (3, 2, 2, 1))),
+        # Lookup merged with a head: the merged tree built on the device, EAGLE's as one graph a step.
+        "hybrid-eagle": HybridDrafter(HeadDrafter(eagle, target, DynamicTreeSpec(depth=4, topk=3, budget=10)), SuffixMatcher()),
+        "hybrid-medusa": HybridDrafter(HeadDrafter(medusa, target, default_tree(4, (4, 2, 2, 1))), SuffixMatcher()),
     }
 
 
@@ -88,8 +92,10 @@ def test_graphed_forwards_match_the_dynamic_cache(target):
 
 
 @pytest.mark.parametrize(
-    "kind", ["eagle-dynamic", "medusa-tree", "dflash-chain", "hydra-dynamic", "clover-tree", "noisy-tree", "noisy-dynamic", "self-chain", "early-exit", "plain"]
-)
+    "kind",
+    # (the early exit after every kind that shares its session: its graphs join the target's)
+    ["eagle-dynamic", "medusa-tree", "dflash-chain", "hydra-dynamic", "clover-tree", "noisy-tree", "noisy-dynamic", "self-chain", "hybrid-eagle", "hybrid-medusa", "early-exit", "plain"],
+)  # fmt: skip
 def test_graphed_decoding_equals_hf_greedy(target, kind):
     prompts = [torch.tensor([[5, 9, 14, 20]], device=CUDA), torch.tensor([[7, 7, 30, 31, 32, 33, 34, 35, 36]], device=CUDA)]
     drafter = None if kind == "plain" else _drafters(target)[kind]
@@ -125,6 +131,12 @@ def test_graphed_decoding_equals_hf_greedy(target, kind):
     if kind == "dflash-chain":  # and DFlash's block forward
         steps = [g for name, g in drafter.session.graphs.captured.items() if isinstance(name, tuple) and name[0] == "step"]
         assert drafter.session.capacity and drafter.session.graphs and steps and all(graph is not None for graph in steps)
+    if kind == "hybrid-eagle":  # the head's levels and the lookup's candidates merged in one graph a step
+        captured = drafter.head.session.graphs.captured
+        merged = [g for name, g in captured.items() if isinstance(name, tuple) and name[0] == "dynamic" and name[-1][0] == "hybrid"]
+        assert drafter.head.session.graphs and merged and all(g is not None for g in captured.values())
+    if kind.startswith("hybrid"):  # the lookup's candidates were drafted (and so checked by the output)
+        assert drafter.reliability.tested > 0
 
 
 def test_a_graphed_eagle_head_drafts_what_the_eager_one_drafts(target):

@@ -95,6 +95,40 @@ def test_greedy_output_equals_hf_greedy(setup, kind):
         assert drafter.reliability.accepted > 0  # lookup candidates were accepted, not only the head's
 
 
+def _real(tree):
+    n = int(tree.num_nodes[0])
+    return tree.tokens[0, :n].tolist(), tree.parents[0, :n].tolist()
+
+
+@pytest.mark.parametrize("kind", [k for k in DRAFTERS if k.startswith("hybrid")])
+def test_a_hybrid_on_the_static_cache_drafts_on_the_device_what_the_host_drafts(setup, kind):
+    """On the static cache a hybrid's tree is built on the device (build_scored_tree_on_device:
+    EAGLE's whole tree as one function, Hydra's and Clover's levels, Medusa's and DFlash's rows),
+    where the dynamic cache builds it on the host a level at a time: the same trees step for step
+    (their real nodes; the device's are padded to the budget), the same lookup bookkeeping and
+    expected lengths, and HF's greedy output."""
+    target, prompts, references = setup
+    runs, expected = {}, {}
+    for cache in ("dynamic", "static"):
+        torch.manual_seed(0)  # the same head both times (some builders draw from the global generator)
+        drafter = DRAFTERS[kind](target)
+        drafter.head.cache_kind = cache
+        proposed, propose = [], drafter.propose
+        drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
+        outputs = []
+        for ids, reference in zip(prompts, references):
+            out, stats = speculative_generate(target, drafter, ids, MAX_NEW, eos_token_id=EOS)
+            assert out.tolist() == reference.tolist(), (kind, cache)
+            outputs.append(stats.accept_lens)
+        trees = [_real(t) for t in proposed]
+        runs[cache] = (outputs, trees, (drafter.reliability.tested, drafter.reliability.accepted))
+        expected[cache] = drafter.expected
+    assert runs["static"] == runs["dynamic"]
+    assert len(expected["static"]) == len(proposed) and expected["static"] == pytest.approx(expected["dynamic"], rel=1e-6)
+    assert runs["static"][2][1] > 0  # lookup candidates were drafted and accepted
+    assert any(len(tokens) > 1 for tokens, _ in runs["static"][1])
+
+
 def test_a_hybrid_eagle_head_stays_in_step_whichever_branch_is_accepted(setup):
     """After every step, the EAGLE session's drafting state (its KV cache over decided positions,
     read with the target's real features) gives the root the same logits as a fresh session that
@@ -163,6 +197,8 @@ SAMPLED = {
     "lookup": lambda t: LookupDrafter(PromptLookup(1, 2), DynamicTreeSpec(2, 2, 4)),
     "suffix": lambda t: LookupDrafter(SuffixMatcher(min_prob=0.0), DynamicTreeSpec(2, 2, 4)),
     "hybrid-eagle-suffix": lambda t: HybridDrafter(HeadDrafter(_eagle_for_sampling(t), t, AdaptiveTreeSpec(2, 2, 5)), SuffixMatcher(min_prob=0.0)),
+    # The tree built on the device (the static cache), the verification inside the target's graph's function.
+    "hybrid-eagle-suffix-static": lambda t: HybridDrafter(HeadDrafter(_eagle_for_sampling(t), t, AdaptiveTreeSpec(2, 2, 5), cache="static"), SuffixMatcher(min_prob=0.0)),
     "adaptive-lm": lambda t: StandaloneDrafter(_peaky(1), AdaptiveTreeSpec(2, 3, 5, cost=0.05)),
 }
 

@@ -2,13 +2,25 @@
 and suffix matching's global cache (off unless asked)."""
 
 import itertools
+import random
 
 import pytest
 import torch
 
 from draftsmith.runtime.drafters import DrafterError, DraftState
 from draftsmith.runtime.lookup import LookupDrafter, PromptLookup, SuffixMatcher, make_matcher
-from draftsmith.runtime.tree import AdaptiveTreeSpec, Candidates, DynamicTreeSpec, TreeError, TreeSpec, build_scored_tree, parse_tree, tree_shape
+from draftsmith.runtime.tree import (
+    AdaptiveTreeSpec,
+    Candidates,
+    DynamicTreeSpec,
+    TreeError,
+    TreeSpec,
+    build_scored_tree,
+    build_scored_tree_on_device,
+    parse_tree,
+    seed_rows,
+    tree_shape,
+)
 
 
 def _propose(drafter, text):
@@ -245,3 +257,110 @@ def test_lookup_token_weights_read_each_packed_example_on_its_own():
     segments = [1, 1, 1, 1, 2, 2, 0, 0]  # the second example starts over at 4: "1 2" there is new to it
     weights = lookup_token_weights(torch.tensor([row]), torch.tensor([segments]), "suffix", 0.25)
     assert weights[0].tolist() == [1.0, 1.0, 1.0, 0.25, 1.0, 1.0, 1.0, 1.0]
+
+
+def _random_scored_case(seed):
+    """A random scored-tree problem: a law per (depth, token) over a small vocabulary (ties and
+    zeros in half the cases), a random trie of seeds (some of them the draft's own choices, some
+    deeper than the draft goes, some worth nothing), a random shape with or without a cost."""
+    rng = random.Random(seed)
+    V = rng.choice([3, 5, 8])
+    shape = AdaptiveTreeSpec(depth=rng.randint(1, 5), topk=rng.randint(1, 4), budget=rng.randint(1, 12), cost=rng.choice([0.0, 0.0, 0.05, 0.2, 0.5]))
+    table = torch.rand(shape.depth + 1, V, V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    if rng.random() < 0.5:
+        table = (table * 4).floor() / 4
+    table = (table / table.sum(-1, keepdim=True).clamp_min(1e-9)).float()
+    tokens, parents, probs, depths = [-1], [-1], [1.0], [0]
+    for _ in range(rng.randint(0, 4 * shape.budget)):
+        parent, token = rng.randrange(len(tokens)), rng.randrange(V)
+        if depths[parent] < 7 and not any(parents[j] == parent and tokens[j] == token for j in range(1, len(tokens))):
+            tokens.append(token), parents.append(parent), depths.append(depths[parent] + 1)
+            probs.append(rng.choice([0.0, 0.25, 0.5, rng.random(), 1.0]))
+    return shape, table, Candidates(tokens, parents, probs), rng.randrange(V)
+
+
+def test_the_scored_tree_built_on_the_device_is_the_host_tree():
+    """build_scored_tree_on_device (a hybrid's tree on the static cache, one graph a step on CUDA)
+    keeps the nodes the host keeps, in its order, with its seeded flags and expected length, on 400
+    random problems: seeds merged with drafted children, frontiers that run dry, costs that stop
+    growth and cut levels, ties. The device expands a fixed number of rows a level."""
+    for seed in range(400):
+        shape, table, seeds, root = _random_scored_case(seed)
+        host_expand = lambda f: torch.stack([table[f.depths[n], f.tokens[n]] for n in f.nodes])  # noqa: E731
+        rows = []
+
+        def device_expand(f):
+            rows.append(f.nodes.shape[0])
+            return table[f.level - 1][f.tokens]
+
+        want, _, seeded, expected = build_scored_tree(root, shape, host_expand, seeds, deterministic=True)
+        pool = torch.tensor(seed_rows(seeds, 4 * shape.budget), dtype=torch.float64)
+        tree, ids, got_seeded, got_expected = build_scored_tree_on_device(
+            device_expand, root, shape.depth, shape.topk, shape.budget, torch.device("cpu"), True, pool, cost=shape.cost, depth_bound=8
+        )
+        n = int(tree.num_nodes)
+        case = (seed, shape)
+        assert tree.tokens.shape[1] == shape.budget + 1 and tree.deterministic and tree.known_depth_bound == 8, case
+        assert (tree.tokens[0, :n].tolist(), tree.parents[0, :n].tolist(), tree.depths[0, :n].tolist()) == (
+            want.tokens[0].tolist(), want.parents[0].tolist(), want.depths[0].tolist()), case  # fmt: skip
+        assert (tree.parents[0, n:] == -1).all() and not got_seeded[n:].any() and got_seeded[:n].tolist() == seeded, case
+        assert float(got_expected) == expected and ids[0] == 0, case
+        assert rows == [1] + [shape.topk] * (shape.depth - 1), case
+
+
+def test_seed_rows_pad_to_their_slots_and_refuse_more():
+    seeds = Candidates([-1, 1, 3, 2], [-1, 0, 1, 0], [1.0, 0.8, 0.5, 0.2])
+    tokens, parents, depths, values = seed_rows(seeds, 5)
+    assert (tokens, parents, depths) == ([1, 3, 2, 0, 0], [0, 1, 0, -1, -1], [1, 2, 1, 0, 0])
+    assert values == pytest.approx([0.8, 0.4, 0.2, 0.0, 0.0])
+    with pytest.raises(ValueError, match="3 lookup candidates do not fit the 2 seed slots"):
+        seed_rows(seeds, 2)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_a_hybrid_step_on_the_static_cache_reads_its_verdict_the_new_tokens_and_its_bookkeeping_once(kind):
+    """Under SimulatedDevice a hybrid's step on the static cache builds its tree on the device:
+    nothing is read while the head's levels and the lookup's candidates merge (on the host that
+    was a read per frontier row a level, 34 a step at the bench shape); the lookup reads the new
+    tokens, and its bookkeeping reads the verdict, the tree's parents and seeded flags in one copy.
+    The output is the target's greedy output."""
+    import inspect
+
+    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+    from draftsmith.heads.medusa import MedusaConfig, MedusaHead
+    from draftsmith.runtime.drafters import HeadDrafter
+    from draftsmith.runtime.generate import speculative_generate
+    from draftsmith.runtime.lookup import HybridDrafter, Reliability
+    from draftsmith.runtime.tree import DraftTree, default_tree
+    from draftsmith.target import FrozenTarget
+    from draftsmith.testing import SimulatedDevice, tiny_causal_lm
+
+    device = torch.device("cpu")
+    with SimulatedDevice() as guard:
+        torch.manual_seed(5)
+        target = FrozenTarget(tiny_causal_lm("llama", seed=0).to(device))
+        if kind == "eagle3":
+            head = Eagle3Head(Eagle3Config(depth=4, train_depth=4, draft_vocab_size=64, aux_layer_ids=[1, 2, 3]), target.dims)
+            head.init_from_target(target)
+            spec = DynamicTreeSpec(depth=4, topk=3, budget=10)
+        else:
+            head, spec = MedusaHead(MedusaConfig(num_heads=4, num_layers=1), target.dims), default_tree(4, (4, 2, 2, 1))
+        drafter = HybridDrafter(HeadDrafter(head.to(device).eval(), target, spec, cache="static"), SuffixMatcher())
+        ids = torch.tensor([[5, 9, 14, 20, 5, 9, 14, 20, 5, 9]]).to(device)
+        before = len(guard.reads)
+        out, stats = speculative_generate(target, drafter, ids, 24, cache="static")
+        want = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24, pad_token_id=0, eos_token_id=None)
+    assert out.tolist() == want.tolist()
+    lines, first = inspect.getsourcelines(DraftTree.validate)
+    checks = {f"tree.py:{n}" for n in range(first, first + len(lines))}
+    # What CUDA reads: the torch reference verification and its tree checks are the CPU's.
+    reads = [r for r in guard.reads[before:] if not r.split(" at ")[1].startswith("verify.py") and r.split(" at ")[1] not in checks]
+    steps = len(stats.accept_lens)
+    lines, first = inspect.getsourcelines(Reliability.record)
+    record = [r for r in reads if r.split(" at ")[1] in {f"lookup.py:{n}" for n in range(first, first + len(lines))}]
+    assert guard.checked > 200 and steps > 3
+    assert not [r for r in reads if "tree.py" in r or "heads/" in r], reads  # the tree grew and merged on the device
+    assert len(record) == steps, record  # the bookkeeping's one read a step
+    assert sum("generate.py" in r and r.startswith("tolist") for r in reads) == steps  # the verdict
+    assert len(reads) <= 3 * steps + 3, reads  # and the new tokens; the prompt and the decoded length at the start, the end
+    assert drafter.reliability.tested > 0

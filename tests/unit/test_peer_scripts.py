@@ -111,6 +111,7 @@ def test_bench_gpu_times_every_drafter_kind_on_the_cpu(tmp_path):
     for cache in ("dynamic cache", "static cache"):
         assert {f"{kind}, nothing accepted, {cache}" for kind in ("eagle3", "dflash", "medusa", "hydra", "clover")} <= set(names)
         assert f"early exit at layer 1 (chain of 4), its own acceptance, {cache}" in names
+        assert f"eagle3 + suffix lookup (hybrid), its own acceptance, {cache}" in names
     assert all(r["graphs"] is False for r in rows if r.get("cache") == "static")  # no graphs on the CPU
     itself = [r for r in rows if r["drafter"].startswith("target drafting for itself")]
     assert len(itself) == 2 and all(r["tokens_per_step"] > 3.0 for r in itself)  # chains of 4 plus the bonus
@@ -121,14 +122,14 @@ def test_bench_gpu_times_every_drafter_kind_on_the_cpu(tmp_path):
     argv = ["--device", "cpu", "--shapes", "tiny", "--prompts", "1", "--prompt-len", "8", "--new-tokens", "5", "--out", str(tmp_path / "s.md"), "--caches", "static"]
     assert bench.main(argv) == 0
     rows = json.loads((tmp_path / "s.json").read_text())["rows"]
-    assert {r["cache"] for r in rows} == {"transformers dynamic", "transformers static", "static"} and len(rows) == 2 + 1 + 8
+    assert {r["cache"] for r in rows} == {"transformers dynamic", "transformers static", "static"} and len(rows) == 2 + 1 + 9
     assert all(r["decoding"] == "exact, greedy" for r in rows)
     # --temperature 1: every row samples; the target drafting for itself still accepts whole chains.
     argv = ["--device", "cpu", "--shapes", "tiny", "--prompts", "1", "--prompt-len", "8", "--new-tokens", "11", "--out", str(tmp_path / "t.md"), "--caches", "static",
             "--temperature", "1"]  # fmt: skip
     assert bench.main(argv) == 0
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
-    assert len(rows) == 11 and all(r["decoding"].startswith("exact, lossless sampling at temperature 1.0") for r in rows)
+    assert len(rows) == 12 and all(r["decoding"].startswith("exact, lossless sampling at temperature 1.0") for r in rows)
     assert "lossless sampling at temperature 1 in every row" in (tmp_path / "t.md").read_text()
     itself = [r for r in rows if r["drafter"].startswith("target drafting for itself")]
     assert len(itself) == 1 and itself[0]["tokens_per_step"] > 3.0

@@ -63,6 +63,8 @@ def _drafter(kind, target, cache="static"):
         return LookupDrafter(SuffixMatcher())
     if kind == "hybrid":
         return HybridDrafter(_drafter("eagle3-dynamic", target, cache), SuffixMatcher())
+    if kind == "hybrid-hydra":
+        return HybridDrafter(_drafter("hydra-dynamic", target, cache), SuffixMatcher())
     if kind in ("hydra-dynamic", "clover-static"):  # Hydra++ with an EAGLE-2 tree, Clover-2 with a static one
         head = HydraHead(HydraConfig(num_heads=4, num_layers=2), dims) if kind.startswith("hydra") else CloverHead(CloverConfig(depth=4), dims)
         head.init_from_target(target)
@@ -104,6 +106,8 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
         assert compiled and all(g is not None for g in compiled.values())
         assert any(isinstance(name, tuple) and name[0] == kind.split("-")[1] for name in compiled)
         assert any(isinstance(name, tuple) and name[0] == "extend" for name in compiled)  # Hydra++'s prefix layer, Clover's block
+    if kind == "hybrid":  # the head's levels and the lookup's candidates merge in one graph a step
+        assert any(isinstance(name, tuple) and name[0] == "dynamic" and name[-1][0] == "hybrid" for name in drafter.head.session.graphs.captured)
     if kind.startswith("eagle"):  # the head's extend and its whole tree replayed
         compiled = drafter.session.graphs.captured
         assert drafter.session.graphs and compiled and all(g is not None for g in compiled.values())
@@ -128,12 +132,15 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
         assert all(isinstance(name, tuple) for name in drafter.static.graphs.captured), "a level forward replayed on its own"
 
 
-@pytest.mark.parametrize("kind", ["eagle3-dynamic", "eagle3-static", "dflash-chain", "hydra-dynamic", "clover-static", "noisy-tree", "noisy-dynamic", "self-chain", "early-exit"])
+@pytest.mark.parametrize(
+    "kind", ["eagle3-dynamic", "eagle3-static", "dflash-chain", "hydra-dynamic", "clover-static", "noisy-tree", "noisy-dynamic", "self-chain", "early-exit", "hybrid", "hybrid-hydra"]
+)  # fmt: skip
 def test_a_graphed_drafter_drafts_what_the_eager_one_drafts(kind):
     """Output identity cannot see a drafter (verification keeps any draft lossless): the trees a
     head or a draft model drafts through its replayed graphs are the trees it drafts on growing
-    caches, step for step, with the acceptance they got."""
-    ids = torch.tensor([[5, 9, 14, 20, 7, 3]])
+    caches, step for step, with the acceptance they got. A hybrid's tree grows on the host on
+    growing caches and on the device through the graphs (padded there: its real nodes compared)."""
+    ids = torch.tensor([[5, 9, 14, 20, 5, 9, 14, 20, 5]]) if kind.startswith("hybrid") else torch.tensor([[5, 9, 14, 20, 7, 3]])
     runs = {}
     for cache in ("dynamic", "static"):
         with simulated_cuda_graphs(), torch.no_grad():
@@ -142,10 +149,17 @@ def test_a_graphed_drafter_drafts_what_the_eager_one_drafts(kind):
             proposed, propose = [], drafter.propose
             drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
             out, stats = speculative_generate(target, drafter, ids, 24, cache=cache)
-        runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens.tolist(), t.parents.tolist()) for t in proposed])
+        n = [int(t.num_nodes[0]) for t in proposed] if kind.startswith("hybrid") else [t.tokens.shape[1] for t in proposed]
+        runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens[:, :k].tolist(), t.parents[:, :k].tolist()) for t, k in zip(proposed, n)])
+        if kind.startswith("hybrid"):
+            runs[cache] += ((drafter.reliability.tested, drafter.reliability.accepted),)
+            merged = [name for name in drafter.head.session.graphs.captured if isinstance(name, tuple) and name[0] == "dynamic" and name[-1][0] == "hybrid"]
+            assert bool(merged) == (cache == "static")  # through the graphs, the merged tree is one
     assert runs["static"] == runs["dynamic"]
-    if kind.startswith(("eagle", "hydra", "clover", "noisy")) or kind == "early-exit":  # something was accepted: the caches were rolled back and kept
+    if kind.startswith(("eagle", "hydra", "clover", "noisy", "hybrid")) or kind == "early-exit":  # something was accepted: the caches were rolled back and kept
         assert 0 < sum(runs["static"][1])
+    if kind.startswith("hybrid"):  # the lookup's candidates were in the trees, and some were accepted
+        assert runs["static"][3][1] > 0
 
 
 def test_a_host_read_in_a_captured_function_falls_back_to_eager(capsys):
