@@ -50,6 +50,8 @@ __all__ = ["LOOKUP_KINDS", "HybridDrafter", "LookupDrafter", "PromptLookup", "Su
 LOOKUP_KINDS = ("lookup", "suffix")
 # Earlier occurrences read per match: the most recent ones, enough for the counts to mean something.
 MAX_OCCURRENCES = 64
+# A hybrid drafting on the device reads its trees' expected lengths this many steps at a time.
+EXPECTED_READS = 256
 
 
 def _probabilities(sampling: SamplingParams, logits: Tensor) -> Tensor:
@@ -343,18 +345,23 @@ class HybridDrafter:
         self.seed_capacity = self.shape.budget * 4
         self.depth_bound = min(max(self.lookup_depth, self.shape.depth), MAX_TREE_DEPTH)
         self.reliability = Reliability()
-        self._expected: list[Union[float, Tensor]] = []
+        self._expected: list[float] = []
+        self._unread: list[Tensor] = []  # the expected lengths of trees drafted on the device, not read yet
         self._last: Optional[tuple[DraftTree, Union[list[bool], Tensor]]] = None
 
     @property
     def expected(self) -> list[float]:
-        """The expected accepted length of each tree proposed (trees drafted on the device keep it
-        there until asked: read here, all at once)."""
-        on_device = [x for x in self._expected if isinstance(x, Tensor)]
-        if on_device:
-            values = iter(torch.stack(on_device).tolist())
-            self._expected = [next(values) if isinstance(x, Tensor) else x for x in self._expected]
+        """The expected accepted length of each tree proposed."""
+        self._read_expected()
         return list(self._expected)
+
+    def _read_expected(self) -> None:
+        """A tree drafted on the device keeps its expected length there: they are read in one copy
+        when asked, or every ``EXPECTED_READS`` steps (no read a step, and no device memory held
+        for the life of a server)."""
+        if self._unread:
+            self._expected.extend(torch.stack(self._unread).tolist())
+            self._unread = []
 
     def required_layers(self) -> Sequence[int]:
         return self.head.required_layers()
@@ -380,7 +387,13 @@ class HybridDrafter:
         if drafted is None:  # the reference: the head's levels on the host, a read a level
             drafted = build_scored_tree(state.root, self.shape, lambda frontier: probs(self.head.session.expand(frontier)), seeds, device, deterministic=True)
         tree, _, seeded, expected = drafted
-        self._expected.append(expected)
+        if isinstance(expected, Tensor):
+            self._unread.append(expected)
+            if len(self._unread) >= EXPECTED_READS:
+                self._read_expected()
+        else:
+            self._read_expected()  # in order
+            self._expected.append(expected)
         self._last = (tree, seeded)
         return tree
 

@@ -764,7 +764,7 @@ def build_scored_tree(
             values[node] = max(values[node], value)
 
     def best_total() -> float:
-        return sum(sorted(values[1:], reverse=True)[: shape.budget])
+        return _added(sorted(values[1:], reverse=True)[: shape.budget])
 
     if expand is not None:
         frontier, total = [0], best_total()
@@ -801,8 +801,17 @@ def build_scored_tree(
     tree = DraftTree.from_lists(
         [tokens[i] for i in kept], [-1] + [new_index[parents[i]] for i in kept[1:]], device=device, deterministic=deterministic
     )
-    expected = 1.0 + sum(values[i] for i in kept[1:])
+    expected = 1.0 + _added(values[i] for i in kept[1:])
     return tree, kept, [seeded[i] for i in kept], expected
+
+
+def _added(values) -> float:
+    """The values added one after another, left to right, as ``build_scored_tree_on_device``'s
+    cumsum adds them on the CPU (Python 3.12's ``sum`` compensates its rounding instead)."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
 
 
 def seed_rows(seeds: Candidates, capacity: int) -> list[list[float]]:
@@ -827,8 +836,9 @@ def build_scored_tree_on_device(
     device,
     deterministic: bool,
     seeds: Tensor,
+    *,
+    depth_bound: int,
     cost: float = 0.0,
-    depth_bound: Optional[int] = None,
 ) -> tuple[DraftTree, Tensor, Tensor, Tensor]:
     """``build_scored_tree`` without reading anything back: the same tree, from the same draft
     probabilities and seeds, grown and pruned on the device, so that a hybrid's step (a head's
@@ -841,11 +851,15 @@ def build_scored_tree_on_device(
     expands ``topk`` rows from level 2 on (``expand`` gets a ``LevelFrontier``), rows past the
     nodes worth expanding have negative ids and no children. Growth that the host stops (an empty
     frontier, or with ``cost`` a level that gained less) goes on here with nothing added. Ties break
-    as there (stable sorts over pool ids), values multiply and add in float64 as Python floats do.
+    as there (stable sorts over pool ids); values multiply in float64 and add one after another, as
+    the host adds them. On the CPU that is the host's arithmetic to the bit; CUDA's scans and
+    atomic adds may round a sum differently, which can move a cost's decision that falls on the
+    boundary to the last bit, and ``expected`` by as much.
 
-    Returns (tree of ``budget`` + 1 rows, padding after ``num_nodes``, ``known_depth_bound`` set to
-    ``depth_bound`` or ``depth``; ids [budget+1]: each row's pool id; seeded [budget+1] bool;
-    expected: a 0-dim float64 tensor, 1 + the kept nodes' values).
+    ``depth_bound``: the deepest a seed can reach (the tree's ``known_depth_bound``: seeds may be
+    deeper than ``depth``). Returns (tree of ``budget`` + 1 rows, padding after ``num_nodes``; ids
+    [budget+1]: each row's pool id; seeded [budget+1] bool; expected: a 0-dim float64 tensor, 1 +
+    the kept nodes' values).
     """
     long = dict(dtype=torch.long, device=device)
     S = seeds.shape[1]
@@ -947,7 +961,7 @@ def build_scored_tree_on_device(
         depths=torch.where(real, all_depths[kept], zeros).unsqueeze(0),
         num_nodes=real.sum().view(1),
         deterministic=deterministic,
-        known_depth_bound=depth if depth_bound is None else depth_bound,
+        known_depth_bound=max(depth, depth_bound),
     )
     expected = 1.0 + torch.where(real[1:], all_values[chosen], 0.0).cumsum(0)[-1]
     return tree, kept, real & all_seeded[kept], expected

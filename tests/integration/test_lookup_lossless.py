@@ -8,6 +8,7 @@ import torch
 
 from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+from draftsmith.runtime import lookup as lookup_module
 from draftsmith.runtime import verify as verify_module
 from draftsmith.runtime.drafters import HeadDrafter, StandaloneDrafter
 from draftsmith.runtime.generate import TargetSession, speculative_generate
@@ -101,7 +102,7 @@ def _real(tree):
 
 
 @pytest.mark.parametrize("kind", [k for k in DRAFTERS if k.startswith("hybrid")])
-def test_a_hybrid_on_the_static_cache_drafts_on_the_device_what_the_host_drafts(setup, kind):
+def test_a_hybrid_on_the_static_cache_drafts_on_the_device_what_the_host_drafts(setup, kind, monkeypatch):
     """On the static cache a hybrid's tree is built on the device (build_scored_tree_on_device:
     EAGLE's whole tree as one function, Hydra's and Clover's levels, Medusa's and DFlash's rows),
     where the dynamic cache builds it on the host a level at a time: the same trees step for step
@@ -109,6 +110,7 @@ def test_a_hybrid_on_the_static_cache_drafts_on_the_device_what_the_host_drafts(
     expected lengths, and HF's greedy output."""
     target, prompts, references = setup
     runs, expected = {}, {}
+    monkeypatch.setattr(lookup_module, "EXPECTED_READS", 3)  # the device's expected lengths read 3 steps at a time
     for cache in ("dynamic", "static"):
         torch.manual_seed(0)  # the same head both times (some builders draw from the global generator)
         drafter = DRAFTERS[kind](target)
@@ -122,6 +124,7 @@ def test_a_hybrid_on_the_static_cache_drafts_on_the_device_what_the_host_drafts(
             outputs.append(stats.accept_lens)
         trees = [_real(t) for t in proposed]
         runs[cache] = (outputs, trees, (drafter.reliability.tested, drafter.reliability.accepted))
+        assert len(drafter._unread) < 3
         expected[cache] = drafter.expected
     assert runs["static"] == runs["dynamic"]
     assert len(expected["static"]) == len(proposed) and expected["static"] == pytest.approx(expected["dynamic"], rel=1e-6)
