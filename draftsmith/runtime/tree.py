@@ -594,6 +594,14 @@ class LevelFrontier:
     tokens: Tensor
 
 
+def _expanded(expand: Callable[[LevelFrontier], Tensor], frontier: LevelFrontier) -> Tensor:
+    """``expand(frontier)``, checked to give one row per frontier node."""
+    rows = expand(frontier)
+    if rows.shape[0] != frontier.nodes.shape[0]:
+        raise ValueError(f"expand returned {rows.shape[0]} rows for {frontier.nodes.shape[0]} frontier nodes")
+    return rows
+
+
 def build_dynamic_tree_on_device(
     expand: Callable[[LevelFrontier], Tensor], root_token: int | Tensor, depth: int, topk: int, budget: int, device, deterministic: bool = False
 ) -> tuple[DraftTree, Tensor]:
@@ -619,10 +627,8 @@ def build_dynamic_tree_on_device(
     frontier = LevelFrontier(1, torch.zeros(1, **long), parents[0], tokens[0])
     frontier_scores, created = scores[0], 1
     for level in range(1, depth + 1):
-        logp = expand(frontier)
+        logp = _expanded(expand, frontier)
         F = frontier.nodes.shape[0]
-        if logp.shape[0] != F:
-            raise ValueError(f"expand returned {logp.shape[0]} rows for {F} frontier nodes")
         values, candidates = torch.topk(logp.float(), min(topk, logp.shape[-1]), dim=-1)
         k = values.shape[-1]
         level_scores = (frontier_scores.unsqueeze(1) + values.double().clamp_max(0.0)).flatten()  # -inf stays -inf
@@ -880,10 +886,8 @@ def build_scored_tree_on_device(
     frontier_real = torch.ones(1, dtype=torch.bool, device=device)
     alive, total, created = torch.ones((), dtype=torch.bool, device=device), best_total(), 1 + S
     for level in range(1, depth + 1):
-        probs = expand(frontier)
+        probs = _expanded(expand, frontier)
         F = frontier.nodes.shape[0]
-        if probs.shape[0] != F:
-            raise ValueError(f"expand returned {probs.shape[0]} rows for {F} frontier nodes")
         top_p, top_tokens = torch.topk(probs.double(), min(topk, probs.shape[-1]), dim=-1)
         k = top_p.shape[-1]
         parent_values = frontier_values.unsqueeze(1)
