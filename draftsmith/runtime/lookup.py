@@ -379,11 +379,14 @@ class HybridDrafter:
     def propose(self, state: DraftState) -> DraftTree:
         device = state.tokens.device
         self.matcher.sync(state.tokens[0])
+        seeds = self.matcher.candidates(self.lookup_depth, self.seed_capacity, self.reliability.value)
+        # Uploaded before the head's extend is queued: a copy from pageable host memory waits for
+        # the stream to drain first, so here it waits for nothing.
+        rows = torch.tensor(seed_rows(seeds, self.seed_capacity), dtype=torch.float64).to(device) if self.head.static_cache else None
         if not self.head.read(state):
             return _root_only(state.root, device)
         probs = functools.partial(_probabilities, state.sampling)
-        seeds = self.matcher.candidates(self.lookup_depth, self.seed_capacity, self.reliability.value)
-        drafted = self._on_device(state, seeds, probs) if self.head.static_cache else None
+        drafted = None if rows is None else self._on_device(state, rows, probs)
         if drafted is None:  # the reference: the head's levels on the host, a read a level
             drafted = build_scored_tree(state.root, self.shape, lambda frontier: probs(self.head.session.expand(frontier)), seeds, device, deterministic=True)
         tree, _, seeded, expected = drafted
@@ -397,14 +400,13 @@ class HybridDrafter:
         self._last = (tree, seeded)
         return tree
 
-    def _on_device(self, state: DraftState, seeds: Candidates, probs: Callable[[Tensor], Tensor]) -> Optional[tuple]:
-        """``build_scored_tree``'s tree built on the device (``build_scored_tree_on_device``), the
-        lookup's candidates uploaded in one copy: on the static cache, one CUDA graph a step for a
-        head that grows its whole tree (EAGLE, EAGLE-3; Hydra and Clover with graphs), its levels
-        on the device otherwise (Medusa's and DFlash's rows). None where the head's session can do
-        neither (the host builds it)."""
+    def _on_device(self, state: DraftState, rows: Tensor, probs: Callable[[Tensor], Tensor]) -> Optional[tuple]:
+        """``build_scored_tree``'s tree built on the device (``build_scored_tree_on_device``) from
+        the lookup's candidates uploaded in one copy (``rows``: ``seed_rows``): on the static
+        cache, one CUDA graph a step for a head that grows its whole tree (EAGLE, EAGLE-3; Hydra and
+        Clover with graphs), its levels on the device otherwise (Medusa's and DFlash's rows). None
+        where the head's session can do neither (the host builds it)."""
         session, device, shape = self.head.session, state.tokens.device, self.shape
-        rows = torch.tensor(seed_rows(seeds, self.seed_capacity), dtype=torch.float64).to(device)
         build = functools.partial(build_scored_tree_on_device, cost=shape.cost, depth_bound=self.depth_bound)
         root = torch.full((1,), state.root, dtype=torch.long, device=device)
         levels = session.level_logits()
