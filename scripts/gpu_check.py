@@ -10,7 +10,8 @@ goes (DIR/<step>.log) so that a machine taken away mid-run still leaves what it 
 
 1. the machine: GPU, driver, torch / CUDA / triton / transformers versions;
 2. tests/gpu: the fused kernels at real sizes, every trainer and drafter kind on CUDA, one-rank
-   DDP and DeepSpeed ZeRO-2/3 over nccl, the bf16 identity rate;
+   DDP and DeepSpeed ZeRO-2/3 over nccl, the bf16 identity rate (a file to a worker, four side
+   by side, where pytest-xdist is there);
 3. tests/unit and tests/integration (not slow, not interop) with CUDA visible, in parallel
    (pytest-xdist, --workers);
 4. scripts/bench_verify.py --reps 10: fused kernel against the torch reference, full grid;
@@ -153,9 +154,12 @@ def main(argv=None) -> int:
     # The suite in parallel where pytest-xdist is there (make gpu-wheels brings it), else in one process.
     # -v there (net of -q): a line per test as it finishes, which a step stopped at its limit keeps.
     parallel = ["-n", str(args.workers), "-vv"] if importlib.util.find_spec("xdist") else []
+    # The GPU tests a file to a worker (--dist loadfile): each file's tests run in the order and
+    # with the module fixtures they run with in one process, the files side by side on the GPU.
+    by_file = ["-n", "4", "--dist", "loadfile", "-vv"] if importlib.util.find_spec("xdist") else []
     steps = [
         # The CUDA tests only: their simulated twins are CI's.
-        ("gpu-tests", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-m", "gpu", *args.gpu_tests], 0.35),
+        ("gpu-tests", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *by_file, "-m", "gpu", *args.gpu_tests], 0.35),
         ("suite", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *parallel,
                    "-m", "not slow and not interop and not assets", *args.suite_tests], 0.35),
         ("bench-verify", [py, "scripts/bench_verify.py", "--reps", "10", "--out", str(out / "bench-verify.md")], 0.12),
