@@ -84,6 +84,9 @@ class DraftState:
         this generator (on the model's device).
     last_token: ``tokens[0, -1]`` as a Python int when the caller has it (the loop does), so that
         reading the root costs no device sync; None to read it from ``tokens``.
+    host_tokens: ``tokens[0]`` as Python ints when the caller has them (the loop does: the prompt
+        read once, then what each step emitted), so that a lookup reads no new tokens back; None
+        to read them from ``tokens``. Read it during ``propose`` only (the caller goes on appending).
     """
 
     tokens: Tensor
@@ -92,6 +95,7 @@ class DraftState:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generator: Optional[torch.Generator] = None
     last_token: Optional[int] = None
+    host_tokens: Optional[Sequence[int]] = None
 
     @property
     def root(self) -> int:
@@ -698,15 +702,15 @@ class StandaloneDrafter:
             self.cached_len, self._entries = self._prefix + len(kept), None
             return
         if self._rows is not None:
-            # One read of the path (the step has synced on its verdict already); a chain's accepted
+            # The path as the loop read it with the verdict, else one read; a chain's accepted
             # entries are in place.
-            path = result.path[0].tolist()
+            path = result.host_path if result.host_path is not None else result.path[0].tolist()
             kept = [self._rows[node] for node in path[1:] if node >= 0 and self._rows[node] >= 0]
             self.static.keep_entries(self._prefix, kept)
             self.cached_len, self._rows = self._prefix + len(kept), None
             return
-        a = int(result.accept_len[0])
-        path = [self._tree_ids[int(i)] for i in result.path[0, 1 : a + 1]]
+        accepted = result.host_path[1:] if result.host_path is not None else result.path[0, 1 : int(result.accept_len[0]) + 1].tolist()
+        path = [self._tree_ids[i] for i in accepted]
         # Path nodes that got children were forwarded; the last one may not have been.
         kept = [self._slots[node] - self._prefix for node in path if node in self._slots]
         if self.static is not None:

@@ -364,11 +364,13 @@ def speculative_generate(
         stats.target_forwards += 1
     new: list[int] = []
     finished = max_new_tokens == 0
-    # The decided tokens' last one on the host: one read of the prompt, then what each step emits.
-    # A step then syncs with the device once, where it reads the verdict.
-    root = int(input_ids[0, -1])
+    # The decided tokens on the host too: one read of the prompt, then what each step emits. A
+    # step then syncs with the device once, where it reads the verdict.
+    decided = input_ids[0].tolist()
+    root = decided[-1]
     while not finished:
-        state = DraftState(tokens=tokens, new_hidden=hidden, new_layers=layers, sampling=sampling, generator=generator, last_token=root)
+        state = DraftState(tokens=tokens, new_hidden=hidden, new_layers=layers, sampling=sampling, generator=generator, last_token=root,
+                           host_tokens=decided)  # fmt: skip
         t0 = time.perf_counter()
         tree = drafter.propose(state)
         stats.draft_time += time.perf_counter() - t0
@@ -385,6 +387,7 @@ def speculative_generate(
             result = verify_fn(tree, logits, sampling, generator=generator)
         stats.target_forwards += 1
         verdict = read_verdict(tree, result, root)  # the step's one read from the device
+        result.host_path = verdict.path  # the drafter's accept reads it from here
         if not verdict.rooted:
             raise DrafterError(f"{type(drafter).__name__} proposed a tree whose root is not the last decided token")
         t0 = time.perf_counter()
@@ -409,6 +412,7 @@ def speculative_generate(
         # The decided tokens grow on the device from the verdict's own tensors (no upload).
         tokens = torch.cat([tokens, result.accepted_tokens[:, :a].to(tokens.dtype), result.bonus[:1].view(1, 1).to(tokens.dtype)], dim=1)
         root = emitted[-1]
+        decided.extend(emitted)
         # The next drafter sees the target's features of the positions just cached: the path.
         if in_place:
             hidden, layers = tree_hidden[:, : a + 1], {i: h[:, : a + 1] for i, h in tree_layers.items()}

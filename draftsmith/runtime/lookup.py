@@ -79,19 +79,25 @@ class Reliability:
         """Count the seeded nodes of ``tree`` whose parent lies on the accepted path (tested) and
         those on the path (accepted). ``seeded``: a flag per node, a list or a device tensor (a
         tree drafted on the device, read with the verdict)."""
-        read = [result.accept_len[:1], result.path[0]]
-        parents = tree.host_parents
+        # What the host lacks, in one read: the path (where the loop has not read it with the
+        # verdict), the parents (a tree drafted on the device), the seeded flags (likewise).
+        read, path, parents = [], result.host_path, tree.host_parents
+        if path is None:
+            read += [result.accept_len[:1], result.path[0]]
         if parents is None:
             read.append(tree.parents[0])
         if isinstance(seeded, Tensor):
             read.append(seeded.long())
-        a, *rest = torch.cat([x.to(result.path.dtype) for x in read]).tolist()  # one read
-        path, rest = set(rest[: a + 1]), rest[result.path.shape[1] :]
+        rest = torch.cat([x.to(torch.long) for x in read]).tolist() if read else []
+        if path is None:
+            a, rest = rest[0], rest[1:]
+            path, rest = rest[: a + 1], rest[result.path.shape[1] :]
         n = tree.tokens.shape[1]
         if parents is None:
             parents, rest = rest[:n], rest[n:]
         if isinstance(seeded, Tensor):
             seeded = rest[:n]
+        path = set(path)
         for node in range(1, len(parents)):
             if seeded[node] and parents[node] in path:
                 self.tested += 1
@@ -305,7 +311,7 @@ class LookupDrafter:
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> DraftTree:
-        self.matcher.sync(state.tokens[0])
+        self.matcher.sync(state.tokens[0] if state.host_tokens is None else state.host_tokens)
         seeds = self.matcher.candidates(self.shape.depth, self.shape.budget * 4, self.reliability.value)
         tree, _, seeded, expected = build_scored_tree(state.root, self.shape, seeds=seeds, device=state.tokens.device, deterministic=True)
         self.expected.append(expected)
@@ -378,7 +384,7 @@ class HybridDrafter:
     @torch.no_grad()
     def propose(self, state: DraftState) -> DraftTree:
         device = state.tokens.device
-        self.matcher.sync(state.tokens[0])
+        self.matcher.sync(state.tokens[0] if state.host_tokens is None else state.host_tokens)
         seeds = self.matcher.candidates(self.lookup_depth, self.seed_capacity, self.reliability.value)
         # Uploaded before the head's extend is queued: a copy from pageable host memory waits for
         # the stream to drain first, so here it waits for nothing.

@@ -172,6 +172,8 @@ class VerifyResult:
     D is ``tree.depth_bound``: the deepest node, or for a tree grown on the device its spec's depth.
     verdict [3+(D+1)+D+2N] long or None: what a decoding step reads of tree 0, in one row
     (``runtime.verdict.verdict_row``), where the verification made it alongside (inside a CUDA graph).
+    host_path: tree 0's accepted path, root first (accept_len + 1 nodes), as the decoding loop read
+    it with the verdict, so a drafter's ``accept`` needs no read of its own; None where nobody has.
     """
 
     accept_len: Tensor
@@ -180,6 +182,7 @@ class VerifyResult:
     accepted_tokens: Tensor
     bonus: Tensor
     verdict: Optional[Tensor] = None
+    host_path: Optional[list[int]] = None
 
 
 
