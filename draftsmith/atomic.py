@@ -266,8 +266,9 @@ def check_destination(
             raise DestinationError(f"{out} is a mount point, which draftsmith cannot replace: write into a folder inside it (e.g. {out / 'out'})")
         entries = sorted(p.name for p in out.iterdir())
         if entries and not owned(out) and not overwrite:
+            what = "another draftsmith command's output (an export, or an eval report)" if previous_output(out) else "files draftsmith did not write there"
             raise DestinationError(
-                f"{out} already exists and holds files draftsmith did not write there ({len(entries)} entries, e.g. {entries[0]!r}): "
+                f"{out} already exists and holds {what} ({len(entries)} entries, e.g. {entries[0]!r}): "
                 f"choose another destination" + (f", or pass {flag} to replace it" if flag else "")
             )
     check_writable(out)

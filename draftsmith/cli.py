@@ -59,6 +59,7 @@ def cmd_train(args) -> int:
     from draftsmith.trainers import TRAINERS
 
     recipe = _load(args.recipe, args.device)
+    check_data_dir(recipe.data_dir())  # before anything is written there, as prepare checks it
     trainer = TRAINERS[recipe.trainer](recipe, argv=args.argv)
     try:
         trainer.setup()
@@ -104,8 +105,10 @@ SERVER_LOG = "vllm-server.log"  # serve-target's log, by default in the data cac
 
 
 def check_data_dir(folder: Path) -> None:
-    """The data cache gets recipe.yaml and command.txt beside its files: refuse a folder that holds
-    files of the user's (absent, empty, an earlier data cache, or one serve-target logs into are fine)."""
+    """The data step writes its files (and prepare recipe.yaml and command.txt) into the data cache:
+    refuse a folder that holds anything else, the user's files, a training run's folder or an
+    export (absent, empty, an earlier data cache, or one serve-target logs into are fine)."""
+    from draftsmith.atomic import MANIFEST_NAME
     from draftsmith.runs import LOCK_NAME, RunFolderError
 
     if not folder.exists():
@@ -114,8 +117,11 @@ def check_data_dir(folder: Path) -> None:
         raise RunFolderError(f"data.cache_dir {folder} exists and is not a folder")
     # serve-target's log proves nothing either way: the other entries decide.
     entries = sorted(p.name for p in folder.iterdir() if p.name not in (SERVER_LOG, LOCK_NAME))
+    other = "a training run's folder (it holds checkpoints/)" if "checkpoints" in entries else "an export or a report (it holds its manifest)" if MANIFEST_NAME in entries else None
+    if other:
+        raise RunFolderError(f"data.cache_dir {folder} is {other}, whose recipe.yaml and command.txt the data step would replace: choose an empty or new folder")
     command = folder / "command.txt"
-    ours = (command.is_file() and command.read_text(errors="replace").startswith("draftsmith")) or any(
+    ours = (command.is_file() and command.read_text(errors="replace").startswith("draftsmith prepare")) or any(
         name.startswith(("examples-", "regenerated-", "features")) for name in entries
     )
     if entries and not ours:

@@ -146,7 +146,23 @@ def resolve_model_path(path: str, gguf_file: Optional[str] = None) -> tuple[str,
         return str(p), gguf_file
     if path.startswith((".", "/", "~")) or os.sep in path and path.count("/") > 1:
         raise TargetLoadError(f"model folder not found: {p}")
-    return path, gguf_file  # a hub id; HF's own cache (offline) resolves it
+    return _cached_snapshot(path), gguf_file
+
+
+def _cached_snapshot(repo_id: str) -> str:
+    """The folder of hub id ``repo_id`` in the local HF cache, found without the network (which,
+    unreachable, transformers would try with retries for about a minute, even for a cached model)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except Exception as err:  # not cached, or not a valid repo id: either way not here
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TargetLoadError(
+            f"model {repo_id} is not a local folder, and the local HF cache does not hold it ({first}): draftsmith reads hub ids "
+            f"from that cache only, without the network. Download it there first, or give a local folder, a .gguf file or a "
+            f"built-in name ({', '.join(BUILTIN_MODELS)})"
+        ) from None
 
 
 def _dequantized_cache_dir(folder: str, gguf_file: str) -> Path:

@@ -23,7 +23,7 @@ def report_folder(folder: str | os.PathLike) -> bool:
     which a rerun may replace."""
     folder = Path(folder)
     if previous_output(folder):
-        return True
+        return "report.json" in manifest_files(folder)  # eval's; an export's is not eval's to replace
     present = {p.name for p in folder.iterdir()}
     return manifest_files(folder) is None and bool(present) and present <= {*REPORT_FILES, ACCEPTANCE_CSV}
 

@@ -11,7 +11,7 @@ reads them back; what a source folder holds is draftsmith.artifacts' question, n
 from pathlib import Path
 
 from draftsmith.artifacts import HeadArtifact, open_drafter
-from draftsmith.atomic import atomic_path, check_destination, write_manifest
+from draftsmith.atomic import atomic_path, check_destination, manifest_files, previous_output, write_manifest
 from draftsmith.export import native, sglang, speculators, vllm
 from draftsmith.export.base import ExportError, ExportOptions
 from draftsmith.export.hub import push_folder
@@ -25,6 +25,12 @@ FORMATS = {
 }
 
 
+def export_folder(folder: str | Path) -> bool:
+    """Whether `folder` holds only what an export wrote (its manifest lists every file), which a
+    later export may replace whole; an eval report, which has a manifest too, is not one."""
+    return previous_output(folder) and "report.json" not in (manifest_files(folder) or ())
+
+
 def export(
     source: str | Path, out: str | Path, format: str = "draftsmith", options: ExportOptions = ExportOptions(), overwrite: bool = False
 ) -> Path:
@@ -35,7 +41,7 @@ def export(
         raise ExportError(f"unknown export format '{format}'; one of: {', '.join(FORMATS)}")
     artifact = open_drafter(source)  # reads what the folder records; weights of a whole model load later
     # An export may go inside a run folder (run/export), never around it or inside what is read.
-    check_destination(out, inputs=[artifact.folder], around=[source], overwrite=overwrite)
+    check_destination(out, inputs=[artifact.folder], around=[source], overwrite=overwrite, owned=export_folder)
     if isinstance(artifact, HeadArtifact) and artifact.head is None:
         raise ExportError(f"{source} is a {artifact.layout} folder written by another tool: export reads what draftsmith trained (a run, a checkpoint or a draftsmith export)")
     converter = FORMATS[format]

@@ -44,16 +44,22 @@ def world(tmp_path_factory, tiny_llama_dir):
     recipe = heads_recipe(root, tiny_llama_dir, "run", "train.max_steps=2", "train.save_every=2", "train.eval_every=2")
     run_trainer(recipe)
     assert main(["export", str(root / "run"), "--out", str(root / "export")]) == 0
+    assert main(["eval", "--drafter", str(root / "export"), "--prompts", str(_prompts(root)), "--max-new-tokens", "4", "--out", str(root / "report")]) == 0
     user = root / "mine"
     user.mkdir()
     (user / "notes.txt").write_text("a day of work\n")
     (user / "recipe.yaml").write_text("my own recipe, not draftsmith's\n")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in ("red cat", "blue dog")))
+    prompts = _prompts(root)
     latin1 = root / "latin1.jsonl"
     latin1.write_bytes(json.dumps({"prompt": "caf"}).encode()[:-2] + b'\xe9"}\n')
-    return {"root": root, "recipe": root / "run.yaml", "run": root / "run", "export": root / "export", "user": user,
+    return {"root": root, "recipe": root / "run.yaml", "run": root / "run", "export": root / "export", "report": root / "report", "user": user,
             "prompts": prompts, "latin1": latin1, "model": tiny_llama_dir}  # fmt: skip
+
+
+def _prompts(root: Path) -> Path:
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in ("red cat", "blue dog")))
+    return prompts
 
 
 def damaged_copy(src: Path, dst: Path, damage) -> Path:
@@ -85,6 +91,13 @@ ROWS = NO_CUDA + [
     ("resume another head kind", lambda w: ["train", str(w["recipe"]), "head.kind=hydra", "train.max_steps=3"], 2, ["head.kind", "hydra", "medusa"]),
     ("resume a reshaped head", lambda w: ["train", str(w["recipe"]), "head.num_heads=3", "train.max_steps=3"], 2, ["does not fit", "head"]),
     ("data cache in the user's folder", lambda w: ["prepare", str(w["recipe"]), f"data.cache_dir={w['user']}"], 2, ["data.cache_dir", "not a draftsmith data cache"]),
+    ("train's data cache in the user's folder", lambda w: ["train", str(w["recipe"]), f"data.cache_dir={w['user']}"], 2, ["data.cache_dir", "not a draftsmith data cache"]),
+    # A run's recipe.yaml and command.txt are its record; an export's files are what the user ships.
+    ("the data cache in a run folder", lambda w: ["prepare", str(w["recipe"]), f"data.cache_dir={w['run']}"], 2, ["data.cache_dir", "training run's folder"]),
+    ("train's data cache in an export", lambda w: ["train", str(w["recipe"]), f"data.cache_dir={w['export']}"], 2, ["data.cache_dir", "an export or a report"]),
+    # eval and export each replace only their own earlier output, never the other's.
+    ("eval --out over an export", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--out", str(w["export"])], 2, ["another draftsmith command's output", "--overwrite"]),
+    ("export --out over an eval report", lambda w: ["export", str(w["run"]), "--out", str(w["report"])], 2, ["another draftsmith command's output", "--overwrite"]),
     ("export from nowhere", lambda w: ["export", str(w["root"] / "nope"), "--out", str(w["root"] / "x1")], 2, ["not found"]),
     ("export over the user's folder", lambda w: ["export", str(w["run"]), "--out", str(w["user"])], 2, ["mine", "--overwrite"]),
     ("export into the checkpoint it reads", lambda w: ["export", str(w["run"]), "--out", str(next((w["run"] / "checkpoints").iterdir()) / "x")], 2, ["inside the input"]),
@@ -140,7 +153,7 @@ def _unknown_kind(folder: Path) -> None:
 @pytest.mark.parametrize("name, argv, code, words", ROWS, ids=[row[0] for row in ROWS])
 def test_bad_input_is_one_line_with_its_exit_code_and_loses_nothing(world, capsys, monkeypatch, name, argv, code, words):
     monkeypatch.setenv("DRAFTSMITH_VLLM_VENV", str(world["root"] / "no-venv"))
-    before = {key: snapshot(world[key]) for key in ("user", "run", "export")}
+    before = {key: snapshot(world[key]) for key in ("user", "run", "export", "report")}
     args = argv(world)
     capsys.readouterr()
     started = time.monotonic()

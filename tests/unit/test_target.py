@@ -65,11 +65,16 @@ def test_load_from_folder_and_bad_paths(tiny_qwen2_dir, tmp_path):
         FrozenTarget.load(str(tmp_path / "nowhere") + "/")
 
 
-def test_hub_id_loads_offline_from_the_local_hub_cache(tiny_qwen2_dir, tmp_path):
-    """A hub id resolves from the local Hugging Face cache (HF_HUB_OFFLINE=1), never the network."""
+@pytest.mark.parametrize("hub_offline", ["1", None], ids=["HF_HUB_OFFLINE=1", "HF_HUB_OFFLINE unset"])
+def test_hub_id_loads_offline_from_the_local_hub_cache(tiny_qwen2_dir, tmp_path, hub_offline):
+    """A hub id resolves from the local Hugging Face cache, never the network, whether or not the
+    environment says offline (unset, an unreachable hub was tried with retries for about a minute):
+    a model the cache lacks is refused at once, saying where draftsmith looked and what else works."""
+    import os
     import shutil
     import subprocess
     import sys
+    import time
 
     commit = "0" * 40
     repo = tmp_path / "hub" / "models--some-org--tiny-qwen2"
@@ -85,12 +90,16 @@ def test_hub_id_loads_offline_from_the_local_hub_cache(tiny_qwen2_dir, tmp_path)
         "except Exception as err:\n"
         "    print(type(err).__name__, err)\n"
     )
-    env = {**__import__("os").environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    env = {key: value for key, value in os.environ.items() if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update({"HF_HUB_CACHE": str(tmp_path / "hub")}, **({"HF_HUB_OFFLINE": hub_offline} if hub_offline else {}))
+    started = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "3 64"
     assert lines[1].startswith("TargetLoadError") and "some-org/not-cached" in lines[1], lines[1]
+    assert "local HF cache" in lines[1] and "smollm2-135m" in lines[1], lines[1]
+    assert time.monotonic() - started < 20  # no network retries (about 5 s here: the interpreter and torch start in it; 29 s with them)
 
 
 def test_capture_on_a_model_that_trains_lets_gradients_through():
