@@ -12,6 +12,7 @@ import dataclasses
 import typing
 import difflib
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -560,7 +561,9 @@ def _omegaconf_error(err: OmegaConfBaseException, prefix: str = "") -> RecipeErr
 
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
-        raise RecipeError(f"recipe file not found: {path}")
+        looks_like_a_key = re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", str(path)) and path.suffix not in (".yaml", ".yml")
+        hint = f" (an override is key=value: {path}=...)" if looks_like_a_key else ""
+        raise RecipeError(f"recipe file not found: {path}{hint}")
     try:
         data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     except Exception as err:  # yaml.YAMLError and omegaconf errors alike

@@ -22,7 +22,8 @@ def head_config_values(head) -> dict:
 
 
 def model_card(
-    kind: str, head_cfg: dict, target: dict, recipe_yaml: str, metrics: Optional[dict], use: str = DRAFTSMITH_USE, layout: str = "draftsmith"
+    kind: str, head_cfg: dict, target: dict, recipe_yaml: str, metrics: Optional[dict], use: str = DRAFTSMITH_USE, layout: str = "draftsmith",
+    holds_target_lm_head: bool = False,
 ) -> str:
     """A draft head's card: front matter for search, then what the drafter is and how to run it
     (`use`: the Use section's markdown, the serve command of the folder's `layout`)."""
@@ -42,7 +43,10 @@ def model_card(
         "",
         f"A {kind} draft head trained with draftsmith {__version__} against the frozen target `{target['path']}` "
         f"({target.get('model_type') or 'decoder'}, {target['num_layers']} layers, hidden size {target['hidden_size']}, "
-        f"vocabulary {target['vocab_size']}). It holds only the head's own weights; speculative decoding with it "
+        f"vocabulary {target['vocab_size']}). "
+        + ("It holds the head's own weights and one copy of the target's LM head, which this layout cannot point at"
+           if holds_target_lm_head else "It holds only the head's own weights")
+        + "; speculative decoding with it "
         "produces exactly the target's output, faster when the head agrees with the target.",
         "",
         "## Use",

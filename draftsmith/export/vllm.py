@@ -115,4 +115,7 @@ def write(drafter, folder: Path, options: ExportOptions) -> None:
         return
     write_engine_folder(drafter, folder, NAME)
     head = drafter.head
-    write_provenance(folder, drafter.recipe_yaml, drafter.metrics, model_card(kind, head_config_values(head), drafter.target, drafter.recipe_yaml, drafter.metrics, use, NAME))
+    # vLLM's Medusa cannot point at the target's LM head: heads that share it carry one copy (layouts/medusa.py).
+    copied = kind == "medusa" and getattr(head.cfg, "lm_head", None) == "target"
+    card = model_card(kind, head_config_values(head), drafter.target, drafter.recipe_yaml, drafter.metrics, use, NAME, holds_target_lm_head=copied)
+    write_provenance(folder, drafter.recipe_yaml, drafter.metrics, card)

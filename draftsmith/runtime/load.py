@@ -18,6 +18,7 @@ head's tree (``HybridDrafter``).
 
 from __future__ import annotations
 
+import difflib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from draftsmith.runtime.static import check_cache
 from draftsmith.runtime.early_exit import DEFAULT_DRAFT_LENGTH, EarlyExitDrafter, is_chain
 from draftsmith.runtime.lookup import DEFAULT_LOOKUP_TREE, LOOKUP_KINDS, HybridDrafter, LookupDrafter, make_matcher
 from draftsmith.runtime.tree import SparseTree, TreeError, TreeSpec, default_tree, parse_tree, tree_shape
-from draftsmith.target import FrozenTarget, choose_device, resolve_dtype
+from draftsmith.target import BUILTIN_MODELS, FrozenTarget, choose_device, resolve_dtype
 
 
 @dataclass
@@ -111,6 +112,12 @@ def load_drafter(
     if by_name:
         loaded = _lookup(str(folder), target, chosen, tree, spec, lookup, where)
     else:
+        if not Path(folder).exists() and str(folder) not in BUILTIN_MODELS:
+            # Not a folder: perhaps a built-in name mistyped (``sufix``).
+            close = difflib.get_close_matches(str(folder), [*LOOKUP_KINDS, *BUILTIN_MODELS], n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise DrafterError(f"drafter folder not found: {folder} ({hint}--drafter takes a run, checkpoint or export folder, or a built-in name: "
+                               f"{', '.join([*LOOKUP_KINDS, *BUILTIN_MODELS])})")  # fmt: skip
         artifact = open_drafter(folder, chosen, exit_layer)
         if isinstance(artifact, EarlyExitArtifact):
             loaded = _early_exit(artifact, target, tree, spec, where)

@@ -98,6 +98,8 @@ ROWS = NO_CUDA + [
     # eval and export each replace only their own earlier output, never the other's.
     ("eval --out over an export", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--out", str(w["export"])], 2, ["another draftsmith command's output", "--overwrite"]),
     ("export --out over an eval report", lambda w: ["export", str(w["run"]), "--out", str(w["report"])], 2, ["another draftsmith command's output", "--overwrite"]),
+    ("a mistyped built-in drafter", lambda w: ["generate", "--drafter", "sufix", "--prompt", "hi"], 2, ["sufix", "did you mean 'suffix'", "built-in name"]),
+    ("an override without its value", lambda w: ["train", str(w["recipe"]), "train.max_steps"], 2, ["train.max_steps", "key=value"]),
     ("export from nowhere", lambda w: ["export", str(w["root"] / "nope"), "--out", str(w["root"] / "x1")], 2, ["not found"]),
     ("export over the user's folder", lambda w: ["export", str(w["run"]), "--out", str(w["user"])], 2, ["mine", "--overwrite"]),
     ("export into the checkpoint it reads", lambda w: ["export", str(w["run"]), "--out", str(next((w["run"] / "checkpoints").iterdir()) / "x")], 2, ["inside the input"]),

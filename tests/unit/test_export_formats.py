@@ -211,6 +211,9 @@ def test_medusa_in_vllm_layout(target, tmp_path):
     tensors = load_file(str(shared / "model.safetensors"))
     assert torch.equal(tensors["lm_head.weight"], target[1].lm_head_weight())
     assert json.loads((shared / "config.json").read_text())["original_lm_head"] is True
+    # And their cards say so, where heads with their own LM heads hold only their weights.
+    assert "one copy of the target's LM head" in (shared / "README.md").read_text()
+    assert "holds only the head's own weights" in (out / "README.md").read_text()
 
 
 DFLASH_LAYER = (
