@@ -78,7 +78,7 @@ class Reliability:
     def record(self, tree: DraftTree, seeded: Union[Sequence[bool], Tensor], result: VerifyResult) -> None:
         """Count the seeded nodes of ``tree`` whose parent lies on the accepted path (tested) and
         those on the path (accepted). ``seeded``: a flag per node, a list or a device tensor (a
-        tree drafted on the device, read with the verdict)."""
+        tree drafted on the device: read here, with its parents, in one copy)."""
         # What the host lacks, in one read: the path (where the loop has not read it with the
         # verdict), the parents (a tree drafted on the device), the seeded flags (likewise).
         read, path, parents = [], result.host_path, tree.host_parents
