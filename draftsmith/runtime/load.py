@@ -104,6 +104,10 @@ def load_drafter(
         raise DrafterError(f"--hybrid merges lookup with a trained drafter: give its folder as --drafter, not {folder!r}")
     if lookup.global_cache and "suffix" not in (str(folder), hybrid):
         raise DrafterError("--suffix-cache belongs to suffix matching: use --drafter suffix or --hybrid suffix")
+    if (lookup.prompt_lookup_min, lookup.prompt_lookup_max) != (LookupOptions.prompt_lookup_min, LookupOptions.prompt_lookup_max) and "lookup" not in (str(folder), hybrid):
+        raise DrafterError("--prompt-lookup-min/--prompt-lookup-max belong to prompt lookup: use --drafter lookup or --hybrid lookup")
+    if by_name and exit_layer is not None:
+        raise DrafterError(f"--exit-layer belongs to a model drafting for itself; --drafter {folder} drafts from lookup, without a model")
     try:
         check_cache(cache)
     except ValueError as err:

@@ -100,6 +100,9 @@ ROWS = NO_CUDA + [
     ("export --out over an eval report", lambda w: ["export", str(w["run"]), "--out", str(w["report"])], 2, ["another draftsmith command's output", "--overwrite"]),
     ("a mistyped built-in drafter", lambda w: ["generate", "--drafter", "sufix", "--prompt", "hi"], 2, ["sufix", "did you mean 'suffix'", "built-in name"]),
     ("an override without its value", lambda w: ["train", str(w["recipe"]), "train.max_steps"], 2, ["train.max_steps", "key=value"]),
+    # Flags that belong to another drafter are refused, not ignored.
+    ("--exit-layer for suffix matching", lambda w: ["generate", "--drafter", "suffix", "--prompt", "hi", "--exit-layer", "4"], 2, ["--exit-layer", "suffix"]),
+    ("n-gram sizes for suffix matching", lambda w: ["generate", "--drafter", "suffix", "--prompt", "hi", "--prompt-lookup-max", "2"], 2, ["--prompt-lookup-max", "--drafter lookup"]),
     ("export from nowhere", lambda w: ["export", str(w["root"] / "nope"), "--out", str(w["root"] / "x1")], 2, ["not found"]),
     ("export over the user's folder", lambda w: ["export", str(w["run"]), "--out", str(w["user"])], 2, ["mine", "--overwrite"]),
     ("export into the checkpoint it reads", lambda w: ["export", str(w["run"]), "--out", str(next((w["run"] / "checkpoints").iterdir()) / "x")], 2, ["inside the input"]),
