@@ -447,7 +447,7 @@ class HeadDrafter:
     def __init__(self, head: nn.Module, target, tree: Union[TreeSpec, DynamicTreeSpec, AdaptiveTreeSpec], cache: str = "auto") -> None:
         depth = tree.max_depth if isinstance(tree, TreeSpec) else tree.depth  # dynamic and adaptive trees both have .depth
         if depth > head.depth:
-            raise DrafterError(f"the tree is {depth} deep but the {head.cfg.kind} head drafts {head.depth} tokens")
+            raise DrafterError(f"the tree is {depth} deep but the {head.cfg.kind} head drafts {head.depth} tokens: give --tree a depth of at most {head.depth}")
         self.head = head.eval()
         self.target = target
         self.tree = tree

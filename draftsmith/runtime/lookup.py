@@ -345,7 +345,10 @@ class HybridDrafter:
         self.tree = tree if tree is not None else head.tree
         self.shape = tree_shape(self.tree)
         if self.shape.depth > head.head.depth:
-            raise DrafterError(f"the tree is {self.shape.depth} deep but the {head.head.cfg.kind} head drafts {head.head.depth} tokens")
+            raise DrafterError(
+                f"the tree is {self.shape.depth} deep but the {head.head.cfg.kind} head drafts {head.head.depth} tokens: give --tree a depth of at most "
+                f"{head.head.depth} (in a hybrid the lookup drafts deeper on its own, up to {lookup_depth})"
+            )
         self.lookup_depth = max(lookup_depth, self.shape.depth)
         # The lookup's candidates a step (``candidates``' budget), and how deep a tree can reach.
         self.seed_capacity = self.shape.budget * 4

@@ -165,6 +165,13 @@ def test_a_hybrid_refuses_a_drafter_that_is_not_a_head(setup):
         HybridDrafter(StandaloneDrafter(target.model), SuffixMatcher())
 
 
+def test_a_hybrid_tree_deeper_than_its_head_is_refused_saying_what_fits(setup):
+    target, _, _ = setup
+    head = HeadDrafter(_random_medusa(target, 2), target, default_tree(2, (2, 1)))
+    with pytest.raises(Exception, match=r"the tree is 5 deep but the medusa head drafts 4 tokens: give --tree a depth of at most 4 \(in a hybrid the lookup drafts deeper"):
+        HybridDrafter(head, SuffixMatcher(), AdaptiveTreeSpec(5, 3, 8))
+
+
 # ---------------------------------------------------------------- sampling
 
 V = 8
