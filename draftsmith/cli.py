@@ -1,4 +1,4 @@
-"""draftsmith command line: train | prepare | validate | ls | export | push | generate | eval.
+"""draftsmith command line: train | prepare | serve-target | validate | ls | export | push | generate | eval.
 
 Bad input (a recipe, a folder, a model, a tree that cannot be used) exits with code 2, a run that
 cannot go on (a NaN loss) with code 1; both print one line, no traceback.
@@ -215,8 +215,9 @@ def cmd_ls(args) -> int:
     print("heads:       " + ", ".join(HEADS))
     print("divergences: " + ", ".join([*DIVERGENCES, *SAMPLED_OBJECTIVES]))
     print("targets:     " + ", ".join(BUILTIN_MODELS) + "  (built in, from PyPI packages)")
-    print("recipes:")
-    for path in all_recipe_files(args.root):
+    recipes = all_recipe_files(args.root)
+    print("recipes:" + ("" if recipes else f"  none under {args.root}/ (the recipes come with a clone of the repository: pass --root to point at them)"))
+    for path in recipes:
         print(f"  {path}")
     return 0
 
@@ -314,7 +315,7 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
         "--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
         help="precision of decoding (default auto: bf16 where the hardware has it, fp32 elsewhere; greedy output is token-identical to the target's own only in float32)",
     )  # fmt: skip
-    p.add_argument("--max-new-tokens", type=bounded(int, 1, MAX_NEW_TOKENS), default=128)
+    p.add_argument("--max-new-tokens", type=bounded(int, 1, MAX_NEW_TOKENS), default=128, help="tokens to generate after each prompt (default: 128)")
     p.add_argument("--temperature", type=bounded(float, 0.0), default=0.0, help="0 decodes greedily")
     p.add_argument("--top-k", type=bounded(int, 0), default=0, help="0 keeps the whole vocabulary")
     p.add_argument("--top-p", type=bounded(float, 0.0, 1.0, low_open=True), default=1.0)
@@ -457,7 +458,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from draftsmith import __version__
+
     parser = OneLineParser(prog="draftsmith", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"draftsmith {__version__}")
     parser.epilog = f"Errors are one line; --debug anywhere on the command line (or {DEBUG_ENV}=1) shows the traceback instead."
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
@@ -479,12 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve_target)
 
     p = sub.add_parser("validate", help="load recipes strictly and report errors (default: every recipes/**/*.yaml)")
-    p.add_argument("paths", nargs="*")
-    p.add_argument("--root", default="recipes")
+    p.add_argument("paths", nargs="*", help="recipe files (and engine fragments) to check (default: every *.yaml under --root)")
+    p.add_argument("--root", default="recipes", help="the folder of recipes to check, and to merge engine fragments into (default: recipes)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("ls", help="list trainers, heads, divergences, built-in targets and recipes")
-    p.add_argument("--root", default="recipes")
+    p.add_argument("--root", default="recipes", help="the folder whose recipes are listed (default: recipes, as in a clone of the repository)")
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("export", help="write a trained drafter as a folder that draftsmith, vLLM, SGLang or speculators loads")

@@ -121,6 +121,11 @@ def test_cli_validate_and_ls():
     proc = _cli("ls")
     assert proc.returncode == 0, proc.stderr
     assert "medusa" in proc.stdout and "heads" in proc.stdout and "smollm2-135m.yaml" in proc.stdout
+    # Away from a clone there are no recipes: ls says where it looked and how to point it elsewhere.
+    proc = _cli("ls", "--root", "no-such-folder")
+    assert proc.returncode == 0 and "recipes:  none under no-such-folder/" in proc.stdout and "--root" in proc.stdout, proc.stdout
+    version = _cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"draftsmith {__import__('draftsmith').__version__}"
 
 
 def test_validate_reports_a_fragment_that_breaks_a_recipe(tmp_path):
