@@ -441,6 +441,7 @@ def cmd_eval(args) -> int:
     print(
         f"mean accepted length {report['mean_accepted_length']:.3f}, acceptance rate {report['acceptance_rate']:.3f}, "
         f"speedup {report['speedup']:.2f}x over plain decoding"
+        + (" [{:.2f}, {:.2f}] (95% over prompts)".format(*report["speedup_ci95"]) if report.get("speedup_ci95") else "")
         + ("" if sampling.lossless else "  [typical acceptance: NOT lossless]")
     )
     if loaded.kind == "early_exit":

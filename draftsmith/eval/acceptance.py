@@ -57,6 +57,10 @@ class AcceptanceStats:
     assisted_generations: int = 0
     # (steps, accepted tokens) of each speculative generation (one prompt each), for the spread.
     per_generation: list[tuple[int, int]] = field(default_factory=list)
+    # (new tokens, seconds) of each speculative generation and of each baseline one, for the
+    # speedup's interval (paired by prompt).
+    per_generation_timing: list[tuple[int, float]] = field(default_factory=list)
+    per_baseline_timing: list[tuple[int, float]] = field(default_factory=list)
     _open_steps: int = 0
     _open_accepted: int = 0
 
@@ -95,6 +99,7 @@ class AcceptanceStats:
         produced, wall time, target forwards it ran."""
         _check_timing(new_tokens, seconds)
         self.per_generation.append((self._open_steps, self._open_accepted))
+        self.per_generation_timing.append((new_tokens, seconds))
         self._open_steps = self._open_accepted = 0
         self.generations += 1
         self.new_tokens += new_tokens
@@ -104,6 +109,7 @@ class AcceptanceStats:
     def add_baseline(self, new_tokens: int, seconds: float) -> None:
         """One generation of the same prompt by the target alone (plain autoregressive decoding)."""
         _check_timing(new_tokens, seconds)
+        self.per_baseline_timing.append((new_tokens, seconds))
         self.baseline_tokens += new_tokens
         self.baseline_seconds += seconds
 
@@ -168,6 +174,14 @@ class AcceptanceStats:
         """Target-only throughput: baseline new tokens / baseline seconds."""
         return _ratio(self.baseline_tokens, self.baseline_seconds)
 
+    def speedup_interval(self) -> list[float] | None:
+        """A 95 % percentile bootstrap interval of the speedup over prompts, each prompt's
+        speculative and baseline generations resampled together (``paired_ratio``); None without a
+        baseline for each of two or more generations. Wall-clock figures: on a shared machine
+        they move with its load, which the interval shows only in part."""
+        interval = paired_ratio(self.per_generation_timing, self.per_baseline_timing)
+        return None if interval is None else [interval[0], interval[2]]
+
     @property
     def speedup(self) -> float | None:
         """tokens_per_second / baseline_tokens_per_second (wall-clock speedup over the target)."""
@@ -217,6 +231,7 @@ class AcceptanceStats:
             "tokens_per_second": self.tokens_per_second,
             "baseline_tokens_per_second": self.baseline_tokens_per_second,
             "speedup": self.speedup,
+            "speedup_ci95": self.speedup_interval(),
             "tokens_per_target_forward": self.tokens_per_target_forward,
             "steps": self.steps,
             "accepted_tokens": self.accepted_tokens,

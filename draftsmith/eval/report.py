@@ -120,6 +120,9 @@ def _markdown(report: dict[str, Any], meta: dict[str, Any], stats: AcceptanceSta
         ("baseline (target alone) tokens/s", report["baseline_tokens_per_second"]),
         ("speedup over baseline", report["speedup"]),
     ]
+    if report.get("speedup_ci95"):
+        low, high = report["speedup_ci95"]
+        rows.append(("speedup, 95% interval over prompts (paired bootstrap)", f"[{low:.3f}, {high:.3f}]"))
     if "assisted_tokens_per_second" in report:
         rows += [
             ("assisted generation tokens/s", report["assisted_tokens_per_second"]),

@@ -230,3 +230,24 @@ def test_paired_ratio_is_a_ratio_of_pooled_rates_over_prompts_resampled_together
     pooled = sum(x for x, _ in mixed) / sum(x for x, _ in base)
     assert 1.0 < low < pooled < high < 1.5
     assert paired_ratio(base[:1], base[:1]) is None and paired_ratio(base, base[:4]) is None
+
+
+def test_the_speedup_has_a_paired_interval_over_prompts(tmp_path):
+    """The report's speedup comes with a 95 % bootstrap interval, each prompt's speculative and
+    baseline generations resampled together; with one prompt there is none."""
+    stats = AcceptanceStats()
+    for tokens, fast, slow in [(40, 1.0, 2.0), (40, 1.5, 2.0), (40, 0.8, 2.4), (40, 1.2, 1.8)]:
+        stats.add_step(1, 2)
+        stats.add_generation(tokens, fast, 20)
+        stats.add_baseline(tokens, slow)
+    low, high = stats.speedup_interval()
+    assert low <= stats.speedup <= high and low < high
+    assert [low, high] == paired_ratio(stats.per_generation_timing, stats.per_baseline_timing)[::2]
+    report = write_report(stats, tmp_path / "r", {"drafter": "x"})
+    assert report["speedup_ci95"] == [low, high]
+    assert f"| speedup, 95% interval over prompts (paired bootstrap) | [{low:.3f}, {high:.3f}] |" in (tmp_path / "r" / "report.md").read_text()
+    one = AcceptanceStats()
+    one.add_step(1, 2)
+    one.add_generation(40, 1.0, 20)
+    one.add_baseline(40, 2.0)
+    assert one.speedup_interval() is None and one.summary()["speedup_ci95"] is None
