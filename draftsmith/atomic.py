@@ -241,6 +241,12 @@ def previous_output(folder: Union[str, Path]) -> bool:
     return listed is not None and present <= listed
 
 
+def previous_report(folder: Union[str, Path]) -> bool:
+    """Whether `folder` is a previous output of eval (its manifest lists every file, report.json
+    among them): eval's to replace, not export's."""
+    return previous_output(folder) and "report.json" in manifest_files(folder)
+
+
 def check_destination(
     out: Union[str, Path], inputs=(), overwrite: bool = False, owned=previous_output, flag: str = "--overwrite", around=()
 ) -> None:
@@ -291,5 +297,5 @@ def check_writable(out: Union[str, Path]) -> None:
 __all__ = [
     "DestinationError", "DiskFullError",
     "MANIFEST_NAME", "TMP_PREFIX", "atomic_path", "check_destination", "check_writable", "commit", "current_umask", "full_disk_names", "honour_umask", "is_disk_full",
-    "manifest_files", "manifest_problem", "previous_output", "sha256_file", "temporary_name", "write_atomic", "write_manifest",
+    "manifest_files", "manifest_problem", "previous_output", "previous_report", "sha256_file", "temporary_name", "write_atomic", "write_manifest",
 ]

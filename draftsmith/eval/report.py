@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from draftsmith.atomic import atomic_path, manifest_files, previous_output, write_manifest
+from draftsmith.atomic import atomic_path, manifest_files, previous_output, previous_report, write_manifest
 from draftsmith.eval.acceptance import AcceptanceStats
 
 __all__ = ["report_folder", "write_report"]
@@ -23,7 +23,7 @@ def report_folder(folder: str | os.PathLike) -> bool:
     which a rerun may replace."""
     folder = Path(folder)
     if previous_output(folder):
-        return "report.json" in manifest_files(folder)  # eval's; an export's is not eval's to replace
+        return previous_report(folder)  # eval's; an export's is not eval's to replace
     present = {p.name for p in folder.iterdir()}
     return manifest_files(folder) is None and bool(present) and present <= {*REPORT_FILES, ACCEPTANCE_CSV}
 

@@ -110,19 +110,11 @@ def _count_forwards(model):
     return counter, model.register_forward_pre_hook(hook)
 
 
-# What a drafter carries from one generation to the next (reset() keeps it): lookup's measured
-# reliability and its matcher (with the suffix cache across answers), and the trees' expected lengths.
-_CARRIED = ("reliability", "matcher", "expected", "_expected", "_unread")
-
-
 @contextlib.contextmanager
 def _state_kept(drafter):
-    """Put back, after the block, what ``drafter`` carries across generations (``_CARRIED``)."""
-    kept = {
-        name: copy.deepcopy(getattr(drafter, name))
-        for name in _CARRIED
-        if hasattr(drafter, name) and not isinstance(getattr(type(drafter), name, None), property)
-    }
+    """Put back, after the block, what ``drafter`` carries across generations: the attributes its
+    ``carried`` names (lookup's reliability and matcher; none for most drafters)."""
+    kept = {name: copy.deepcopy(getattr(drafter, name)) for name in getattr(drafter, "carried", ())}
     try:
         yield
     finally:

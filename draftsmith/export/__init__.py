@@ -11,7 +11,7 @@ reads them back; what a source folder holds is draftsmith.artifacts' question, n
 from pathlib import Path
 
 from draftsmith.artifacts import HeadArtifact, open_drafter
-from draftsmith.atomic import atomic_path, check_destination, manifest_files, previous_output, write_manifest
+from draftsmith.atomic import atomic_path, check_destination, previous_output, previous_report, write_manifest
 from draftsmith.export import native, sglang, speculators, vllm
 from draftsmith.export.base import ExportError, ExportOptions
 from draftsmith.export.hub import push_folder
@@ -28,7 +28,7 @@ FORMATS = {
 def export_folder(folder: str | Path) -> bool:
     """Whether `folder` holds only what an export wrote (its manifest lists every file), which a
     later export may replace whole; an eval report, which has a manifest too, is not one."""
-    return previous_output(folder) and "report.json" not in (manifest_files(folder) or ())
+    return previous_output(folder) and not previous_report(folder)
 
 
 def export(

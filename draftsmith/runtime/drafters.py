@@ -102,6 +102,12 @@ class DraftState:
         return int(self.tokens[0, -1]) if self.last_token is None else self.last_token
 
     @property
+    def decided(self) -> Union[Sequence[int], Tensor]:
+        """The decided tokens: ``host_tokens`` where the caller has them, else ``tokens[0]`` (on
+        the device: read only what is needed of it)."""
+        return self.tokens[0] if self.host_tokens is None else self.host_tokens
+
+    @property
     def prefix_len(self) -> int:
         return self.tokens.shape[1] - 1
 

@@ -293,6 +293,10 @@ class LookupDrafter:
     spec: depth, budget and, for an AdaptiveTreeSpec, the cost that cuts unpromising levels). No
     model, no forward; the tree is fixed candidates."""
 
+    # What it carries from one generation to the next (reset() keeps it): the measured reliability,
+    # the matcher (with its cross-answer cache), the trees' expected lengths.
+    carried = ("reliability", "matcher", "expected")
+
     def __init__(self, matcher: _Matcher, tree: Spec = DEFAULT_LOOKUP_TREE) -> None:
         self.matcher = matcher
         self.tree = tree
@@ -311,7 +315,7 @@ class LookupDrafter:
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> DraftTree:
-        self.matcher.sync(state.tokens[0] if state.host_tokens is None else state.host_tokens)
+        self.matcher.sync(state.decided)
         seeds = self.matcher.candidates(self.shape.depth, self.shape.budget * 4, self.reliability.value)
         tree, _, seeded, expected = build_scored_tree(state.root, self.shape, seeds=seeds, device=state.tokens.device, deterministic=True)
         self.expected.append(expected)
@@ -336,6 +340,10 @@ class HybridDrafter:
     node, the one node budget and, for an AdaptiveTreeSpec, the cost of dynamic depth; its depth
     bounds the head's levels (the lookup may draft deeper, up to ``lookup_depth``).
     """
+
+    # What it carries from one generation to the next, as LookupDrafter (the expected lengths in
+    # their two lists).
+    carried = ("reliability", "matcher", "_expected", "_unread")
 
     def __init__(self, head: HeadDrafter, matcher: _Matcher, tree: Optional[Spec] = None, lookup_depth: int = 8) -> None:
         if not isinstance(head, HeadDrafter):
@@ -387,7 +395,7 @@ class HybridDrafter:
     @torch.no_grad()
     def propose(self, state: DraftState) -> DraftTree:
         device = state.tokens.device
-        self.matcher.sync(state.tokens[0] if state.host_tokens is None else state.host_tokens)
+        self.matcher.sync(state.decided)
         seeds = self.matcher.candidates(self.lookup_depth, self.seed_capacity, self.reliability.value)
         # Uploaded before the head's extend is queued: a copy from pageable host memory waits for
         # the stream to drain first, so here it waits for nothing.
