@@ -8,7 +8,8 @@ On a GPU at batch 1 a step costs what launching its kernels costs: a piece captu
 graph is one launch, every other operation a launch and a pass through Python. This counts them on
 any machine: the drafters of scripts/bench_gpu.py (EAGLE-3 with its EAGLE-2 tree, DFlash, Medusa,
 Hydra++, Clover-2,
-the one-layer draft model drafting a chain of 4, the target drafting a chain of 4 from its first
+the one-layer draft model drafting a chain of 4 and an EAGLE-2 tree (depth 4, top-3, 10 nodes:
+standalone-eagle2), the target drafting a chain of 4 from its first
 quarter of layers: early exit; and suffix lookup merged with the EAGLE-3 head: hybrid) at a shape
 on the static cache, one generation
 each after a warm-up one, every aten operation dispatched (a TorchDispatchMode; views count too:
@@ -48,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-KINDS = ("eagle3", "dflash", "medusa", "hydra", "clover", "standalone", "early-exit", "hybrid")
+KINDS = ("eagle3", "dflash", "medusa", "hydra", "clover", "standalone", "standalone-eagle2", "early-exit", "hybrid")
 
 
 def graphed_callables():
@@ -146,6 +147,10 @@ def build_drafter(kind: str, target):
         from draftsmith.runtime.lookup import HybridDrafter, SuffixMatcher
 
         return HybridDrafter(build_head_drafter("eagle3", target, cache="static"), SuffixMatcher())
+    if kind == "standalone-eagle2":
+        from draftsmith.runtime.tree import DynamicTreeSpec
+
+        return build_draft_model_drafter(target, cache="static", tree=DynamicTreeSpec(depth=4, topk=3, budget=10))
     return build_draft_model_drafter(target, cache="static") if kind == "standalone" else build_head_drafter(kind, target, cache="static")
 
 

@@ -110,9 +110,9 @@ def build_head_drafter(kind: str, target, cache: str = "auto"):
     return HeadDrafter(head.to(dtype=target.dtype).eval(), target, parse_tree(tree), cache=cache)
 
 
-def build_draft_model_drafter(target, cache: str = "auto"):
+def build_draft_model_drafter(target, cache: str = "auto", tree=None):
     """The standalone rows' drafter: a random one-layer Llama (width at most 256) on the target's
-    vocabulary, drafting a chain of 4, on the target's device and dtype."""
+    vocabulary, drafting ``tree`` (default a chain of 4), on the target's device and dtype."""
     from draftsmith.runtime.drafters import StandaloneDrafter
     from draftsmith.runtime.tree import TreeSpec
     from draftsmith.testing import tiny_causal_lm
@@ -120,7 +120,7 @@ def build_draft_model_drafter(target, cache: str = "auto"):
     small = tiny_causal_lm("llama", vocab_size=target.dims.vocab_size, hidden_size=min(256, target.dims.hidden_size), num_layers=1, seed=2)
     small = small.to(device=target.device, dtype=target.dtype)
     small.config._attn_implementation = "sdpa"
-    return StandaloneDrafter(small, TreeSpec.chain(4), cache=cache)
+    return StandaloneDrafter(small, TreeSpec.chain(4) if tree is None else tree, cache=cache)
 
 
 def sync(device: torch.device) -> None:

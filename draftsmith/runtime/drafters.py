@@ -700,12 +700,18 @@ class StandaloneDrafter:
     def accept(self, result: VerifyResult) -> None:
         """Keep the decided tokens and the accepted path's tree entries; drop the other nodes."""
         if self._entries is not None:
-            # An EAGLE-2 tree drafted on the device: the path and its nodes' entries in one read.
-            path = result.path[0]
-            nodes, entries = torch.stack([path, self._entries[path.clamp_min(0)]]).tolist()
-            kept = [entry for node, entry in zip(nodes, entries) if node >= 0 and entry >= 0]  # in depth order: ascending
-            self.static.keep_entries(self._prefix, kept)
-            self.cached_len, self._entries = self._prefix + len(kept), None
+            # An EAGLE-2 tree drafted on the device, its entries known there only. Every accepted
+            # node but the deepest has a child on the path, so it was forwarded and has an entry;
+            # the deepest may be a leaf, never forwarded, so its entry (if any) is dropped and its
+            # token read again with the bonus next step. How many are kept comes with the verdict:
+            # nothing is read here.
+            accepted = len(result.host_path) - 1 if result.host_path is not None else int(result.accept_len[0])
+            kept = max(accepted - 1, 0)
+            if kept:
+                self.static.pack(self._prefix, self._entries[result.path[0, 1 : 1 + kept]] + self._prefix)  # depth order: ascending
+            else:
+                self.static.keep_entries(self._prefix, [])
+            self.cached_len, self._entries = self._prefix + kept, None
             return
         if self._rows is not None:
             # The path as the loop read it with the verdict, else one read; a chain's accepted

@@ -126,7 +126,8 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
         # cache took new graphs) is read eagerly, then its tree replays a graph of its own.
         names = [name for name in drafter.static.graphs.captured if isinstance(name, tuple)]
         if kind == "noisy-dynamic":  # an EAGLE-2 tree: the same, named by its depth, top-k and budget
-            assert {name[-1] for name in names if name[0] == "draft-dynamic"} >= {1, "tree"}
+            counts = {name[-1] for name in names if name[0] == "draft-dynamic"}
+            assert counts & {1, 2} and "tree" in counts, counts
         else:
             assert {name[2] for name in names if name[0] == "draft"} & {1, 2} and ("draft-tree", drafter.tree, ()) in names  # () greedy
         assert all(isinstance(name, tuple) for name in drafter.static.graphs.captured), "a level forward replayed on its own"

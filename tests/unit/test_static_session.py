@@ -177,7 +177,12 @@ def test_a_draft_model_on_the_static_cache_drafts_what_it_drafts_on_the_dynamic_
             kept[cache] = entries
         assert runs["static"] == runs["dynamic"]
         for want, got in zip(kept["dynamic"], kept["static"]):
-            _close(got, want)
+            # An EAGLE-2 tree on the static cache drops the deepest accepted node's entry (it knows
+            # on the host only how many nodes were accepted, not whether that one was forwarded)
+            # and reads its token again next step; everything else it keeps as the dynamic cache does.
+            dropped = want.shape[2] - got.shape[2]
+            assert dropped == 0 or (dropped == 1 and isinstance(tree, DynamicTreeSpec)), (got.shape, want.shape)
+            _close(got, want[:, :, : got.shape[2]])
         assert 0 < sum(runs["static"][1]) < sum(len(t[0][0]) - 1 for t in runs["static"][2])  # partial acceptance: rollbacks happened
 
 
@@ -388,14 +393,12 @@ def test_a_draft_models_greedy_step_stays_on_the_device(shape):
     """A draft model on the static cache drafting greedily a static tree (StaticSession.draft_tree)
     or an EAGLE-2 tree (draft_dynamic_tree), what CUDA replays as one graph a step, under
     SimulatedDevice: no operation mixes a host tensor with a device one, the drafter reads nothing
-    of its own for a static tree (the accepted path comes with the step's verdict) and once a step
-    for an EAGLE-2 tree (its path's entries), its trees are the dynamic cache's, and so is the
-    output."""
+    of its own (the accepted path, or its length, comes with the step's verdict), its trees are the
+    dynamic cache's, and so is the output."""
     from draftsmith.runtime.tree import DynamicTreeSpec
     from draftsmith.testing import SimulatedDevice
 
     spec = BUSHY if shape == "static" else DynamicTreeSpec(depth=4, topk=3, budget=10)
-    own = [] if shape == "static" else [f"tolist at drafters.py:{_line_of(StandaloneDrafter.accept, 'torch.stack([path, self._entries')}"]
 
     device, runs = torch.device("cpu"), {}
     for cache in ("dynamic", "static"):
@@ -410,8 +413,15 @@ def test_a_draft_models_greedy_step_stays_on_the_device(shape):
             proposed, propose = [], drafter.propose
             drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
             if cache == "static":
-                kept, keep_entries = [], drafter.static.keep_entries
-                drafter.static.keep_entries = lambda start, rows: kept.append(list(rows)) or keep_entries(start, rows)
+                kept, pack = [], drafter.static.pack  # the entries moved into place
+                drafter.static.pack = lambda start, sources: kept.append(sources - start) or pack(start, sources)
+                cached, accept = [], drafter.accept  # the cache after each accept, read once the run is over
+
+                def accept_and_keep(result, accept=accept):
+                    accept(result)
+                    cached.append(drafter.static.cache.keys[:, 0, :, : drafter.cached_len].clone())
+
+                drafter.accept = accept_and_keep
             before = len(guard.reads)
             out, stats = speculative_generate(target, drafter, torch.tensor([[5, 9, 14, 20, 7, 3]]).to(device), 30, cache=cache)
             reads = guard.reads[before:]
@@ -419,9 +429,13 @@ def test_a_draft_models_greedy_step_stays_on_the_device(shape):
         if cache == "static":
             steps = len(stats.accept_lens)
             assert guard.checked > 200
-            assert [r for r in reads if "drafters.py" in r] == own * steps
+            assert not [r for r in reads if "drafters.py" in r], reads
             assert not [r for r in reads if "static.py" in r], reads
-            assert any(rows != list(range(len(rows))) for rows in kept), kept  # accepted entries moved into place
+            assert any(rows.tolist() != list(range(len(rows))) for rows in kept), kept  # accepted entries moved into place
+            for keys in cached:  # what each accept kept is the decided tokens' own entries, and no other
+                with torch.no_grad():
+                    want = draft(out[:, : keys.shape[2]], use_cache=True).past_key_values
+                torch.testing.assert_close(keys, torch.stack([layer.keys[0] for layer in want.layers]), rtol=1e-4, atol=1e-5)
     assert runs["static"] == runs["dynamic"]
     assert 0 < sum(runs["static"][1]) < sum(len(t[0][0]) - 1 for t in runs["static"][2])
 
