@@ -451,11 +451,44 @@ def cmd_eval(args) -> int:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad command line is one line (with where to read more), exit 2."""
+    """argparse, but a bad command line is one line (with where to read more), exit 2, and a
+    mistyped flag is named as such (with the flag it likely meant)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
-        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        parser, unknown = self, []
+        if message.startswith("unrecognized arguments: "):
+            # Said by the top-level parser of what the subcommand's parser left over.
+            parser, unknown = self._subcommand() or self, message.split(": ", 1)[1].split()
+        elif message.startswith("the following arguments are required"):
+            # argparse says a required option is missing before it says a flag is unknown, so
+            # `--promt hi` read "--prompt is required": the mistyped flag is the news.
+            unknown = self._unknown_flags()
+        if unknown:
+            message = "unrecognized arguments: " + ", ".join(parser._with_guess(arg) for arg in unknown)
+        print(f"error: {parser.prog}: {message} (see {parser.prog} --help)", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+
+    def _subcommand(self) -> "argparse.ArgumentParser | None":
+        """The subcommand's parser named on the command line, if any."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return next((action.choices[arg] for arg in getattr(self, "_given", []) if arg in action.choices), None)
+        return None
+
+    def _unknown_flags(self) -> list[str]:
+        known = self._option_string_actions
+        flags = [arg.split("=", 1)[0] for arg in getattr(self, "_given", []) if arg.startswith("--") and arg != "--"]
+        return [flag for flag in flags if not [k for k in known if k.startswith(flag)]]  # a prefix is an abbreviation
+
+    def _with_guess(self, flag: str) -> str:
+        import difflib
+
+        close = difflib.get_close_matches(flag, [k for k in self._option_string_actions if k.startswith("--")], n=1)
+        return f"{flag} (did you mean {close[0]}?)" if close else flag
 
 
 def build_parser() -> argparse.ArgumentParser:

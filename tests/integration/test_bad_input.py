@@ -99,6 +99,9 @@ ROWS = NO_CUDA + [
     ("eval --out over an export", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--out", str(w["export"])], 2, ["another draftsmith command's output", "--overwrite"]),
     ("export --out over an eval report", lambda w: ["export", str(w["run"]), "--out", str(w["report"])], 2, ["another draftsmith command's output", "--overwrite"]),
     ("a mistyped built-in drafter", lambda w: ["generate", "--drafter", "sufix", "--prompt", "hi"], 2, ["sufix", "did you mean 'suffix'", "built-in name"]),
+    # argparse names a missing required flag before an unknown one: the mistyped flag comes first.
+    ("a mistyped flag beside a required one", lambda w: ["generate", "--drafter", "suffix", "--promt", "hi"], 2, ["unrecognized arguments: --promt", "did you mean --prompt?"]),
+    ("a mistyped flag after the required ones", lambda w: ["generate", "--drafter", "suffix", "--prompt", "hi", "--temprature", "1"], 2, ["draftsmith generate: unrecognized", "--temprature (did you mean --temperature?)"]),
     ("an override without its value", lambda w: ["train", str(w["recipe"]), "train.max_steps"], 2, ["train.max_steps", "key=value"]),
     # Flags that belong to another drafter are refused, not ignored.
     ("--exit-layer for suffix matching", lambda w: ["generate", "--drafter", "suffix", "--prompt", "hi", "--exit-layer", "4"], 2, ["--exit-layer", "suffix"]),
