@@ -427,7 +427,6 @@ def test_a_draft_models_greedy_step_stays_on_the_device(shape):
             reads = guard.reads[before:]
         runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens.tolist(), t.parents.tolist()) for t in proposed])
         if cache == "static":
-            steps = len(stats.accept_lens)
             assert guard.checked > 200
             assert not [r for r in reads if "drafters.py" in r], reads
             assert not [r for r in reads if "static.py" in r], reads
