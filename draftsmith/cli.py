@@ -396,7 +396,10 @@ def cmd_eval(args) -> int:
     from draftsmith.runtime.generate import cache_in_use, verification_kernel
 
     sampling = _sampling(args)
-    check_destination(args.out, overwrite=args.overwrite, owned=report_folder)
+    # What eval reads (the drafter, the prompts file, a local target) is never written over, not
+    # even with --overwrite; a report may go inside a run folder, as an export may.
+    read = [Path(p) for p in (args.drafter, args.prompts, args.target) if p and Path(p).exists()]
+    check_destination(args.out, overwrite=args.overwrite, owned=report_folder, around=read)
     prompts = load_prompts(args.prompts, args.limit)
     if isinstance(args.exit_layer, list) or args.exit_layer == "sweep":
         from draftsmith.eval.early_exit import sweep_exit_layers

@@ -52,8 +52,11 @@ def world(tmp_path_factory, tiny_llama_dir):
     prompts = _prompts(root)
     latin1 = root / "latin1.jsonl"
     latin1.write_bytes(json.dumps({"prompt": "caf"}).encode()[:-2] + b'\xe9"}\n')
+    asked = root / "asked"  # a folder of the user's holding a prompts file
+    asked.mkdir()
+    shutil.copy(prompts, asked / "questions.jsonl")
     return {"root": root, "recipe": root / "run.yaml", "run": root / "run", "export": root / "export", "report": root / "report", "user": user,
-            "prompts": prompts, "latin1": latin1, "model": tiny_llama_dir}  # fmt: skip
+            "prompts": prompts, "latin1": latin1, "model": tiny_llama_dir, "asked": asked}  # fmt: skip
 
 
 def _prompts(root: Path) -> Path:
@@ -96,7 +99,10 @@ ROWS = NO_CUDA + [
     ("the data cache in a run folder", lambda w: ["prepare", str(w["recipe"]), f"data.cache_dir={w['run']}"], 2, ["data.cache_dir", "training run's folder"]),
     ("train's data cache in an export", lambda w: ["train", str(w["recipe"]), f"data.cache_dir={w['export']}"], 2, ["data.cache_dir", "an export or a report"]),
     # eval and export each replace only their own earlier output, never the other's.
-    ("eval --out over an export", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--out", str(w["export"])], 2, ["another draftsmith command's output", "--overwrite"]),
+    ("eval --out over an export", lambda w: ["eval", "--drafter", str(w["run"]), "--prompts", str(w["prompts"]), "--out", str(w["export"])], 2, ["another draftsmith command's output", "--overwrite"]),
+    # Not even --overwrite lets eval write over what it reads.
+    ("eval --out over its own drafter", lambda w: ["eval", "--drafter", str(w["run"]), "--prompts", str(w["prompts"]), "--out", str(w["run"]), "--overwrite"], 2, ["is the input", "write somewhere else"]),
+    ("eval --out around its prompts", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["asked"] / "questions.jsonl"), "--out", str(w["asked"]), "--overwrite"], 2, ["contains the input", "questions.jsonl"]),
     ("export --out over an eval report", lambda w: ["export", str(w["run"]), "--out", str(w["report"])], 2, ["another draftsmith command's output", "--overwrite"]),
     ("a mistyped built-in drafter", lambda w: ["generate", "--drafter", "sufix", "--prompt", "hi"], 2, ["sufix", "did you mean 'suffix'", "built-in name"]),
     # argparse names a missing required flag before an unknown one: the mistyped flag comes first.
@@ -106,6 +112,7 @@ ROWS = NO_CUDA + [
     # Flags that belong to another drafter are refused, not ignored.
     ("--exit-layer for suffix matching", lambda w: ["generate", "--drafter", "suffix", "--prompt", "hi", "--exit-layer", "4"], 2, ["--exit-layer", "suffix"]),
     ("n-gram sizes for suffix matching", lambda w: ["generate", "--drafter", "suffix", "--prompt", "hi", "--prompt-lookup-max", "2"], 2, ["--prompt-lookup-max", "--drafter lookup"]),
+    ("export a plain model folder", lambda w: ["export", str(w["model"]), "--out", str(w["root"] / "x3")], 2, ["without the recipe.yaml", "eval --drafter"]),
     ("export from nowhere", lambda w: ["export", str(w["root"] / "nope"), "--out", str(w["root"] / "x1")], 2, ["not found"]),
     ("export over the user's folder", lambda w: ["export", str(w["run"]), "--out", str(w["user"])], 2, ["mine", "--overwrite"]),
     ("export into the checkpoint it reads", lambda w: ["export", str(w["run"]), "--out", str(next((w["run"] / "checkpoints").iterdir()) / "x")], 2, ["inside the input"]),
@@ -179,6 +186,8 @@ def test_bad_input_is_one_line_with_its_exit_code_and_loses_nothing(world, capsy
 def test_the_user_folder_survives_every_row(world):
     assert (world["user"] / "notes.txt").read_text() == "a day of work\n"
     assert (world["user"] / "recipe.yaml").read_text() == "my own recipe, not draftsmith's\n"
+    assert (world["asked"] / "questions.jsonl").read_bytes() == world["prompts"].read_bytes()
+    assert list_checkpoints(world["run"]), "the run eval was pointed at lost its checkpoints"
 
 
 def _silent_server() -> tuple[socket.socket, str]:
