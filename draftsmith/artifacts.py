@@ -300,14 +300,17 @@ def _causal_lm_folder(path: str, config: dict, dtype: str, exit_layer: Optional[
     recorded = recorded_target(folder) if layout != "builtin" else {}
     recipe_yaml = _text(folder / "recipe.yaml") if layout != "builtin" else ""
     metrics = _json_or_none(folder / "metrics.json") if layout != "builtin" else None
+    # A draftsmith export carries the recipe that trained it (its card is written from it again on
+    # a re-export); a plain model folder has none.
+    recipe = _recipe_or_none(folder) if recipe_yaml else None
     if block or exit_layer is not None:
         chosen = exit_layer if exit_layer is not None else block.get("exit_layer")
         how = "--exit-layer" if exit_layer is not None else block.get("chosen_by", "the export's config")
         return EarlyExitArtifact(
-            "early_exit", folder, layout, {"path": path}, recipe_yaml, metrics, loader=load, config_source=(path, None), exit_layer=chosen,
-            exit_chosen_by=how, block=dict(block),
+            "early_exit", folder, layout, {"path": path}, recipe_yaml, metrics, recipe=recipe, loader=load, config_source=(path, None),
+            exit_layer=chosen, exit_chosen_by=how, block=dict(block),
         )  # fmt: skip
-    return DraftLMArtifact("standalone", folder, layout, recorded, recipe_yaml, metrics, loader=load, config_source=(path, None))
+    return DraftLMArtifact("standalone", folder, layout, recorded, recipe_yaml, metrics, recipe=recipe, loader=load, config_source=(path, None))
 
 
 def _json_or_none(path: Path) -> Optional[dict]:
@@ -407,6 +410,14 @@ def _trained_model(ckpt: Path, model, prefix: str, lora: bool, what: str):
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     return model.eval()
+
+
+def _recipe_or_none(folder: Path):
+    """The recipe of ``folder``, or None where it does not load (``_recipe_of`` says why)."""
+    try:
+        return _recipe_of(folder)
+    except ArtifactError:
+        return None
 
 
 def _recipe_of(ckpt: Path):

@@ -10,7 +10,7 @@ reads them back; what a source folder holds is draftsmith.artifacts' question, n
 
 from pathlib import Path
 
-from draftsmith.artifacts import HeadArtifact, open_drafter
+from draftsmith.artifacts import HeadArtifact, _recipe_of, open_drafter
 from draftsmith.atomic import atomic_path, check_destination, previous_output, previous_report, write_manifest
 from draftsmith.export import native, sglang, speculators, vllm
 from draftsmith.export.base import ExportError, ExportOptions
@@ -44,6 +44,13 @@ def export(
     check_destination(out, inputs=[artifact.folder], around=[source], overwrite=overwrite, owned=export_folder)
     if isinstance(artifact, HeadArtifact) and artifact.head is None:
         raise ExportError(f"{source} is a {artifact.layout} folder written by another tool: export reads what draftsmith trained (a run, a checkpoint or a draftsmith export)")
+    if not isinstance(artifact, HeadArtifact) and artifact.recipe is None:
+        if (artifact.folder / "recipe.yaml").is_file():
+            _recipe_of(artifact.folder)  # raises what is wrong with it
+        raise ExportError(
+            f"{source} is a model folder without the recipe.yaml draftsmith trains with: export reads what draftsmith trained (a run, a checkpoint "
+            "or a draftsmith export); a plain model is already a drafter as it is (draftsmith eval --drafter FOLDER)"
+        )
     converter = FORMATS[format]
     reason = converter.refusal(artifact, Path(out), options)
     if reason:

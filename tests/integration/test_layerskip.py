@@ -157,6 +157,9 @@ def test_lora_checkpoint_holds_the_adapter_and_exports_merged(tmp_path, model_di
     weights = load_file(str(list_checkpoints(tmp_path / "lora")[-1] / "model.safetensors"))
     assert weights and all("lora_" in k for k in weights)
     out = export(tmp_path / "lora", tmp_path / "lora-export")
+    again = export(out, tmp_path / "again")  # an export exports again, card and all
+    assert (again / "README.md").read_text() == (out / "README.md").read_text()
+    assert json.loads((again / "config.json").read_text())["layerskip"] == json.loads((out / "config.json").read_text())["layerskip"]
     config = json.loads((out / "config.json").read_text())
     assert config["layerskip"]["exit_layer"] == 2 and "layerskip.exit_layer in the recipe" in config["layerskip"]["chosen_by"]
     merged = AutoModelForCausalLM.from_pretrained(out)

@@ -74,6 +74,9 @@ def test_acceptance_rises_over_the_stream(setup_dir):
 
     out = export(recipe.output_dir, Path(recipe.output_dir) / "export")
     assert (out / "config.json").is_file() and (out / "README.md").is_file()
+    # An export exports again (its recipe.yaml is what the card is written from), card and all.
+    again = export(out, Path(recipe.output_dir) / "again")
+    assert (again / "README.md").read_text() == (out / "README.md").read_text()
 
 
 def test_update_with_empty_buffer_warns_and_goes_on(setup_dir):
