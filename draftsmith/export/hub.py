@@ -7,12 +7,17 @@ failure, exit 1); an invalid repo id or folder is bad input (ExportError, exit 2
 
 from __future__ import annotations
 
+import glob
+import json
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Optional
 
 from draftsmith.artifacts import CONFIG_NAME, verified_folder
+from draftsmith.atomic import MANIFEST_NAME
+from draftsmith.runs import log
 from draftsmith.export.base import ExportError
 
 # Seconds one request may take to connect or to answer, and the whole upload.
@@ -62,6 +67,20 @@ def _explain(err: BaseException, timeout: float) -> Exception:
     return HubError(f"the upload to {where} failed ({type(err).__name__}: {str(err).splitlines()[0][:160]})")
 
 
+def _uploaded(folder: Path) -> Optional[list[str]]:
+    """The files a push uploads: those the export's manifest lists and the manifest (what was
+    verified), saying what else lies in the folder and stays behind (a report written beside the
+    export, notes); None (the whole folder) where there is no manifest."""
+    if not (folder / MANIFEST_NAME).is_file():
+        return None
+    listed = [*json.loads((folder / MANIFEST_NAME).read_text())["files"], MANIFEST_NAME]
+    others = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and str(p.relative_to(folder)) not in listed)
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        log(f"note: {len(others)} file(s) in {folder} are not part of the export and stay behind: {shown}", sys.stderr)
+    return listed
+
+
 def push_folder(
     folder: str | Path,
     repo_id: str,
@@ -84,6 +103,7 @@ def push_folder(
     except HFValidationError as err:
         raise _explain(err, timeout) from None
     verified_folder(folder)
+    files = _uploaded(folder)
     _use_timeouts(timeout)
     outcome: dict = {}
 
@@ -91,7 +111,8 @@ def push_folder(
         try:
             api = HfApi(token=token)
             outcome["url"] = str(api.create_repo(repo_id, private=private, exist_ok=True))
-            api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message="Upload draftsmith drafter")
+            patterns = None if files is None else [glob.escape(name) for name in files]
+            api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message="Upload draftsmith drafter", allow_patterns=patterns)
         except BaseException as err:  # handed to the caller's thread, which explains it in one line
             outcome["error"] = err
 

@@ -75,6 +75,8 @@ def test_loading_the_wrong_folder_fails_clearly(tmp_path):
 def test_push_to_local_hub(tmp_path, local_hub):
     _, _, run = fake_checkpoint(tmp_path)
     out = export(run, tmp_path / "export")
+    exported = {p.name for p in out.iterdir()}
+    (out / "notes.txt").write_text("mine, beside the export: not for the Hub\n")
     with local_hub() as hub:
         env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_test", "HF_HUB_OFFLINE": "0"}
         proc = subprocess.run(
@@ -83,6 +85,7 @@ def test_push_to_local_hub(tmp_path, local_hub):
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         files = hub.state.repos["me/tiny-medusa"]
-        assert set(files) == {p.name for p in out.iterdir()}
+        assert set(files) == exported  # what was exported and verified, the user's file left behind, said
+        assert "1 file(s)" in proc.stderr and "notes.txt" in proc.stderr and "stay behind" in proc.stderr
         assert files["model.safetensors"] == (out / "model.safetensors").read_bytes()
         assert files["README.md"].decode().startswith("---\nlibrary_name: draftsmith")
