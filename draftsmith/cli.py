@@ -366,6 +366,12 @@ def cmd_generate(args) -> int:
     sampling = _sampling(args)
     if not args.prompt.strip():
         raise BadInput("--prompt is empty: give the text to answer")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as err:  # bytes the terminal passed that are not UTF-8 (surrogate-escaped by Python)
+        byte = ord(args.prompt[err.start]) - 0xDC00
+        shown = f"0x{byte:02x}" if 0x80 <= byte <= 0xFF else repr(args.prompt[err.start])
+        raise BadInput(f"--prompt is not valid UTF-8 (character {err.start + 1} is the byte {shown}): pass the text in UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
     loaded = _load_drafter(args, args.exit_layer)
     messages = [{"role": "user", "content": args.prompt}]
     long = too_long(loaded, messages, args.max_new_tokens)

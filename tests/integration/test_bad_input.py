@@ -108,6 +108,8 @@ ROWS = NO_CUDA + [
     # argparse names a missing required flag before an unknown one: the mistyped flag comes first.
     ("a mistyped flag beside a required one", lambda w: ["generate", "--drafter", "suffix", "--promt", "hi"], 2, ["unrecognized arguments: --promt", "did you mean --prompt?"]),
     ("a mistyped flag after the required ones", lambda w: ["generate", "--drafter", "suffix", "--prompt", "hi", "--temprature", "1"], 2, ["draftsmith generate: unrecognized", "--temprature (did you mean --temperature?)"]),
+    # Python hands a non-UTF-8 argument over surrogate-escaped (a latin-1 terminal's "café").
+    ("a prompt that is not UTF-8", lambda w: ["generate", "--drafter", "suffix", "--prompt", "caf\udce9"], 2, ["--prompt is not valid UTF-8", "character 4", "0xe9"]),
     ("an override without its value", lambda w: ["train", str(w["recipe"]), "train.max_steps"], 2, ["train.max_steps", "key=value"]),
     # Flags that belong to another drafter are refused, not ignored.
     ("--exit-layer for suffix matching", lambda w: ["generate", "--drafter", "suffix", "--prompt", "hi", "--exit-layer", "4"], 2, ["--exit-layer", "suffix"]),
