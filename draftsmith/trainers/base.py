@@ -173,10 +173,21 @@ class Trainer:
         log(f"resumed from {self.resume_from} at {state['step']}")
         return state
 
+    # Whether the loop's position is ``step`` against train.max_steps (the online trainer counts
+    # served requests instead).
+    counts_steps = True
+
     def record(self, description: str) -> None:
         """Once set-up has succeeded: the resolved recipe and the command line beside the run, and
-        one line saying what trains on what (with the engine)."""
-        checkpoint.record_run(self.accelerator, self.recipe, self.output_dir, self.argv)
+        one line saying what trains on what (with the engine). A resumed run that train.max_steps
+        does not take past its checkpoint trains nothing: that is said, and the run's recipe.yaml,
+        which records the schedule its checkpoints came from, is left as it was."""
+        max_steps = self.recipe.train.max_steps
+        if self.counts_steps and self.resume_from is not None and self.step >= max_steps:
+            where = "train.max_steps" if self.step == max_steps else f"past train.max_steps={max_steps}"
+            log(f"{self.output_dir} is already at step {self.step}, {where}: nothing to train (raise train.max_steps to train on); its recipe.yaml is left as it was")
+        else:
+            checkpoint.record_run(self.accelerator, self.recipe, self.output_dir, self.argv)
         log(f"{description}; {engine.describe_engine(self.accelerator, self.recipe)}")
 
     # ------------------------------------------------------------------ during the run

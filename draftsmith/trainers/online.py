@@ -60,6 +60,8 @@ def stream_prompts(recipe: Recipe) -> list[dict]:
 
 
 class OnlineTrainer(Trainer):
+    counts_steps = False  # its position is the requests served, not train.max_steps' steps
+
     def __init__(self, recipe: Recipe, argv: Optional[list[str]] = None) -> None:
         super().__init__(recipe, argv)
         self.served = 0  # checkpoints are numbered by requests served (their "step"); self.step counts optimizer steps
