@@ -253,6 +253,7 @@ def bounded(kind, low, high=None, low_open=False):
             raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
         return value
 
+    parse.__name__ = kind.__name__  # argparse names it in "invalid int value: 'abc'"
     return parse
 
 
@@ -260,7 +261,10 @@ def _exit_layers(text: str):
     """--exit-layer of eval: E (>= 1), "sweep", or a comma-separated list of exits to sweep."""
     if text == "sweep":
         return text
-    values = [bounded(int, 1)(part) for part in text.split(",")]
+    try:
+        values = [bounded(int, 1)(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a layer (an int >= 1), a comma-separated list of them, or sweep; got {text!r}") from None
     return values[0] if len(values) == 1 and "," not in text else values
 
 

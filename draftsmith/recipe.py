@@ -567,13 +567,23 @@ def _read_yaml(path: Path) -> dict:
     try:
         data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     except Exception as err:  # yaml.YAMLError and omegaconf errors alike
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise RecipeError(f"cannot parse recipe file {path}: {first}") from None
+        raise RecipeError(f"cannot parse recipe file {path}: {_yaml_problem(err)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise RecipeError(f"recipe file {path} must hold a mapping at the top level")
     return data
+
+
+def _yaml_problem(err: Exception) -> str:
+    """A YAML error in one line with what went wrong and where (its first line alone is often just
+    the context: "while constructing a mapping")."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None)
+    if problem and mark is not None:
+        context = getattr(err, "context", None)
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" + (f" ({context})" if context else "")
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def _parse_overrides(overrides: list[str]) -> dict:

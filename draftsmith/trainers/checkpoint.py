@@ -83,7 +83,7 @@ def check_resumable(recipe: Recipe, checkpoint: Path) -> None:
         if saved.get(key) != now.get(key):
             raise RunFolderError(
                 f"recipe key '{key}' is {now.get(key)!r} but {checkpoint} was trained with {saved.get(key)!r}: "
-                f"resuming would load its weights into another model; use another output_dir, or train.resume=never there"
+                f"resuming would load its weights into another model; use another output_dir (or delete that run's checkpoints to start it over)"
             )
 
 

@@ -110,6 +110,8 @@ ROWS = NO_CUDA + [
     ("a mistyped flag after the required ones", lambda w: ["generate", "--drafter", "suffix", "--prompt", "hi", "--temprature", "1"], 2, ["draftsmith generate: unrecognized", "--temprature (did you mean --temperature?)"]),
     # Python hands a non-UTF-8 argument over surrogate-escaped (a latin-1 terminal's "café").
     ("a prompt that is not UTF-8", lambda w: ["generate", "--drafter", "suffix", "--prompt", "caf\udce9"], 2, ["--prompt is not valid UTF-8", "character 4", "0xe9"]),
+    ("a number flag given a word", lambda w: ["generate", "--drafter", "suffix", "--prompt", "hi", "--max-new-tokens", "abc"], 2, ["--max-new-tokens: invalid int value: 'abc'"]),
+    ("an exit-layer list with a word", lambda w: ["eval", "--drafter", str(w["model"]), "--prompts", str(w["prompts"]), "--out", str(w["root"] / "x4"), "--exit-layer", "sweep,3"], 2, ["--exit-layer", "comma-separated", "'sweep,3'"]),
     ("an override without its value", lambda w: ["train", str(w["recipe"]), "train.max_steps"], 2, ["train.max_steps", "key=value"]),
     # Flags that belong to another drafter are refused, not ignored.
     ("--exit-layer for suffix matching", lambda w: ["generate", "--drafter", "suffix", "--prompt", "hi", "--exit-layer", "4"], 2, ["--exit-layer", "suffix"]),

@@ -91,6 +91,14 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("train: [unclosed\n")
     with pytest.raises(RecipeError, match="cannot parse recipe file"):
         load_recipe(bad)
+    # What went wrong and where, not only YAML's context line.
+    for text, said in [
+        ("trainer: heads\ntrainer: distill\n", "found duplicate key trainer at line 2, column 1"),
+        ("trainer: heads\n  bad: x: y\n", "mapping values are not allowed in this context at line 2, column 6"),
+    ]:
+        bad.write_text(text)
+        with pytest.raises(RecipeError, match=f"cannot parse recipe file .*bad.yaml: {said}"):
+            load_recipe(bad)
 
 
 def test_resolved_recipe_round_trips(recipe_file, tmp_path):
