@@ -459,6 +459,8 @@ def cmd_eval(args) -> int:
     )
     if loaded.kind == "early_exit":
         print(f"exit layer {report['exit_layer']} ({report['exit_layer_chosen_by']})")
+    if report.get("greedy_identity_note"):
+        print(f"note: greedy output identical to plain decoding on {report['greedy_identical_to_baseline']} prompts: {report['greedy_identity_note']}", file=sys.stderr)
     print(f"report: {Path(args.out).resolve()}/report.md (also report.json, report.png)")
     return 0
 

@@ -120,3 +120,30 @@ def test_timings_follow_an_untimed_generation_of_each_kind_that_changes_nothing_
     assert calls == {"speculative": 2 * len(chats) + 1, "plain": len(chats) + 1}
     assert figures[True] == figures[False] and figures[True][0]["mean_accepted_length"] > 1  # the cache drafted, and the same
     assert extra["greedy_identical_to_baseline"] == f"{len(chats)}/{len(chats)}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_low_precision_target_whose_outputs_part_is_explained(monkeypatch, dtype):
+    """Greedy outputs that differ from the plain baseline under a bf16 target come with the reason
+    (rounding, not verification) and the way to identical outputs; in fp32 a difference is left to
+    speak for itself (it would be a bug)."""
+    import draftsmith.eval.run as run
+    from draftsmith.runtime.lookup import LookupDrafter, PromptLookup
+
+    tokenizer = tiny_tokenizer()
+    target = FrozenTarget(tiny_causal_lm("llama", vocab_size=len(tokenizer), seed=0).to(dtype), tokenizer)
+    plain = run.autoregressive_generate
+
+    def parted(*args, **kwargs):  # the baseline's last token changed: the outputs part
+        out, stats = plain(*args, **kwargs)
+        out = out.clone()
+        out[0, -1] = (out[0, -1] + 1) % target.dims.vocab_size
+        return out, stats
+
+    monkeypatch.setattr(run, "autoregressive_generate", parted)
+    _, extra = evaluate(_loaded(target, LookupDrafter(PromptLookup())), CHATS[:2], max_new_tokens=6, progress=False)
+    assert extra["greedy_identical_to_baseline"] == "0/2"
+    if dtype == torch.float32:
+        assert "greedy_identity_note" not in extra
+    else:
+        assert "bfloat16" in extra["greedy_identity_note"] and "--dtype float32" in extra["greedy_identity_note"]
