@@ -55,10 +55,31 @@ def export(
     reason = converter.refusal(artifact, Path(out), options)
     if reason:
         raise ExportError(f"--format {format} cannot carry this {artifact.kind} drafter: {reason}")
+    _say_progress(artifact)
     with atomic_path(out, folder=True) as tmp:
         converter.write(artifact, tmp, options)
         write_manifest(tmp)
     return Path(out)
+
+
+def _say_progress(artifact) -> None:
+    """Which checkpoint an export reads, and whether its run stopped before train.max_steps (a
+    run stopped by Ctrl-C or a crash exports as it is; the user should know it is not the end)."""
+    if artifact.layout != "checkpoint":
+        return
+    from omegaconf import OmegaConf
+
+    from draftsmith.runs import log, read_state
+
+    step = read_state(artifact.folder).step
+    try:
+        total = int(OmegaConf.create(artifact.recipe_yaml).train.max_steps) if artifact.recipe_yaml else None
+    except Exception:  # a recipe without the key: the step alone is said
+        total = None
+    if total is not None and step < total and OmegaConf.create(artifact.recipe_yaml).get("trainer") != "online":
+        log(f"note: exporting {artifact.folder} at step {step} of train.max_steps={total}: its run stopped before the end (train again to finish it)")
+    else:
+        log(f"exporting {artifact.folder} (step {step})")
 
 
 __all__ = ["FORMATS", "ExportError", "ExportOptions", "export", "push_folder", "write_head_folder"]

@@ -89,3 +89,18 @@ def test_push_to_local_hub(tmp_path, local_hub):
         assert "1 file(s)" in proc.stderr and "notes.txt" in proc.stderr and "stay behind" in proc.stderr
         assert files["model.safetensors"] == (out / "model.safetensors").read_bytes()
         assert files["README.md"].decode().startswith("---\nlibrary_name: draftsmith")
+
+
+@pytest.mark.parametrize("recipe,said", [
+    ("trainer: heads\ntrain:\n  max_steps: 200\n", "at step 10 of train.max_steps=200: its run stopped before the end"),
+    ("trainer: heads\ntrain:\n  max_steps: 10\n", "(step 10)"),
+    ("trainer: heads\n", "(step 10)"),
+])  # fmt: skip
+def test_export_names_its_checkpoint_and_a_run_that_stopped_early(tmp_path, capsys, recipe, said):
+    """A run stopped by Ctrl-C exports as it is; the user is told it is not the run's end."""
+    _, _, run = fake_checkpoint(tmp_path)
+    (run / "checkpoints" / "step-000010" / "recipe.yaml").write_text(recipe)
+    export(run, tmp_path / "export")
+    printed = "".join(capsys.readouterr())
+    assert "step-000010" in printed and said in printed, printed
+    assert ("stopped before the end" in printed) == ("200" in recipe)
