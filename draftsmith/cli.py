@@ -225,6 +225,13 @@ def cmd_ls(args) -> int:
 def cmd_export(args) -> int:
     from draftsmith.export import ExportOptions, export
 
+    # Flags of another layout are refused, not ignored.
+    if args.verifier is not None and args.format != "speculators":
+        raise BadInput(f"--verifier names the target in speculators' config.json: it applies to --format speculators, not {args.format}")
+    if args.num_speculative_tokens is not None and args.format == "draftsmith":
+        raise BadInput("--num-speculative-tokens sets an engine's serve command: it applies to --format vllm, sglang or speculators (draftsmith's runtime takes --tree)")
+    if args.verifier is not None and args.verifier.startswith(("/", "./", "../", "~")) and not Path(args.verifier).expanduser().exists():
+        raise BadInput(f"--verifier {args.verifier}: no such folder (give the target's hub id or the path of its folder)")
     options = ExportOptions(num_speculative_tokens=args.num_speculative_tokens, verifier=args.verifier)
     out = export(args.source, args.out, args.format, options, overwrite=args.overwrite)
     print(f"exported ({args.format} layout) to {out.resolve()}; serve command in {out.resolve() / 'README.md'}")
@@ -546,7 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="draftsmith", choices=["draftsmith", "vllm", "sglang", "speculators"], help="whose layout (default: draftsmith)")
     p.add_argument(
         "--num-speculative-tokens", type=bounded(int, 1, 64), default=None,
-        help="tokens per step in the serve command (and speculators' config); default: a DFlash head's block_size - 1, else 3",
+        help="vllm, sglang, speculators: tokens per step in the serve command (and speculators' config); default: a DFlash head's block_size - 1, else 3",
     )  # fmt: skip
     p.add_argument("--verifier", default=None, help="speculators: the target the folder names (default: the recorded target's hub id or path)")
     p.add_argument("--overwrite", action="store_true", help="replace --out even when it holds files draftsmith did not write there")

@@ -117,6 +117,10 @@ ROWS = NO_CUDA + [
     ("--exit-layer for suffix matching", lambda w: ["generate", "--drafter", "suffix", "--prompt", "hi", "--exit-layer", "4"], 2, ["--exit-layer", "suffix"]),
     ("n-gram sizes for suffix matching", lambda w: ["generate", "--drafter", "suffix", "--prompt", "hi", "--prompt-lookup-max", "2"], 2, ["--prompt-lookup-max", "--drafter lookup"]),
     ("export a plain model folder", lambda w: ["export", str(w["model"]), "--out", str(w["root"] / "x3")], 2, ["without the recipe.yaml", "eval --drafter"]),
+    # Flags of another layout are refused, not ignored.
+    ("export --verifier outside speculators' layout", lambda w: ["export", str(w["run"]), "--out", str(w["root"] / "x5"), "--format", "vllm", "--verifier", "org/x"], 2, ["--verifier", "--format speculators"]),
+    ("export --num-speculative-tokens in draftsmith's layout", lambda w: ["export", str(w["run"]), "--out", str(w["root"] / "x6"), "--num-speculative-tokens", "2"], 2, ["--num-speculative-tokens", "vllm"]),
+    ("export --verifier at a path that is not there", lambda w: ["export", str(w["run"]), "--out", str(w["root"] / "x7"), "--format", "speculators", "--verifier", str(w["root"] / "nope")], 2, ["--verifier", "no such folder"]),
     ("export from nowhere", lambda w: ["export", str(w["root"] / "nope"), "--out", str(w["root"] / "x1")], 2, ["not found"]),
     ("export over the user's folder", lambda w: ["export", str(w["run"]), "--out", str(w["user"])], 2, ["mine", "--overwrite"]),
     ("export into the checkpoint it reads", lambda w: ["export", str(w["run"]), "--out", str(next((w["run"] / "checkpoints").iterdir()) / "x")], 2, ["inside the input"]),
@@ -152,7 +156,6 @@ ROWS = NO_CUDA + [
     ("a prompt longer than the target's context", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "say " * 300, "--max-new-tokens", "4"], 2, ["--prompt", "1024", "context"]),
     # More tokens per step than the drafter has heads (DFlash's block rule has its own tests).
     ("3 tokens a step from 2 Medusa heads", lambda w: ["export", str(w["run"]), "--out", str(w["root"] / "x4"), "--format", "vllm", "--num-speculative-tokens", "3"], 2, ["2 heads", "--num-speculative-tokens 2"]),
-    ("the same in draftsmith's layout", lambda w: ["export", str(w["run"]), "--out", str(w["root"] / "x5"), "--num-speculative-tokens", "3"], 2, ["2 heads"]),
 ]
 
 
