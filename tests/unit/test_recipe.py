@@ -207,3 +207,9 @@ def test_yaml_booleans_go_back_to_the_words_a_choice_spells(tmp_path):
     assert load_recipe(path).train.mixed_precision == "no"
     assert load_recipe(path, overrides=["train.mixed_precision=bf16"]).train.mixed_precision == "bf16"
     assert load_recipe(path, overrides=["train.mixed_precision=no"]).train.mixed_precision == "no"
+
+
+def test_an_engine_fragment_alone_says_what_it_is_for():
+    with pytest.raises(RecipeError, match=r"recipes/deepspeed/zero2.yaml is an engine fragment, merged after a recipe: draftsmith train RECIPE.yaml recipes/deepspeed/zero2.yaml"):
+        load_recipe("recipes/deepspeed/zero2.yaml")
+    assert load_recipe("recipes/medusa/smollm2-135m.yaml", "recipes/deepspeed/zero2.yaml").deepspeed.zero_stage == 2
