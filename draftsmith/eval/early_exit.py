@@ -56,6 +56,7 @@ def sweep_exit_layers(
     artifact = open_drafter(folder, chosen, exit_layer=exits[0] if exits else 1)
     model = early_exit_target(artifact, where)
     L = len(model.layers)
+    asked = ",".join(map(str, exits)) if exits else "sweep"
     exits = list(exits) if exits else list(range(1, L))
     for e in exits:
         check_exit_layer(e, L)
@@ -73,7 +74,8 @@ def sweep_exit_layers(
             "tokens_per_second": stats.tokens_per_second, "speedup": stats.speedup,
         })
     best = max(rows, key=lambda row: row["speedup"] or 0.0)["exit_layer"]
-    how = f"eval --exit-layer sweep: best measured speedup over plain decoding among exits {exits[0]}..{exits[-1]} ({len(prompts)} prompts)"
+    among = f"{exits[0]}..{exits[-1]}" if exits == list(range(exits[0], exits[-1] + 1)) and len(exits) > 2 else ", ".join(map(str, exits))
+    how = f"eval --exit-layer {asked}: best measured speedup over plain decoding among exits {among} ({len(prompts)} prompts)"
     loaded = early_exit_loaded(model, folder, best, spec, how, cache)
     stats, extra = evaluate(loaded, prompts, baseline=True, assisted=assisted, progress=progress, **decoding)
     extra["num_prompts"] = len(prompts)

@@ -107,9 +107,16 @@ def _title(meta: dict[str, Any]) -> str:
 
 def _markdown(report: dict[str, Any], meta: dict[str, Any], stats: AcceptanceStats) -> str:
     lines = [f"# Acceptance report: {_title(meta)}", ""]
+    # A list of records (eval's exit-layer sweep: one per exit) is a table of its own below.
+    tables = {key: value for key, value in meta.items() if isinstance(value, list) and value and all(isinstance(row, dict) for row in value)}
     if meta:
         lines += ["| run | |", "| --- | --- |"]
-        lines += [f"| {key} | {_fmt(value, digits=None)} |" for key, value in meta.items()]
+        lines += [f"| {key} | {_fmt(value, digits=None)} |" for key, value in meta.items() if key not in tables]
+        lines.append("")
+    for key, records in tables.items():
+        header = list(dict.fromkeys(k for row in records for k in row))
+        lines += [f"## {key}", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+        lines += ["| " + " | ".join(_fmt(row.get(k)) for k in header) + " |" for row in records]
         lines.append("")
 
     rows = [

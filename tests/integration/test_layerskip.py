@@ -238,7 +238,10 @@ def test_eval_cli_and_the_exit_layer_sweep(trained, prompts, tmp_path, model_dir
     best = max(rows, key=lambda r: r["speedup"])["exit_layer"]
     assert report["exit_layer"] == best and report["greedy_identical_to_baseline"] == "3/3"
     recorded = json.loads((out / "config.json").read_text())["layerskip"]
-    assert recorded["exit_layer"] == best and recorded["chosen_by"].startswith("eval --exit-layer sweep")
+    assert recorded["exit_layer"] == best and recorded["chosen_by"].startswith("eval --exit-layer sweep: best measured speedup over plain decoding among exits 1..3")
+    # The sweep's rows are a table of their own in report.md, a row an exit.
+    markdown = (tmp_path / "sweep" / "report.md").read_text()
+    assert "## exit_sweep" in markdown and "| exit_layer | mean_accepted_length |" in markdown and "{'exit_layer'" not in markdown
     assert f"Exit layer: {best} of {LAYERS} (eval --exit-layer sweep" in (out / "README.md").read_text()
     # An untrained model drafts for itself too (the baseline of LayerSkip training).
     proc = cli("generate", "--drafter", model_dir, "--exit-layer", 1, "--prompt", "say red cat", "--max-new-tokens", 8)

@@ -251,3 +251,12 @@ def test_the_speedup_has_a_paired_interval_over_prompts(tmp_path):
     one.add_generation(40, 1.0, 20)
     one.add_baseline(40, 2.0)
     assert one.speedup_interval() is None and one.summary()["speedup_ci95"] is None
+
+
+def test_a_list_of_records_is_a_table_of_its_own(tmp_path):
+    """eval's exit-layer sweep (one record an exit) reads as a table, not a Python list."""
+    rows = [{"exit_layer": 2, "speedup": 1.25}, {"exit_layer": 4, "speedup": 0.5}]
+    write_report(_hand_stats(), tmp_path, {**META, "exit_sweep": rows})
+    markdown = (tmp_path / "report.md").read_text()
+    assert "## exit_sweep\n\n| exit_layer | speedup |\n| --- | --- |\n| 2 | 1.250 |\n| 4 | 0.500 |" in markdown
+    assert "{'exit_layer'" not in markdown and json.loads((tmp_path / "report.json").read_text())["exit_sweep"] == rows
