@@ -768,9 +768,16 @@ def is_engine_fragment(path: str | Path) -> bool:
 
 
 def all_recipe_files(root: str | Path = "recipes") -> list[Path]:
-    """Every experiment recipe under `root` (engine fragments under recipes/deepspeed excluded)."""
+    """Every experiment recipe under `root` (engine fragments under recipes/deepspeed excluded, and
+    the resolved copies draftsmith writes beside a run, a checkpoint or an export)."""
     root = Path(root)
-    return sorted(p for p in root.rglob("*.yaml") if not is_engine_fragment(p))
+    return sorted(p for p in root.rglob("*.yaml") if not is_engine_fragment(p) and not _written_by_draftsmith(p))
+
+
+def _written_by_draftsmith(path: Path) -> bool:
+    """A recipe.yaml that records a run (beside its command.txt), a checkpoint (beside
+    trainer_state.json) or an export (beside its manifest): a record, not a recipe to run."""
+    return path.name == "recipe.yaml" and any((path.parent / name).is_file() for name in ("command.txt", "trainer_state.json", "draftsmith-manifest.json"))
 
 
 def engine_fragments(root: str | Path = "recipes") -> list[Path]:

@@ -144,6 +144,8 @@ def resolve_model_path(path: str, gguf_file: Optional[str] = None) -> tuple[str,
                 return str(p), ggufs[0].name
             raise TargetLoadError(f"{p} has no config.json" + (f" and several GGUF files; set target.gguf_file to one of {[g.name for g in ggufs]}" if ggufs else ""))
         return str(p), gguf_file
+    if p.is_file():
+        raise TargetLoadError(f"{p} is a file, not a model folder: give the folder holding config.json (or a .gguf file)")
     if path.startswith((".", "/", "~")) or os.sep in path and path.count("/") > 1:
         raise TargetLoadError(f"model folder not found: {p}")
     return _cached_snapshot(path), gguf_file

@@ -106,7 +106,7 @@ def _read_text(path: Path) -> str:
             raise
         raise DataError(f"{path}: unreadable ({type(err).__name__}: {err})") from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a byte-order mark (what some editors save) is not text
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
         raise DataError(f"{path}:{line}: not UTF-8 text (byte {err.start}: {data[err.start:err.start + 1]!r}); save the file as UTF-8") from None

@@ -338,6 +338,8 @@ def parse_tree(text: str):
             raise _not_a_tree(f"{text!r} is not valid JSON ({err.msg})") from None
         if not isinstance(choices, list):
             raise _not_a_tree(f"{text!r} is not a list of choices")
+        if not choices:
+            raise _not_a_tree(f"{text!r} drafts nothing: give at least one choice, e.g. [[0]]")
         return TreeSpec.from_choices([tuple(c) if isinstance(c, list) else c for c in choices])
     try:
         widths = [int(x) for x in text.split(",")]

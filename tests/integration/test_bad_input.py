@@ -136,6 +136,8 @@ ROWS = NO_CUDA + [
     ("eval --out is a file", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--out", str(w["user"] / "notes.txt")], 2, ["notes.txt", "not a folder"]),
     ("eval --out is the user's folder", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--out", str(w["user"])], 2, ["--overwrite"]),
     ("a tree of a million nodes", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "hi", "--tree", "1000000"], 2, ["1000000 drafted nodes", "limits"]),
+    ("a tree of no choices", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "hi", "--tree", "[]"], 2, ["'[]' drafts nothing"]),
+    ("a target that is a file", lambda w: ["generate", "--drafter", "suffix", "--target", str(w["prompts"]), "--prompt", "hi"], 2, ["is a file, not a model folder"]),
     ("a dynamic tree past the limits", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "hi", "--tree", "dynamic:3,3,100000"], 2, ["limits"]),
     ("a billion new tokens", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "hi", "--max-new-tokens", "1000000000"], 2, ["--max-new-tokens"]),
     ("a negative temperature", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "hi", "--temperature", "-1"], 2, ["--temperature"]),
@@ -484,3 +486,12 @@ def test_a_run_already_at_its_max_steps_says_so_and_keeps_its_record(world, caps
     after = snapshot(world["run"])
     assert after["recipe.yaml"] == before["recipe.yaml"] and after["command.txt"] == before["command.txt"]
     assert {k: v for k, v in after.items() if "checkpoints" in k} == {k: v for k, v in before.items() if "checkpoints" in k}
+
+
+def test_a_prompts_file_with_a_byte_order_mark_is_read(tmp_path):
+    """Editors that save UTF-8 with a byte-order mark: the mark is not part of the first record."""
+    from draftsmith.eval.run import load_prompts
+
+    marked = tmp_path / "bom.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "say red cat"}\n{"prompt": "say blue dog"}\n')
+    assert [m[-1]["content"] for m in load_prompts(str(marked), None)] == ["say red cat", "say blue dog"]

@@ -213,3 +213,14 @@ def test_an_engine_fragment_alone_says_what_it_is_for():
     with pytest.raises(RecipeError, match=r"recipes/deepspeed/zero2.yaml is an engine fragment, merged after a recipe: draftsmith train RECIPE.yaml recipes/deepspeed/zero2.yaml"):
         load_recipe("recipes/deepspeed/zero2.yaml")
     assert load_recipe("recipes/medusa/smollm2-135m.yaml", "recipes/deepspeed/zero2.yaml").deepspeed.zero_stage == 2
+
+
+def test_the_copies_draftsmith_writes_beside_runs_are_not_listed_as_recipes(tmp_path):
+    (tmp_path / "mine.yaml").write_text("trainer: heads\n")
+    for folder, marker in [("run", "command.txt"), ("run/checkpoints/step-000002", "trainer_state.json"), ("export", "draftsmith-manifest.json")]:
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        (tmp_path / folder / "recipe.yaml").write_text("trainer: heads\n")
+        (tmp_path / folder / marker).write_text("{}\n")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "recipe.yaml").write_text("trainer: heads\n")  # a user's recipe of that name
+    assert all_recipe_files(tmp_path) == [tmp_path / "mine.yaml", tmp_path / "plain" / "recipe.yaml"]
