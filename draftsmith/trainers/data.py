@@ -15,7 +15,31 @@ def prepare_shared_data(recipe: Recipe, accelerator, tokenizer: Any, writer: Any
     from draftsmith.data import prepare_data
 
     with accelerator.main_process_first():
-        return prepare_data(recipe.data, tokenizer, recipe.data_dir(), target_model=writer, progress=accelerator.is_main_process)
+        data = prepare_data(recipe.data, tokenizer, recipe.data_dir(), target_model=writer, progress=accelerator.is_main_process)
+    if accelerator.is_main_process:
+        from draftsmith.runs import log
+
+        log(describe_data(data.stats, len(data.train), len(data.eval)))
+    return data
+
+
+def describe_data(stats: dict, train: int, held_out: int) -> str:
+    """One line on what the data step kept and what it left out (and why), so a record the data
+    file holds but training never sees is not a silent loss."""
+    if stats.get("cached"):
+        return f"data: {train} training and {held_out} held-out examples, read from the data cache"
+    left = [
+        (stats.get("dropped_malformed", 0), "malformed or empty records"),
+        (stats.get("dropped_no_answer", 0), "conversations without an assistant answer"),
+        (stats.get("dropped_no_trained_tokens", 0), "conversations with no trained token within data.max_length"),
+    ]
+    out = ", ".join(f"{n} {what}" for n, what in left if n)
+    cut = stats.get("truncated", 0)
+    return (
+        f"data: {stats.get('records', '?')} records ({stats.get('format')}), {train} training and {held_out} held-out examples"
+        + (f"; left out: {out}" if out else "")
+        + (f"; {cut} cut at data.max_length" if cut else "")
+    )
 
 
 def pad_token_id(tokenizer: Any) -> int:
@@ -38,4 +62,4 @@ def prepare_with_target(recipe: Recipe) -> dict:
         engine.teardown(acc)
 
 
-__all__ = ["pad_token_id", "prepare_shared_data", "prepare_with_target"]
+__all__ = ["describe_data", "pad_token_id", "prepare_shared_data", "prepare_with_target"]

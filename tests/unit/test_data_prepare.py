@@ -187,3 +187,19 @@ head: {{kind: medusa, num_heads: 2}}
     recipe = load_recipe(path)
     again = prepare_data(recipe.data, tiny_tokenizer, recipe.data_dir(), target_model=FrozenTarget.load(str(tiny_llama_dir)).model, progress=False)
     assert again.stats["cached"] is True and len(again.train) == stats["train_examples"]
+
+
+def test_what_the_data_step_left_out_is_said_in_one_line(tiny_tokenizer, tmp_path):
+    """train logs this line: a record the file holds but training never sees is not a silent loss."""
+    from draftsmith.trainers.data import describe_data
+
+    path = write_edge_case_chats(tmp_path / "chats.jsonl")
+    with path.open("a") as fh:
+        fh.write(json.dumps({"messages": [{"role": "system", "content": "only a system turn"}]}) + "\n")
+    data = prepare_data(config(path), tiny_tokenizer, tmp_path / "cache", progress=False)
+    line = describe_data(data.stats, len(data.train), len(data.eval))
+    assert line.startswith(f"data: 13 records (messages), {len(data.train)} training and {len(data.eval)} held-out examples; left out: ")
+    assert "1 malformed or empty records" in line and "1 conversations without an assistant answer" in line
+    assert "1 conversations with no trained token within data.max_length" in line
+    again = prepare_data(config(path), tiny_tokenizer, tmp_path / "cache", progress=False)
+    assert describe_data(again.stats, len(again.train), len(again.eval)).endswith("read from the data cache")
