@@ -16,10 +16,12 @@ def prepare_shared_data(recipe: Recipe, accelerator, tokenizer: Any, writer: Any
 
     with accelerator.main_process_first():
         data = prepare_data(recipe.data, tokenizer, recipe.data_dir(), target_model=writer, progress=accelerator.is_main_process)
-    if accelerator.is_main_process:
+    if accelerator.is_main_process:  # on stderr: prepare's stdout is its JSON counts
+        import sys
+
         from draftsmith.runs import log
 
-        log(describe_data(data.stats, len(data.train), len(data.eval)))
+        log(describe_data(data.stats, len(data.train), len(data.eval)), sys.stderr)
     return data
 
 
