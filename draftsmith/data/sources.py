@@ -84,7 +84,7 @@ def resolve_data_path(path: str) -> Path:
             raise DataError(f"built-in data set '{path}': {file} is missing; reinstall with: {spec['install']}")
         return file
     builtins = ", ".join(BUILTIN_DATASETS)
-    raise DataError(f"data file not found: {local} (data.path takes a .jsonl/.json/.parquet file, a datasets folder, or one of: {builtins})")
+    raise DataError(f"data file not found: {local} (give a .jsonl/.json/.parquet file, a datasets folder, or a built-in set: {builtins})")
 
 
 # ---------------------------------------------------------------------------------------- reading
@@ -113,9 +113,13 @@ def _read_text(path: Path) -> str:
 
 
 def _say_cut_off(path: Path, where: str) -> None:
-    """A record a file stops in the middle of is left out, and the user is told once per read."""
+    """A record a file stops in the middle of is left out, and the user is told once per read;
+    not for a built-in set's packaged file (sharegpt's is cut off as shipped: nothing to act on;
+    the counts still say it)."""
     from draftsmith.runs import log
 
+    if any(path.as_posix().endswith(spec["file"]) for spec in BUILTIN_DATASETS.values()):
+        return
     log(f"warning: {path} is cut off {where}; that last record is left out", sys.stderr)
 
 
@@ -225,11 +229,13 @@ def detect_format(record: Any, path: Path) -> str:
         if "prompt" in record or "turns" in record:
             return "prompt"
         keys = ", ".join(sorted(map(str, record))) or "none"
+    elif isinstance(record, str):
+        return "prompt"  # a list of prompt strings (a JSON array, or JSONL of strings)
     else:
         keys = f"not a mapping but a {type(record).__name__}"
     raise DataError(
         f"{path}: cannot tell the data format from the first record (keys: {keys}); expected "
-        "'conversations' (sharegpt), 'messages' or 'prompt'/'turns', or set data.format"
+        "'conversations' (sharegpt), 'messages', 'prompt'/'turns' or a prompt string (a recipe may also set data.format)"
     )
 
 
@@ -244,6 +250,8 @@ def _content_text(content: Any) -> Optional[str]:
 
 def _raw_messages(record: Any, fmt: str) -> Optional[list[tuple[Any, Any]]]:
     """(role, content) pairs of one record, or None when the record does not have the format's shape."""
+    if fmt == "prompt" and isinstance(record, str):
+        return [("user", record)]
     if not isinstance(record, dict):
         return None
     if fmt == "prompt":

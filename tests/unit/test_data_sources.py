@@ -101,6 +101,11 @@ def test_prompt_format_and_mtbench_turns(tmp_path):
     got = load_conversations(str(path), stats=stats)
     assert _as_set(got) == _as_set([[U("Write a haiku.")], [U("First?"), U("Second?")]])
     assert stats["format"] == "prompt" and stats["dropped_malformed"] == 1
+    # A JSON array of prompt strings is a prompt file too.
+    listed = tmp_path / "list.json"
+    listed.write_text(json.dumps(["Write a haiku.", "Name three colours."]))
+    assert load_conversations(str(listed), shuffle=False, stats=stats) == [[U("Write a haiku.")], [U("Name three colours.")]]
+    assert stats["format"] == "prompt"
 
 
 def test_explicit_format_overrides_detection(tmp_path):
@@ -183,9 +188,10 @@ def test_missing_builtin_names_the_pip_command(monkeypatch):
 
 
 @pytest.mark.assets
-def test_builtin_data_sets_load_offline():
+def test_builtin_data_sets_load_offline(capsys):
     stats = {}
     sharegpt = load_conversations("sharegpt", limit=300, seed=0, stats=stats)
+    assert "cut off" not in capsys.readouterr().err  # as shipped: nothing for the user to act on
     # The shipped file is cut off; record-by-record decoding recovers every complete conversation.
     assert stats["records"] == 17671 and stats["truncated_file"] is True
     assert len(sharegpt) == 300 and stats["kept"] > 17000
