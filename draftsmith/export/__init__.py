@@ -9,6 +9,7 @@ reads them back; what a source folder holds is draftsmith.artifacts' question, n
 """
 
 from pathlib import Path
+from typing import Optional
 
 from draftsmith.artifacts import HeadArtifact, _recipe_of, open_drafter
 from draftsmith.atomic import atomic_path, check_destination, previous_output, previous_report, write_manifest
@@ -55,31 +56,40 @@ def export(
     reason = converter.refusal(artifact, Path(out), options)
     if reason:
         raise ExportError(f"--format {format} cannot carry this {artifact.kind} drafter: {reason}")
-    _say_progress(artifact)
+    progress = _progress(artifact)
     with atomic_path(out, folder=True) as tmp:
         converter.write(artifact, tmp, options)
+        if progress and (tmp / "README.md").is_file():  # the card says it too, for whoever downloads it
+            card = (tmp / "README.md").read_text()
+            (tmp / "README.md").write_text(card.rstrip("\n") + f"\n\n## Training\n\n{progress}\n")
         write_manifest(tmp)
     return Path(out)
 
 
-def _say_progress(artifact) -> None:
-    """Which checkpoint an export reads, and whether its run stopped before train.max_steps (a
-    run stopped by Ctrl-C or a crash exports as it is; the user should know it is not the end)."""
-    if artifact.layout != "checkpoint":
-        return
+def _progress(artifact) -> Optional[str]:
+    """Which checkpoint an export reads and whether its run stopped before train.max_steps (a run
+    stopped by Ctrl-C or a crash exports as it is; the user should know it is not the end): said
+    now, and returned as a sentence for the card (None for an export read again)."""
+    if artifact.layout != "checkpoint":  # an export read again keeps what its card said
+        card = artifact.folder / "README.md"
+        said = card.read_text().split("\n## Training\n\n", 1) if card.is_file() else []
+        return said[1].split("\n", 1)[0] if len(said) == 2 else None
     from omegaconf import OmegaConf
 
     from draftsmith.runs import log, read_state
 
     step = read_state(artifact.folder).step
     try:
-        total = int(OmegaConf.create(artifact.recipe_yaml).train.max_steps) if artifact.recipe_yaml else None
+        recipe = OmegaConf.create(artifact.recipe_yaml) if artifact.recipe_yaml else None
+        total = int(recipe.train.max_steps) if recipe is not None and recipe.get("trainer") != "online" else None
     except Exception:  # a recipe without the key: the step alone is said
         total = None
-    if total is not None and step < total and OmegaConf.create(artifact.recipe_yaml).get("trainer") != "online":
+    name = artifact.folder.name
+    if total is not None and step < total:
         log(f"note: exporting {artifact.folder} at step {step} of train.max_steps={total}: its run stopped before the end (train again to finish it)")
-    else:
-        log(f"exporting {artifact.folder} (step {step})")
+        return f"Exported from checkpoint `{name}`, step {step} of the recipe's {total}: its training stopped before the end."
+    log(f"exporting {artifact.folder} (step {step})")
+    return f"Exported from checkpoint `{name}`" + (f", the end of the recipe's {total} steps." if total is not None else ".")
 
 
 __all__ = ["FORMATS", "ExportError", "ExportOptions", "export", "push_folder", "write_head_folder"]

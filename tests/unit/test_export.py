@@ -100,7 +100,12 @@ def test_export_names_its_checkpoint_and_a_run_that_stopped_early(tmp_path, caps
     """A run stopped by Ctrl-C exports as it is; the user is told it is not the run's end."""
     _, _, run = fake_checkpoint(tmp_path)
     (run / "checkpoints" / "step-000010" / "recipe.yaml").write_text(recipe)
-    export(run, tmp_path / "export")
+    out = export(run, tmp_path / "export")
     printed = "".join(capsys.readouterr())
     assert "step-000010" in printed and said in printed, printed
     assert ("stopped before the end" in printed) == ("200" in recipe)
+    # The card says it too, and keeps saying it when the export is exported again.
+    card = (out / "README.md").read_text()
+    assert "## Training\n\nExported from checkpoint `step-000010`" in card
+    assert ("step 10 of the recipe's 200: its training stopped before the end" in card) == ("200" in recipe)
+    assert card == (export(out, tmp_path / "again") / "README.md").read_text()
