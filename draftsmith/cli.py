@@ -60,6 +60,7 @@ def cmd_train(args) -> int:
 
     recipe = _load(args.recipe, args.device)
     check_data_dir(recipe.data_dir())  # before anything is written there, as prepare checks it
+    check_data_path(recipe)
     trainer = TRAINERS[recipe.trainer](recipe, argv=args.argv)
     try:
         trainer.setup()
@@ -86,6 +87,7 @@ def cmd_prepare(args) -> int:
 
     recipe = _load(args.recipe, args.device)
     check_data_dir(recipe.data_dir())
+    check_data_path(recipe)
     main_process = int(os.environ.get("RANK", "0")) == 0
     # The main process holds the cache for all ranks of this run: a second `prepare` is refused.
     lock = hold_folder(recipe.data_dir(), "data.cache_dir") if main_process else None
@@ -102,6 +104,17 @@ def cmd_prepare(args) -> int:
 
 
 SERVER_LOG = "vllm-server.log"  # serve-target's log, by default in the data cache it serves
+
+
+def check_data_path(recipe) -> None:
+    """data.path names a file, a folder or an installed built-in set: said before any model loads."""
+    from draftsmith.data import DataError
+    from draftsmith.data.sources import resolve_data_path
+
+    try:
+        resolve_data_path(recipe.data.path)
+    except DataError as err:
+        raise BadInput(f"data.path: {err}") from None
 
 
 def check_data_dir(folder: Path) -> None:

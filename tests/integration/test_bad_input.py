@@ -88,6 +88,7 @@ NO_CUDA = [] if torch.cuda.is_available() else [
 
 ROWS = NO_CUDA + [
     ("missing recipe", lambda w: ["train", str(w["root"] / "nope.yaml")], 2, ["nope.yaml"]),
+    ("missing data file", lambda w: ["train", str(w["recipe"]), f"data.path={w['root'] / 'gone.jsonl'}", f"output_dir={w['root'] / 'r2'}"], 2, ["data.path: data file not found", "gone.jsonl"]),
     ("unknown recipe key", lambda w: ["train", str(w["recipe"]), "train.lrr=1e-3"], 2, ["train.lrr", "train.lr"]),
     ("output_dir is the user's folder", lambda w: ["train", str(w["recipe"]), f"output_dir={w['user']}"], 2, ["mine", "not a draftsmith run"]),
     ("resume=never on a run", lambda w: ["train", str(w["recipe"]), "train.resume=never"], 2, ["already holds checkpoints"]),
