@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -367,7 +368,9 @@ def with_lora(model: nn.Module, lora) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft reads transformers' deprecated alias: not the user's to act on
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def _save_dequantized(model, tokenizer, out: Path) -> None:

@@ -270,3 +270,16 @@ def test_load_causal_lm_puts_the_model_on_the_device_in_its_dtype(tiny_llama_dir
     assert {p.device.type for p in model.parameters()} == {"cpu"} and {p.dtype for p in model.parameters()} == {torch.bfloat16}
     target = t.FrozenTarget.load(str(tiny_llama_dir), "float32", device="cpu")
     assert target.device == torch.device("cpu") and target.dtype == torch.float32
+
+
+def test_lora_wrapping_says_nothing_the_user_cannot_act_on():
+    """peft reads transformers' deprecated is_gradient_checkpointing: that FutureWarning is not shown."""
+    import warnings
+    from types import SimpleNamespace
+
+    from draftsmith.target import with_lora
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        model = with_lora(tiny_causal_lm("llama", seed=0), SimpleNamespace(enabled=True, r=2, alpha=4, dropout=0.0, target_modules=["q_proj"]))
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
