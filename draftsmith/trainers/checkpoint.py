@@ -11,6 +11,7 @@ trainer_state.json records the trainer and the drafter kind, so export and eval 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -25,6 +26,17 @@ from draftsmith.runs import (
     list_checkpoints, log, read_state,
 )
 from draftsmith.trainers.engine import TrainingError, engine_info, full_state_dict, uses_deepspeed
+
+
+def _quiet_tied_weights(record: logging.LogRecord) -> bool:
+    """accelerate warns at every save of a model with tied weights (an LM head tied to the
+    embedding) that it stored one copy and asks the user to check the reload: draftsmith's loader
+    reties them (artifacts._trained_model), and resuming is tested exact, so the line is dropped."""
+    return "Removed shared tensor" not in str(record.msg)  # after "[RANK n] "
+
+
+logging.getLogger("accelerate.utils.other").addFilter(_quiet_tied_weights)
+
 
 def find_resume_checkpoint(output_dir: str | Path, resume: str) -> Optional[Path]:
     """The checkpoint to continue from, per train.resume ("auto", "never" or a folder)."""

@@ -283,3 +283,22 @@ def test_lora_wrapping_says_nothing_the_user_cannot_act_on():
         warnings.simplefilter("error", FutureWarning)
         model = with_lora(tiny_causal_lm("llama", seed=0), SimpleNamespace(enabled=True, r=2, alpha=4, dropout=0.0, target_modules=["q_proj"]))
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
+
+
+def test_saving_tied_weights_does_not_ask_the_user_to_check_the_reload(caplog):
+    """accelerate's "Removed shared tensor ... check by verifying" at every save of a tied LM head is
+    dropped once draftsmith's checkpoints are in use (its loader reties them); other warnings pass."""
+    import logging
+
+    import draftsmith.trainers.checkpoint  # noqa: F401  (installs the filter)
+    from accelerate import PartialState
+    from accelerate.utils.other import clean_state_dict_for_safetensors
+
+    PartialState(cpu=True)  # accelerate's logger needs its state, as in a trainer
+
+    shared = torch.ones(4)
+    with caplog.at_level(logging.WARNING):
+        kept = clean_state_dict_for_safetensors({"embed.weight": shared, "lm_head.weight": shared})
+        logging.getLogger("accelerate.utils.other").warning("something else")
+    assert list(kept) == ["embed.weight"]
+    assert [r.getMessage() for r in caplog.records] == ["something else"]
