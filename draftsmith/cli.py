@@ -69,12 +69,18 @@ def cmd_train(args) -> int:
         trainer.close()
     stopped = getattr(trainer, "stopped_by", None)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({k: v for k, v in summary.items() if k != "checkpoint"}, indent=2))
+        print(one_key_a_line({k: v for k, v in summary.items() if k != "checkpoint"}))
         print(f"outputs: {Path(recipe.output_dir).resolve()}  (checkpoint: {summary.get('checkpoint')})")
         if stopped:
             print(f"stopped by {stopped} before the end of the schedule: run the same command to resume", file=sys.stderr)
     # A stopped run is not a finished one: `train && export` must not export it.
     return EXIT_SIGNALS.get(stopped, EXIT_INTERRUPTED) if stopped else 0
+
+
+def one_key_a_line(values: dict) -> str:
+    """JSON with each top-level key on a line of its own, its value inline (a per-depth list is one
+    line, not one line an element): still one JSON object for a script to read."""
+    return "{\n" + ",\n".join(f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in values.items()) + "\n}"
 
 
 def cmd_prepare(args) -> int:
@@ -95,7 +101,7 @@ def cmd_prepare(args) -> int:
         stats = TRAINERS[recipe.trainer].prepare(recipe)
         if main_process:
             save_resolved(recipe, recipe.data_dir(), args.argv)
-            print(json.dumps(stats, indent=2))
+            print(one_key_a_line(stats))
             print(f"data cached in {recipe.data_dir().resolve()} (recipe.yaml and command.txt beside it)")
     finally:
         if lock is not None:

@@ -1,5 +1,6 @@
 """Recipes load strictly: typos, wrong types and missing values fail at load time, naming the key."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -224,3 +225,12 @@ def test_the_copies_draftsmith_writes_beside_runs_are_not_listed_as_recipes(tmp_
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "recipe.yaml").write_text("trainer: heads\n")  # a user's recipe of that name
     assert all_recipe_files(tmp_path) == [tmp_path / "mine.yaml", tmp_path / "plain" / "recipe.yaml"]
+
+
+def test_the_summary_a_command_prints_is_json_a_key_a_line():
+    from draftsmith.cli import one_key_a_line
+
+    summary = {"step": 30, "top1": [0.5, 0.25, 0.125], "tree": {"kind": "static", "choices": [[0], [1]]}, "checkpoint": None}
+    text = one_key_a_line(summary)
+    assert json.loads(text) == summary and len(text.splitlines()) == len(summary) + 2
+    assert json.loads(one_key_a_line({})) == {}
