@@ -438,6 +438,13 @@ def _root_only(root: int, device=None) -> DraftTree:
     return DraftTree.from_lists([root], [-1], device=device)
 
 
+def check_tree_depth(tree: Union[TreeSpec, DynamicTreeSpec, AdaptiveTreeSpec], head) -> None:
+    """DrafterError, one line, where ``tree`` is deeper than ``head`` drafts."""
+    depth = tree.max_depth if isinstance(tree, TreeSpec) else tree.depth  # dynamic and adaptive trees both have .depth
+    if depth > head.depth:
+        raise DrafterError(f"the tree is {depth} deep but the {head.cfg.kind} head drafts {head.depth} tokens: give --tree a depth of at most {head.depth}")
+
+
 class HeadDrafter:
     """Any draft head of draftsmith.heads as a drafter, through the head's own drafting session
     (DraftHead.start_drafting, heads/base.py).
@@ -451,9 +458,7 @@ class HeadDrafter:
     """
 
     def __init__(self, head: nn.Module, target, tree: Union[TreeSpec, DynamicTreeSpec, AdaptiveTreeSpec], cache: str = "auto") -> None:
-        depth = tree.max_depth if isinstance(tree, TreeSpec) else tree.depth  # dynamic and adaptive trees both have .depth
-        if depth > head.depth:
-            raise DrafterError(f"the tree is {depth} deep but the {head.cfg.kind} head drafts {head.depth} tokens: give --tree a depth of at most {head.depth}")
+        check_tree_depth(tree, head)
         self.head = head.eval()
         self.target = target
         self.tree = tree

@@ -19,6 +19,7 @@ head's tree (``HybridDrafter``).
 from __future__ import annotations
 
 import difflib
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +28,9 @@ from typing import Any, Optional
 import torch
 
 from draftsmith.artifacts import Artifact, ArtifactError, DraftLMArtifact, EarlyExitArtifact, HeadArtifact, open_drafter
-from draftsmith.runtime.drafters import DrafterError, HeadDrafter, StandaloneDrafter
+from draftsmith.runtime.drafters import DrafterError, HeadDrafter, StandaloneDrafter, check_tree_depth
 from draftsmith.runtime.static import check_cache
-from draftsmith.runtime.early_exit import DEFAULT_DRAFT_LENGTH, EarlyExitDrafter, is_chain
+from draftsmith.runtime.early_exit import DEFAULT_DRAFT_LENGTH, EarlyExitDrafter, check_exit_layer, is_chain
 from draftsmith.runtime.lookup import DEFAULT_LOOKUP_TREE, LOOKUP_KINDS, HybridDrafter, LookupDrafter, make_matcher
 from draftsmith.runtime.tree import SparseTree, TreeError, TreeSpec, default_tree, parse_tree, tree_shape
 from draftsmith.target import BUILTIN_MODELS, FrozenTarget, choose_device, resolve_dtype
@@ -123,6 +124,8 @@ def load_drafter(
             raise DrafterError(f"drafter folder not found: {folder} ({hint}--drafter takes a run, checkpoint or export folder, or a built-in name: "
                                f"{', '.join([*LOOKUP_KINDS, *BUILTIN_MODELS])})")  # fmt: skip
         artifact = open_drafter(folder, chosen, exit_layer)
+        if spec is not None and isinstance(artifact, HeadArtifact) and artifact.head is not None:
+            check_tree_depth(spec, artifact.head)  # before the target loads (HeadDrafter checks it again)
         if isinstance(artifact, EarlyExitArtifact):
             loaded = _early_exit(artifact, target, tree, spec, where)
         elif isinstance(artifact, DraftLMArtifact):
@@ -251,6 +254,10 @@ def _early_exit(artifact: EarlyExitArtifact, target: Optional[str], tree: Option
         raise DrafterError("an early-exit drafter is its own target: drop --target")
     if artifact.exit_layer is None:
         raise DrafterError(f"{artifact.folder} records no exit layer: pass --exit-layer E (or sweep)")
+    config = Path(artifact.config_source[0]) / "config.json"
+    layers = json.loads(config.read_text()).get("num_hidden_layers") if config.is_file() else None
+    if isinstance(layers, int):
+        check_exit_layer(artifact.exit_layer, layers)  # before the model loads (early_exit_target checks it again)
     return early_exit_loaded(early_exit_target(artifact, device), artifact.folder, artifact.exit_layer, early_exit_chain(tree, artifact.block), artifact.exit_chosen_by)
 
 

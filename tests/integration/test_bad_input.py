@@ -496,3 +496,20 @@ def test_a_prompts_file_with_a_byte_order_mark_is_read(tmp_path):
     marked = tmp_path / "bom.jsonl"
     marked.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "say red cat"}\n{"prompt": "say blue dog"}\n')
     assert [m[-1]["content"] for m in load_prompts(str(marked), None)] == ["say red cat", "say blue dog"]
+
+
+def test_a_tree_too_deep_and_an_exit_layer_out_of_range_are_refused_before_any_model_loads(world, monkeypatch):
+    """What the folder's config already says (the head's depth, the model's layer count) is checked
+    before the target loads: a 135M-parameter load is seconds a user waits for a refusal."""
+    from draftsmith.runtime.load import load_drafter
+    from draftsmith.target import FrozenTarget
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model loaded before the refusal")
+
+    monkeypatch.setattr(FrozenTarget, "load", refuse)
+    monkeypatch.setattr("draftsmith.runtime.load.early_exit_target", refuse)
+    with pytest.raises(Exception, match=r"the tree is 9 deep but the medusa head drafts \d tokens"):
+        load_drafter(world["export"], tree="1,1,1,1,1,1,1,1,1")
+    with pytest.raises(Exception, match=r"exit layer 40 is outside 1..\d+: the model has \d+ decoder layers"):
+        load_drafter(world["model"], exit_layer=40)
