@@ -54,6 +54,7 @@ class Trainer:
         self.first_eval: Optional[dict] = None  # where a fresh run started (loop.train_from_first_eval)
         self.run_lock = None
         self.stopped_by: Optional[str] = None
+        self.nothing_to_train = False  # resumed at or past train.max_steps: the run's record stays as it was
 
     # ------------------------------------------------------------------ what a trainer writes
 
@@ -184,8 +185,9 @@ class Trainer:
         which records the schedule its checkpoints came from, is left as it was."""
         max_steps = self.recipe.train.max_steps
         if self.counts_steps and self.resume_from is not None and self.step >= max_steps:
+            self.nothing_to_train = True
             where = "train.max_steps" if self.step == max_steps else f"past train.max_steps={max_steps}"
-            log(f"{self.output_dir} is already at step {self.step}, {where}: nothing to train (raise train.max_steps to train on); its recipe.yaml is left as it was")
+            log(f"{self.output_dir} is already at step {self.step}, {where}: nothing to train (raise train.max_steps to train on); its recipe.yaml and final_metrics.json are left as they were")
         else:
             checkpoint.record_run(self.accelerator, self.recipe, self.output_dir, self.argv)
         log(f"{description}; {engine.describe_engine(self.accelerator, self.recipe)}")

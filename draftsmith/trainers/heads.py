@@ -322,7 +322,7 @@ class HeadTrainer(Trainer):
         tree = self.tree()
         if tree is not None:
             summary["tree"] = {k: tree[k] for k in ("choices", "expected_accept_length")}
-        if acc.is_main_process:
+        if acc.is_main_process and not self.nothing_to_train:
             write_atomic(self.output_dir / "final_metrics.json", json.dumps(summary, indent=2))
         return summary
 

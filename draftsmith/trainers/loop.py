@@ -180,8 +180,8 @@ def train_from_first_eval(trainer, desc: str) -> dict:
         if acc.is_main_process:
             print(trainer.describe(0, first), flush=True)
     result, elapsed = run_loop(trainer, Schedule.steps(trainer.recipe.train), trainer.step, desc)
-    summary = {"step": trainer.step, "seconds": round(elapsed, 1), **(result or first), "checkpoint": str(trainer.last_checkpoint)}
-    if acc.is_main_process:
+    summary = {"step": trainer.step, "seconds": round(elapsed, 1), **(result or first or trainer.last_eval or {}), "checkpoint": str(trainer.last_checkpoint)}
+    if acc.is_main_process and not trainer.nothing_to_train:
         write_atomic(trainer.output_dir / "final_metrics.json", json.dumps(summary, indent=2))
     return summary
 

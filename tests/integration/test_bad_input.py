@@ -479,13 +479,15 @@ def test_eval_replaces_a_report_an_earlier_eval_left_half_written(world, tmp_pat
 @pytest.mark.parametrize("max_steps,words", [(1, "already at step 2, past train.max_steps=1"), (2, "already at step 2, train.max_steps")])
 def test_a_run_already_at_its_max_steps_says_so_and_keeps_its_record(world, capsys, max_steps, words):
     """Training a finished run again with train.max_steps at or below its step trains nothing: it
-    says so, and the run's recipe.yaml, the schedule its checkpoints came from, stays as it was."""
+    says so, and the run's recipe.yaml (the schedule its checkpoints came from) and its
+    final_metrics.json stay as they were."""
     before = snapshot(world["run"])
     assert main(["train", str(world["recipe"]), f"train.max_steps={max_steps}"]) == 0
     said = "".join(capsys.readouterr())
     assert words in said and "nothing to train" in said, said[-2000:]
     after = snapshot(world["run"])
     assert after["recipe.yaml"] == before["recipe.yaml"] and after["command.txt"] == before["command.txt"]
+    assert after["final_metrics.json"] == before["final_metrics.json"]
     assert {k: v for k, v in after.items() if "checkpoints" in k} == {k: v for k, v in before.items() if "checkpoints" in k}
 
 
