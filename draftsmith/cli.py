@@ -424,6 +424,17 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def eval_reads(args) -> list[Path]:
+    """The paths eval reads: the drafter, the prompts file, a local target. A built-in drafter or
+    target name is read by name even where a folder of that name exists; --prompts prefers a path."""
+    from draftsmith.runtime.lookup import LOOKUP_KINDS
+    from draftsmith.target import BUILTIN_MODELS
+
+    by_name = {*LOOKUP_KINDS, *BUILTIN_MODELS}
+    named = [(args.drafter, True), (args.target, True), (args.prompts, False)]
+    return [Path(p) for p, builtin_first in named if p and Path(p).exists() and not (builtin_first and p in by_name)]
+
+
 def cmd_eval(args) -> int:
     from draftsmith.atomic import check_destination
     from draftsmith.eval.report import report_folder, write_report
@@ -434,8 +445,7 @@ def cmd_eval(args) -> int:
     sampling = _sampling(args)
     # What eval reads (the drafter, the prompts file, a local target) is never written over, not
     # even with --overwrite; a report may go inside a run folder, as an export may.
-    read = [Path(p) for p in (args.drafter, args.prompts, args.target) if p and Path(p).exists()]
-    check_destination(args.out, overwrite=args.overwrite, owned=report_folder, around=read)
+    check_destination(args.out, overwrite=args.overwrite, owned=report_folder, around=eval_reads(args))
     prompts = load_prompts(args.prompts, args.limit)
     if isinstance(args.exit_layer, list) or args.exit_layer == "sweep":
         from draftsmith.eval.early_exit import sweep_exit_layers
@@ -499,17 +509,28 @@ class OneLineParser(argparse.ArgumentParser):
         self._given = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 
+    def parse_args(self, args=None, namespace=None):
+        # argparse's own joins what is left over with spaces: one argument "a b" read as two.
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._extras = extras
+            self.error("unrecognized arguments: " + " ".join(extras))
+        return parsed
+
     def error(self, message: str):
         parser, unknown = self, []
         if message.startswith("unrecognized arguments: "):
             # Said by the top-level parser of what the subcommand's parser left over.
-            parser, unknown = self._subcommand() or self, message.split(": ", 1)[1].split()
+            parser = self._subcommand() or self
+            unknown = [arg for arg in getattr(self, "_extras", None) or message.split(": ", 1)[1].split() if arg != "--"]
+            if unknown:
+                message = "unrecognized arguments: " + ", ".join(parser._with_guess(arg) for arg in unknown)
         elif message.startswith("the following arguments are required"):
             # argparse says a required option is missing before it says a flag is unknown, so
             # `--promt hi` read "--prompt is required": the mistyped flag is the news.
             unknown = self._unknown_flags()
-        if unknown:
-            message = "unrecognized arguments: " + ", ".join(parser._with_guess(arg) for arg in unknown)
+            if unknown:
+                message = "unrecognized arguments: " + ", ".join(self._with_guess(arg) for arg in unknown) + f"; {message}"
         print(f"error: {parser.prog}: {message} (see {parser.prog} --help)", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
 
@@ -521,14 +542,31 @@ class OneLineParser(argparse.ArgumentParser):
         return None
 
     def _unknown_flags(self) -> list[str]:
-        known = self._option_string_actions
-        flags = [arg.split("=", 1)[0] for arg in getattr(self, "_given", []) if arg.startswith("--") and arg != "--"]
-        return [flag for flag in flags if not [k for k in known if k.startswith(flag)]]  # a prefix is an abbreviation
+        """The --flags of the command line this parser has no option for (an abbreviation of one
+        is known), skipping the value an option takes and everything after ``--``; an argument
+        with a space in it is a value (argparse reads it so)."""
+        known, unknown, given = self._option_string_actions, [], getattr(self, "_given", [])
+        skip = False
+        for arg in given:
+            if skip:
+                skip = False
+                continue
+            if arg == "--":
+                break
+            if not arg.startswith("--") or any(c.isspace() for c in arg):
+                continue
+            flag = arg.split("=", 1)[0]
+            matches = [k for k in known if k.startswith(flag)]
+            if not matches:
+                unknown.append(flag)
+            elif "=" not in arg and known[matches[0]].nargs != 0:
+                skip = True  # its value, whatever it looks like
+        return unknown
 
     def _with_guess(self, flag: str) -> str:
         import difflib
 
-        close = difflib.get_close_matches(flag, [k for k in self._option_string_actions if k.startswith("--")], n=1)
+        close = difflib.get_close_matches(flag, [k for k in self._option_string_actions if k.startswith("--")], n=1) if flag.startswith("--") else []
         return f"{flag} (did you mean {close[0]}?)" if close else flag
 
 

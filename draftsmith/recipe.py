@@ -689,11 +689,11 @@ def load_recipe(*paths: str | Path, overrides: list[str] | tuple[str, ...] = ())
     Raises RecipeError (one line: the file or the key's full path, and a suggestion for typos).
     """
     raw: dict = {}
-    if paths and all(is_engine_fragment(p) for p in paths) and Path(paths[0]).is_file():
-        # recipes/deepspeed/*.yaml set the engine only: alone they name no target, data or output.
-        raise RecipeError(f"{paths[0]} is an engine fragment, merged after a recipe: draftsmith train RECIPE.yaml {paths[0]}")
     for path in paths:
         raw = _deep_merge(raw, _read_yaml(Path(path)))
+    if paths and not overrides and set(raw) == {"deepspeed"}:
+        # An engine fragment (recipes/deepspeed/*.yaml) alone names no target, data or output.
+        raise RecipeError(f"{paths[0]} is an engine fragment, merged after a recipe: draftsmith train RECIPE.yaml {paths[0]}")
     raw = _deep_merge(raw, _parse_overrides(list(overrides)))
 
     _check_keys(raw, Recipe, "")

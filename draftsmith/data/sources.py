@@ -108,8 +108,9 @@ def _read_text(path: Path) -> str:
     try:
         return data.decode("utf-8-sig")  # a byte-order mark (what some editors save) is not text
     except UnicodeDecodeError as err:
-        line = data[: err.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: not UTF-8 text (byte {err.start}: {data[err.start:err.start + 1]!r}); save the file as UTF-8") from None
+        start = err.start + (3 if data.startswith(b"\xef\xbb\xbf") else 0)  # utf-8-sig counts after the mark
+        line = data[:start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte {start}: {data[start:start + 1]!r}); save the file as UTF-8") from None
 
 
 def _say_cut_off(path: Path, where: str) -> None:

@@ -76,7 +76,7 @@ def _progress(artifact) -> Optional[str]:
         return said[1].split("\n", 1)[0] if len(said) == 2 else None
     from omegaconf import OmegaConf
 
-    from draftsmith.runs import log, read_state
+    from draftsmith.runs import list_checkpoints, log, read_state
 
     step = read_state(artifact.folder).step
     try:
@@ -85,6 +85,11 @@ def _progress(artifact) -> Optional[str]:
     except Exception:  # a recipe without the key: the step alone is said
         total = None
     name = artifact.folder.name
+    newest = max((read_state(c).step for c in list_checkpoints(artifact.folder.parent.parent, warn=lambda _: None)), default=step)
+    if total is not None and step < total and newest > step:
+        # An earlier checkpoint of a run that went on (asked for by name, or the newest was damaged).
+        log(f"note: exporting {artifact.folder} at step {step} of train.max_steps={total}; its run has a later checkpoint, at step {newest}")
+        return f"Exported from checkpoint `{name}`, step {step} of the recipe's {total} (not its run's last)."
     if total is not None and step < total:
         log(f"note: exporting {artifact.folder} at step {step} of train.max_steps={total}: its run stopped before the end (train again to finish it)")
         return f"Exported from checkpoint `{name}`, step {step} of the recipe's {total}: its training stopped before the end."

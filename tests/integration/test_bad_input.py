@@ -498,6 +498,10 @@ def test_a_prompts_file_with_a_byte_order_mark_is_read(tmp_path):
     marked = tmp_path / "bom.jsonl"
     marked.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "say red cat"}\n{"prompt": "say blue dog"}\n')
     assert [m[-1]["content"] for m in load_prompts(str(marked), None)] == ["say red cat", "say blue dog"]
+    # Past the mark, a byte that is not UTF-8 is still named where it is.
+    marked.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(Exception, match=r"bom.jsonl:2: not UTF-8 text \(byte 34: b'\\xe9'\)"):
+        load_prompts(str(marked), None)
 
 
 def test_a_tree_too_deep_and_an_exit_layer_out_of_range_are_refused_before_any_model_loads(world, monkeypatch):
@@ -515,3 +519,28 @@ def test_a_tree_too_deep_and_an_exit_layer_out_of_range_are_refused_before_any_m
         load_drafter(world["export"], tree="1,1,1,1,1,1,1,1,1")
     with pytest.raises(Exception, match=r"exit layer 40 is outside 1..\d+: the model has \d+ decoder layers"):
         load_drafter(world["model"], exit_layer=40)
+
+
+def test_eval_reads_a_built_in_drafter_by_name_even_beside_a_folder_of_that_name(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from draftsmith.cli import eval_reads
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("suffix", "smollm2-135m", "mtbench", "run"):
+        (tmp_path / name).mkdir()
+    asked = SimpleNamespace(drafter="suffix", target="smollm2-135m", prompts="mtbench")
+    assert eval_reads(asked) == [Path("mtbench")]  # a path of --prompts' name is what load_prompts reads
+    asked = SimpleNamespace(drafter="run", target=None, prompts="mtbench")
+    assert eval_reads(asked) == [Path("run"), Path("mtbench")]
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["generate", "--prompt", "--explain this"], "the following arguments are required: --drafter"),  # a value, not a flag
+    (["generate", "--drafter", "suffix", "--prompt", "hi", "extra words here"], "unrecognized arguments: extra words here ("),  # one argument
+    (["generate", "--drafter", "suffix", "--prompt", "hi", "--", "x"], "unrecognized arguments: x ("),
+    (["--verison"], "unrecognized arguments: --verison (did you mean --version?)"),
+])  # fmt: skip
+def test_what_the_command_line_got_wrong_is_said_as_given(capsys, argv, said):
+    assert main(argv) == 2
+    assert said in capsys.readouterr().err

@@ -109,3 +109,19 @@ def test_export_names_its_checkpoint_and_a_run_that_stopped_early(tmp_path, caps
     assert "## Training\n\nExported from checkpoint `step-000010`" in card
     assert ("step 10 of the recipe's 200: its training stopped before the end" in card) == ("200" in recipe)
     assert card == (export(out, tmp_path / "again") / "README.md").read_text()
+
+
+def test_an_earlier_checkpoint_of_a_run_that_went_on_is_not_called_stopped(tmp_path, capsys):
+    import shutil
+
+    _, _, run = fake_checkpoint(tmp_path)
+    first = run / "checkpoints" / "step-000010"
+    (first / "recipe.yaml").write_text("trainer: heads\ntrain:\n  max_steps: 200\n")
+    later = run / "checkpoints" / "step-000020"
+    shutil.copytree(first, later)
+    state = json.loads((later / "trainer_state.json").read_text())
+    (later / "trainer_state.json").write_text(json.dumps({**state, "step": 20}))
+    out = export(first, tmp_path / "export")
+    printed = "".join(capsys.readouterr())
+    assert "its run has a later checkpoint, at step 20" in printed and "stopped before the end" not in printed
+    assert "step 10 of the recipe's 200 (not its run's last)" in (out / "README.md").read_text()

@@ -216,6 +216,13 @@ def test_an_engine_fragment_alone_says_what_it_is_for():
     assert load_recipe("recipes/medusa/smollm2-135m.yaml", "recipes/deepspeed/zero2.yaml").deepspeed.zero_stage == 2
 
 
+def test_a_recipe_in_a_folder_named_deepspeed_is_a_recipe(tmp_path):
+    (tmp_path / "deepspeed").mkdir()
+    mine = tmp_path / "deepspeed" / "my.yaml"
+    mine.write_text(Path("recipes/medusa/smollm2-135m.yaml").read_text())
+    assert load_recipe(mine).trainer == "heads"
+
+
 def test_the_copies_draftsmith_writes_beside_runs_are_not_listed_as_recipes(tmp_path):
     (tmp_path / "mine.yaml").write_text("trainer: heads\n")
     for folder, marker in [("run", "command.txt"), ("run/checkpoints/step-000002", "trainer_state.json"), ("export", "draftsmith-manifest.json")]:
