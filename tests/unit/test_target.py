@@ -288,12 +288,13 @@ def test_lora_wrapping_says_nothing_the_user_cannot_act_on():
 def test_saving_tied_weights_does_not_ask_the_user_to_check_the_reload(caplog):
     """accelerate's "Removed shared tensor ... check by verifying" at every save of a tied LM head is
     dropped once draftsmith's checkpoints are in use (its loader reties them); other warnings pass."""
+    import importlib
     import logging
 
-    import draftsmith.trainers.checkpoint  # noqa: F401  (installs the filter)
     from accelerate import PartialState
     from accelerate.utils.other import clean_state_dict_for_safetensors
 
+    importlib.import_module("draftsmith.trainers.checkpoint")  # installs the filter
     PartialState(cpu=True)  # accelerate's logger needs its state, as in a trainer
 
     shared = torch.ones(4)
