@@ -424,15 +424,19 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def eval_reads(args) -> list[Path]:
-    """The paths eval reads: the drafter, the prompts file, a local target. A built-in drafter or
-    target name is read by name even where a folder of that name exists; --prompts prefers a path."""
+def eval_reads(args) -> tuple[list[Path], list[Path]]:
+    """What eval reads, as check_destination's (inputs, around): the report goes neither over nor
+    around any of it, nor inside a checkpoint, an export, a model folder or the prompts, but may go
+    in a folder of its own inside a run folder (as an export may). A built-in drafter or target name
+    is read by name even where a folder of that name exists; --prompts prefers a path."""
     from draftsmith.runtime.lookup import LOOKUP_KINDS
     from draftsmith.target import BUILTIN_MODELS
 
     by_name = {*LOOKUP_KINDS, *BUILTIN_MODELS}
     named = [(args.drafter, True), (args.target, True), (args.prompts, False)]
-    return [Path(p) for p, builtin_first in named if p and Path(p).exists() and not (builtin_first and p in by_name)]
+    read = [Path(p) for p, builtin_first in named if p and Path(p).exists() and not (builtin_first and p in by_name)]
+    runs = [p for p in read if (p / "checkpoints").is_dir()]
+    return [p for p in read if p not in runs], runs
 
 
 def cmd_eval(args) -> int:
@@ -445,7 +449,8 @@ def cmd_eval(args) -> int:
     sampling = _sampling(args)
     # What eval reads (the drafter, the prompts file, a local target) is never written over, not
     # even with --overwrite; a report may go inside a run folder, as an export may.
-    check_destination(args.out, overwrite=args.overwrite, owned=report_folder, around=eval_reads(args))
+    inputs, runs = eval_reads(args)
+    check_destination(args.out, inputs=inputs, around=runs, overwrite=args.overwrite, owned=report_folder)
     prompts = load_prompts(args.prompts, args.limit)
     if isinstance(args.exit_layer, list) or args.exit_layer == "sweep":
         from draftsmith.eval.early_exit import sweep_exit_layers

@@ -108,7 +108,8 @@ def write_early_exit_files(artifact: EarlyExitArtifact, folder: Path) -> None:
 
 def record_exit_layer(folder: str | Path, exit_layer: int, draft_length: int, how: str) -> dict:
     """Write a newly chosen exit layer into an early-exit export: config.json's block, the model
-    card's "Exit layer:" line and the manifest, each atomically. Returns the new block."""
+    card's "Exit layer:" line, its prose and its transformers snippet, and the manifest, each
+    atomically. Returns the new block."""
     folder = Path(folder)
     problem = manifest_problem(folder)
     if problem:
@@ -123,7 +124,11 @@ def record_exit_layer(folder: str | Path, exit_layer: int, draft_length: int, ho
     card = folder / "README.md"
     if card.is_file():
         line = exit_layer_line(exit_layer, block.get("num_layers", "?"), how)
-        write_atomic(card, _CARD_EXIT_LINE.sub(lambda _: line, card.read_text(), count=1))
+        text = _CARD_EXIT_LINE.sub(lambda _: line, card.read_text(), count=1)
+        # The prose and the transformers snippet name the exit too.
+        text = re.sub(r"drafts with its first\s+\d+ layers", f"drafts with its first {exit_layer} layers", text)
+        text = re.sub(r"assistant_early_exit=\d+", f"assistant_early_exit={exit_layer}", text)
+        write_atomic(card, text)
     write_manifest(folder)
     return block
 

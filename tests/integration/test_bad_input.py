@@ -103,6 +103,7 @@ ROWS = NO_CUDA + [
     ("eval --out over an export", lambda w: ["eval", "--drafter", str(w["run"]), "--prompts", str(w["prompts"]), "--out", str(w["export"])], 2, ["another draftsmith command's output", "--overwrite"]),
     # Not even --overwrite lets eval write over what it reads.
     ("eval --out over its own drafter", lambda w: ["eval", "--drafter", str(w["run"]), "--prompts", str(w["prompts"]), "--out", str(w["run"]), "--overwrite"], 2, ["is the input", "write somewhere else"]),
+    ("eval --out inside the export it reads", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--out", str(w["export"] / "report")], 2, ["is inside the input", "write somewhere else"]),
     ("eval --out around its prompts", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["asked"] / "questions.jsonl"), "--out", str(w["asked"]), "--overwrite"], 2, ["contains the input", "questions.jsonl"]),
     ("export --out over an eval report", lambda w: ["export", str(w["run"]), "--out", str(w["report"])], 2, ["another draftsmith command's output", "--overwrite"]),
     ("a mistyped built-in drafter", lambda w: ["generate", "--drafter", "sufix", "--prompt", "hi"], 2, ["sufix", "did you mean 'suffix'", "built-in name"]),
@@ -529,10 +530,11 @@ def test_eval_reads_a_built_in_drafter_by_name_even_beside_a_folder_of_that_name
     monkeypatch.chdir(tmp_path)
     for name in ("suffix", "smollm2-135m", "mtbench", "run"):
         (tmp_path / name).mkdir()
+    (tmp_path / "run" / "checkpoints").mkdir()
     asked = SimpleNamespace(drafter="suffix", target="smollm2-135m", prompts="mtbench")
-    assert eval_reads(asked) == [Path("mtbench")]  # a path of --prompts' name is what load_prompts reads
+    assert eval_reads(asked) == ([Path("mtbench")], [])  # a path of --prompts' name is what load_prompts reads
     asked = SimpleNamespace(drafter="run", target=None, prompts="mtbench")
-    assert eval_reads(asked) == [Path("run"), Path("mtbench")]
+    assert eval_reads(asked) == ([Path("mtbench")], [Path("run")])  # a report may go inside a run folder
 
 
 @pytest.mark.parametrize("argv,said", [

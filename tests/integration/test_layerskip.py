@@ -242,7 +242,11 @@ def test_eval_cli_and_the_exit_layer_sweep(trained, prompts, tmp_path, model_dir
     # The sweep's rows are a table of their own in report.md, a row an exit.
     markdown = (tmp_path / "sweep" / "report.md").read_text()
     assert "## exit_sweep" in markdown and "| exit_layer | mean_accepted_length |" in markdown and "{'exit_layer'" not in markdown
-    assert f"Exit layer: {best} of {LAYERS} (eval --exit-layer sweep" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert f"Exit layer: {best} of {LAYERS} (eval --exit-layer sweep" in card
+    # The prose and the transformers snippet follow the choice too.
+    assert f"drafts with its first {best} layers" in card and f"assistant_early_exit={best}," in card
+    assert card.count("assistant_early_exit=") == 1
     # An untrained model drafts for itself too (the baseline of LayerSkip training).
     proc = cli("generate", "--drafter", model_dir, "--exit-layer", 1, "--prompt", "say red cat", "--max-new-tokens", 8)
     assert proc.returncode == 0 and "[early_exit drafter, exit layer 1, chain of 4; on " in proc.stderr and "verification: exact" in proc.stderr, proc.stderr[-2000:]
