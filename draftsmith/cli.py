@@ -429,13 +429,14 @@ def eval_reads(args) -> tuple[list[Path], list[Path]]:
     around any of it, nor inside a checkpoint, an export, a model folder or the prompts, but may go
     in a folder of its own inside a run folder (as an export may). A built-in drafter or target name
     is read by name even where a folder of that name exists; --prompts prefers a path."""
+    from draftsmith.runs import checkpoint_root
     from draftsmith.runtime.lookup import LOOKUP_KINDS
     from draftsmith.target import BUILTIN_MODELS
 
     by_name = {*LOOKUP_KINDS, *BUILTIN_MODELS}
     named = [(args.drafter, True), (args.target, True), (args.prompts, False)]
     read = [Path(p) for p, builtin_first in named if p and Path(p).exists() and not (builtin_first and p in by_name)]
-    runs = [p for p in read if (p / "checkpoints").is_dir()]
+    runs = [p for p in read if checkpoint_root(p).is_dir()]
     return [p for p in read if p not in runs], runs
 
 
