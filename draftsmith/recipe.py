@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, Optional
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from draftsmith.atomic import write_atomic
+from draftsmith.atomic import MANIFEST_NAME, write_atomic
 
 
 class RecipeError(ValueError):
@@ -777,7 +777,9 @@ def all_recipe_files(root: str | Path = "recipes") -> list[Path]:
 def _written_by_draftsmith(path: Path) -> bool:
     """A recipe.yaml that records a run (beside its command.txt), a checkpoint (beside
     trainer_state.json) or an export (beside its manifest): a record, not a recipe to run."""
-    return path.name == "recipe.yaml" and any((path.parent / name).is_file() for name in ("command.txt", "trainer_state.json", "draftsmith-manifest.json"))
+    from draftsmith.runs import STATE_FILE
+
+    return path.name == "recipe.yaml" and any((path.parent / name).is_file() for name in ("command.txt", STATE_FILE, MANIFEST_NAME))
 
 
 def engine_fragments(root: str | Path = "recipes") -> list[Path]:
