@@ -26,7 +26,7 @@ Shapes: B batch, T positions, K depth, V vocabulary, D hidden size.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -251,10 +251,14 @@ class EagleSession(BufferedSession):
         self.slots: dict[int, int] = {}  # node id -> cache entry
         self.forwards = 0
         self.length = 0  # entries the caches hold: the decided positions, then this step's tree
+        # A step's read (extend's hidden, layers, tokens and start) not run yet, on graphs: the
+        # tree's graph runs it (``_whole_tree``), or ``_settle`` does before anything else needs it.
+        self._pending: Optional[tuple] = None
 
     def _forget(self) -> None:
         self.length = 0
         self.outputs, self.slots = {}, {}
+        self._pending = None
 
     def _grow(self, capacity: int) -> None:
         """Buffers of ``capacity`` entries holding what the caches held; graphs recaptured."""
@@ -292,41 +296,55 @@ class EagleSession(BufferedSession):
 
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
         M, start = hidden.shape[1], self.decided
+        self.outputs, self.slots = {}, {}
         if self.capacity and self.graphs and M <= 32:
-            # A step's few accepted positions: the feature, the masks and the forward in one graph per count.
-            root = self._extend_graphed(hidden, layers, tokens)
+            # A step's few accepted positions: the feature, the masks and the forward on the device.
+            # They wait for what reads them first: a whole tree takes them into its own graph (one
+            # replay a step, extend and tree); anything else runs them first in a graph per count.
+            if start + M > self.capacity:
+                self._grow(max(2 * self.capacity, start + M + 64))  # drops the captured graphs
+            self._pending = (hidden, layers, tokens, start)
         else:
             feature = self.head.feature(hidden, layers)
             positions = torch.arange(start, start + M, device=hidden.device)
             visible = torch.ones(M, start + M, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
-            root = self._forward(feature, tokens, positions, visible)[:, -1:]
+            self.outputs[0] = self._forward(feature, tokens, positions, visible)[:, -1:]  # the root's output: the last decided position's
         self.forwards += 1
         self.decided = self.length = start + M
-        self.outputs, self.slots = {0: root}, {}  # the root's output comes from the last decided position
 
-    def _extend_graphed(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> Tensor:
-        """``extend``'s forward on the preallocated caches as one function of device tensors (the
-        decided length a tensor), captured once per number of new positions; returns the root's
-        output [1,1,D]. The new entries follow the decided ones (the tree's were rolled back)."""
-        M, start = tokens.shape[1], self.decided
-        if start + M > self.capacity:
-            self._grow(max(2 * self.capacity, start + M + 64))  # drops the captured graphs
-        keys = sorted(layers)
-        inputs = (hidden, *(layers[k] for k in keys), tokens, self.columns[start : start + 1])
+    def _settle(self) -> None:
+        """Run an ``extend`` still waiting (``_pending``) on its own: the root's output is then at hand."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            root, replayed = self._extended(pending, (), lambda root_out, root_token, decided: root_out)
+            # A graph's output is overwritten by its next replay: the root's output is copied.
+            self.outputs[0] = (root.clone() if replayed else root).unsqueeze(0)
 
-        def extend(hidden: Tensor, *rest: Tensor) -> Tensor:
-            *states, tokens, start = rest
+    def _extended(self, pending: tuple, extra: tuple[Tensor, ...], then: Callable[..., Any], name: Optional[Hashable] = None) -> tuple[Any, bool]:
+        """``then(root_out [1,D], root_token [1], decided [], *extra)`` after a waiting extend's
+        forward (``pending``: its hidden, layers, tokens and start), all in one function of device
+        tensors (the decided length a tensor), replayed as one graph per number of new positions
+        and what follows (``name``: the graph ``then`` would have been alone), the graph named
+        ("extend", count, layers[, name]). The new entries follow the decided ones (the tree's were
+        rolled back); the last new token is the root. Returns (what ``then`` returns, replayed)."""
+        hidden, layers, tokens, start = pending
+        M, keys = tokens.shape[1], sorted(layers)
+        inputs = (hidden, *(layers[k] for k in keys), tokens, self.columns[start : start + 1], *extra)
+
+        def extend_then(hidden: Tensor, *rest: Tensor) -> Any:
+            states, (tokens, start), extra = rest[: len(keys)], rest[len(keys) : len(keys) + 2], rest[len(keys) + 2 :]
             feature = self.head.feature(hidden, dict(zip(keys, states)))
-            positions = start + torch.arange(tokens.shape[1], device=tokens.device)
+            positions = start + torch.arange(M, device=tokens.device)
             # Each new position sees the decided entries, the new ones before it and itself.
             visible = self.columns.unsqueeze(0) <= positions.unsqueeze(1)
-            return self._slotted_forward(feature, tokens, positions, visible, positions)[:, -1:]
+            root_out = self._slotted_forward(feature, tokens, positions, visible, positions)[0, -1:]
+            return then(root_out, tokens[0, -1:], start[0] + M, *extra)
 
-        root, replayed = self.graphs.run(("extend", M, tuple(keys)), extend, inputs, f"the {self.head.cfg.kind} head's extend")
-        # A graph's output is overwritten by its next replay: the root's output is copied.
-        return root.clone() if replayed else root
+        key = ("extend", M, tuple(keys)) + (() if name is None else (name,))
+        return self.graphs.run(key, extend_then, inputs, f"the {self.head.cfg.kind} head's extend")
 
     def expand(self, frontier: Any) -> Tensor:
+        self._settle()
         todo = [n for n in frontier.nodes if n not in self.outputs]
         if todo:
             cached = self.length
@@ -353,6 +371,7 @@ class EagleSession(BufferedSession):
         rotary position decided + L - 2, seeing the decided entries, its ancestors' entries and
         its own. The tree's entries follow the decided ones level by level, as ``expand`` writes
         them, and what a node sees is its parent's row of the last level plus its own column."""
+        self._settle()
         decided = self.decided
 
         def forward(feature: Tensor, tokens: Tensor, seen: Tensor) -> Tensor:
@@ -432,20 +451,26 @@ class EagleSession(BufferedSession):
         over levels ranked by ``rank``), captured once per ``name`` where the session has graphs,
         ``extra`` among its inputs. ``entries``: what the levels' forwards write after the decided
         ones; ``forwards``: how many they are."""
-        device = self.outputs[0].device
         if self.decided + entries > self.capacity:
+            self._settle()  # what waits is written before the buffers move
             self._grow(max(2 * self.capacity, self.decided + entries + 64))  # drops the captured graphs
-        inputs = (
-            self.outputs[0][0],
-            torch.full((1,), root, dtype=torch.long, device=device),
-            torch.full((), self.decided, dtype=torch.long, device=device),
-            *extra,
-        )
 
         def tree_function(root_out: Tensor, root_token: Tensor, decided: Tensor, *extra: Tensor) -> tuple[Tensor, ...]:
             return self._tree_function(rank, grow, root_out, root_token, decided, extra)
 
-        tree, replayed = self.graphs.run(name, tree_function, inputs, f"the {self.head.cfg.kind} head's {what}")
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            # The step's new positions and the tree in one function: one graph a step on CUDA.
+            tree, replayed = self._extended(pending, extra, tree_function, name)
+        else:
+            device = self.outputs[0].device
+            inputs = (
+                self.outputs[0][0],
+                torch.full((1,), root, dtype=torch.long, device=device),
+                torch.full((), self.decided, dtype=torch.long, device=device),
+                *extra,
+            )
+            tree, replayed = self.graphs.run(name, tree_function, inputs, f"the {self.head.cfg.kind} head's {what}")
         if replayed:  # a graph's outputs are overwritten by its next replay: the tree gets its own copies
             tree = tuple(x.clone() for x in tree)
         self.forwards += forwards
@@ -480,6 +505,7 @@ class EagleSession(BufferedSession):
         return grow(expand, root_token, device, *extra)
 
     def rollback(self) -> None:
+        self._settle()  # a read the tree never took still enters the caches
         if not self.capacity:
             for cache in self.caches:
                 truncate_cache(cache, self.decided)

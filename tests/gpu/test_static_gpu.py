@@ -133,7 +133,7 @@ def test_graphed_decoding_equals_hf_greedy(target, kind):
         assert drafter.session.capacity and drafter.session.graphs and steps and all(graph is not None for graph in steps)
     if kind == "hybrid-eagle":  # the head's levels and the lookup's candidates merged in one graph a step
         captured = drafter.head.session.graphs.captured
-        merged = [g for name, g in captured.items() if isinstance(name, tuple) and name[0] == "dynamic" and name[-1][0] == "hybrid"]
+        merged = [g for name, g in captured.items() if name[0] == "extend" and name[-1][0] == "dynamic" and name[-1][-1][0] == "hybrid"]
         assert drafter.head.session.graphs and merged and all(g is not None for g in captured.values())
     if kind.startswith("hybrid"):  # the lookup's candidates were drafted (and so checked by the output)
         assert drafter.reliability.tested > 0
@@ -150,8 +150,8 @@ def test_a_graphed_eagle_head_drafts_what_the_eager_one_drafts(target):
         drafter.propose = lambda state: proposed.append(propose(state)) or proposed[-1]
         out, stats = speculative_generate(target, drafter, torch.tensor([[5, 9, 14, 20, 7, 3]], device=CUDA), 30, cache=cache)
         runs[cache] = (out.tolist(), stats.accept_lens, [t.tokens.tolist() for t in proposed])
-        if cache == "static":  # the whole tree was captured as one graph, not grown eagerly after a failed capture
-            whole = [graph for name, graph in drafter.session.graphs.captured.items() if isinstance(name, tuple) and name[0] == "dynamic"]
+        if cache == "static":  # each step's read and whole tree were captured as one graph, not run eagerly after a failed capture
+            whole = [graph for name, graph in drafter.session.graphs.captured.items() if name[0] == "extend" and name[-1][0] == "dynamic"]
             assert whole and all(graph is not None for graph in whole)
     assert runs["static"] == runs["dynamic"]
 

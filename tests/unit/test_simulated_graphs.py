@@ -106,15 +106,17 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
         assert compiled and all(g is not None for g in compiled.values())
         assert any(isinstance(name, tuple) and name[0] == kind.split("-")[1] for name in compiled)
         assert any(isinstance(name, tuple) and name[0] == "extend" for name in compiled)  # Hydra++'s prefix layer, Clover's block
-    if kind == "hybrid":  # the head's levels and the lookup's candidates merge in one graph a step
-        assert any(isinstance(name, tuple) and name[0] == "dynamic" and name[-1][0] == "hybrid" for name in drafter.head.session.graphs.captured)
-    if kind.startswith("eagle"):  # the head's extend and its whole tree replayed
+    if kind == "hybrid":  # the head's read, its levels and the lookup's candidates merge in one graph a step
+        names = list(drafter.head.session.graphs.captured)
+        assert names and all(name[0] == "extend" and name[-1][0] == "dynamic" and name[-1][-1][0] == "hybrid" for name in names), names
+    if kind.startswith("eagle"):  # the head's read of the accepted positions and its whole tree replayed
         compiled = drafter.session.graphs.captured
         assert drafter.session.graphs and compiled and all(g is not None for g in compiled.values())
-        # The whole tree of a step, EAGLE-2's or a static one, is one graph.
+        # A step's read and its whole tree, EAGLE-2's or a static one, are one graph ("extend",
+        # accepted count, layers, the tree's name): never a read's graph alone.
         whole = "dynamic" if kind.endswith("dynamic") else "static"
-        assert any(isinstance(name, tuple) and name[0] == whole for name in compiled)
-        assert any(isinstance(name, tuple) and name[0] == "extend" for name in compiled)  # a step's accepted positions
+        assert all(name[0] == "extend" and len(name) == 4 and name[-1][0] == whole for name in compiled), list(compiled)
+        assert len({name[1] for name in compiled}) > 1  # steps that accepted different counts
     if kind == "medusa-tree":
         assert isinstance(drafter.session.graphs.captured.get("heads"), TracedGraph)
     if kind == "dflash-chain":  # a step's context entries and block, one graph per number of new positions
@@ -154,7 +156,10 @@ def test_a_graphed_drafter_drafts_what_the_eager_one_drafts(kind):
         runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens[:, :k].tolist(), t.parents[:, :k].tolist()) for t, k in zip(proposed, n)])
         if kind.startswith("hybrid"):
             runs[cache] += ((drafter.reliability.tested, drafter.reliability.accepted),)
-            merged = [name for name in drafter.head.session.graphs.captured if isinstance(name, tuple) and name[0] == "dynamic" and name[-1][0] == "hybrid"]
+            # EAGLE's tree graph also holds the step's read: named ("extend", count, layers, the tree's name).
+            names = [name for name in drafter.head.session.graphs.captured if isinstance(name, tuple)]
+            trees = [name[3] if name[0] == "extend" and len(name) == 4 else name for name in names]
+            merged = [name for name in trees if name[0] == "dynamic" and name[-1][0] == "hybrid"]
             assert bool(merged) == (cache == "static")  # through the graphs, the merged tree is one
     assert runs["static"] == runs["dynamic"]
     if kind.startswith(("eagle", "hydra", "clover", "noisy", "hybrid")) or kind == "early-exit":  # something was accepted: the caches were rolled back and kept
@@ -316,3 +321,29 @@ def test_children_past_the_draft_support_decode_as_the_target(kind, monkeypatch)
     if any(len(spec.children(n)) > 1 for n in range(spec.num_nodes)):
         past = [(t.draft_probs[0, spec.parents[n], t.tokens[0, n]] == 0).item() for t in proposed for n in range(1, spec.num_nodes)]
         assert any(past)
+
+
+def test_an_eagle_read_no_whole_tree_takes_runs_in_a_graph_of_its_own():
+    """On graphs an EAGLE session's read of the accepted positions waits for the step's whole
+    tree, whose graph runs it. A tree grown otherwise (an adaptive one, node by node on the host)
+    reads the root's output first: the read then replays alone, and the output is still the
+    target's greedy one, equal to the run on growing caches."""
+    from draftsmith.runtime.tree import AdaptiveTreeSpec
+
+    ids = torch.tensor([[5, 9, 14, 20, 7, 3]])
+    runs = {}
+    for cache in ("dynamic", "static"):
+        with simulated_cuda_graphs(), torch.no_grad():
+            target = FrozenTarget(tiny_causal_lm("llama", seed=0))
+            head = _drafter("eagle3-dynamic", target, cache).head
+            drafter = HeadDrafter(head, target, AdaptiveTreeSpec(depth=4, topk=3, budget=10), cache=cache)
+            out, stats = speculative_generate(target, drafter, ids, 20, cache=cache)
+            want = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20, pad_token_id=0, eos_token_id=None)
+        assert out.tolist() == want.tolist(), cache
+        runs[cache] = (out.tolist(), stats.accept_lens)
+        if cache == "static":
+            # The read alone, one graph per accepted count; the host's nodes replay graphs per frontier size.
+            reads = [name for name in drafter.session.graphs.captured if isinstance(name, tuple)]
+            assert reads and all(name[0] == "extend" and len(name) == 3 for name in reads), reads
+            assert drafter.session._pending is None  # nothing left waiting after the last step
+    assert runs["static"] == runs["dynamic"]
