@@ -303,6 +303,10 @@ class LevelSession(HeadSession):
     capacity = 0  # entries of the preallocated caches of ``_layer_caches`` (0: growing ones)
     # ``extend`` of at most this many positions (a step's accepted path) replays a graph per count.
     GRAPHED_EXTEND = 32
+    # Such a read on graphs waits (its read function, inputs, count and layers): the step's whole
+    # tree runs it inside its own graph (``_whole_tree``), or ``_settle`` does before anything else
+    # reads the step tensor.
+    _pending: Optional[tuple] = None
 
     def preallocate(self, capacity: int, graphs: bool) -> bool:
         device = next(self.head.parameters()).device
@@ -315,7 +319,7 @@ class LevelSession(HeadSession):
     def restart(self, capacity: int) -> bool:
         if not self.on_device:
             return False
-        self.decided = 0
+        self.decided, self._pending = 0, None
         self._forget()
         if capacity > self.capacity:
             self._grow(capacity)
@@ -363,10 +367,9 @@ class LevelSession(HeadSession):
 
             inputs = (hidden, *(layers[k] for k in keys), tokens, self.columns[start : start + 1])
             if self.graphs and caches and M <= self.GRAPHED_EXTEND:
-                step, replayed = self.graphs.run(("extend", M, tuple(keys)), read, inputs, f"the {self.head.cfg.kind} head's extend")
-                step = step.clone() if replayed else step  # a graph's output is overwritten by its next replay
-            else:
-                step = read(*inputs)
+                self._pending, self.decided = (read, inputs, M, tuple(keys)), start + M
+                return
+            step = read(*inputs)
         else:
             positions = torch.arange(start, start + M, device=tokens.device)
             visible = torch.ones(M, start + M, dtype=torch.bool, device=tokens.device).tril(diagonal=start)
@@ -374,10 +377,20 @@ class LevelSession(HeadSession):
         self.step_input = step
         self.decided = start + M
 
+    def _settle(self) -> None:
+        """Run a read still waiting (``_pending``) on its own, a graph per count: the step tensor is then at hand."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            read, inputs, M, keys = pending
+            step, replayed = self.graphs.run(("extend", M, keys), read, inputs, f"the {self.head.cfg.kind} head's extend")
+            self.step_input = step.clone() if replayed else step  # a graph's output is overwritten by its next replay
+
     step_attribute = ""  # the attribute holding the per-step tensor ``extend`` sets
 
     @property
     def step_input(self) -> Tensor:
+        """The per-step tensor ``extend`` sets (a read still waiting runs first)."""
+        self._settle()
         return getattr(self, self.step_attribute)
 
     @step_input.setter
@@ -432,19 +445,33 @@ class LevelSession(HeadSession):
         then grows the same tree level by level through ``expand_level``)."""
         if not self.graphs:
             return None
-        step = self.step_input
-        device = step.device
+        pending, self._pending = self._pending, None
+        device = (getattr(self, self.step_attribute) if pending is None else pending[1][0]).device
 
         def tree_function(step: Tensor, root_token: Tensor, *extra: Tensor) -> tuple[Tensor, ...]:
             self.step_input = step  # the levels read the graph's own copy
             return grow(root_token, device, *extra)
 
-        inputs = (step, torch.full((1,), root, dtype=torch.long, device=device), *extra)
-        tree, replayed = self.graphs.run(name, tree_function, inputs, f"the {self.head.cfg.kind} head's {what}")
-        self.step_input = step
+        what = f"the {self.head.cfg.kind} head's {what}"
+        if pending is None:
+            step = self.step_input
+            tree, replayed = self.graphs.run(name, tree_function, (step, torch.full((1,), root, dtype=torch.long, device=device), *extra), what)
+            self.step_input = step
+        else:
+            # The step's read and its tree in one function (one graph a step on CUDA): the step
+            # tensor and the root token (the last one read) never leave it.
+            read, inputs, M, keys = pending
+            n = len(inputs)
+
+            def read_then_tree(*args: Tensor) -> tuple[Tensor, ...]:
+                return tree_function(read(*args[:n]), args[n - 2][0, -1:], *args[n:])
+
+            tree, replayed = self.graphs.run(("extend", M, keys, name), read_then_tree, (*inputs, *extra), what)
+            setattr(self, self.step_attribute, None)  # the step tensor lived in the graph: nothing reads it after the tree
         return tuple(x.clone() for x in tree) if replayed else tree
 
     def rollback(self) -> None:
+        self._settle()  # a read the tree never took still enters the caches
         self._previous = None
 
 

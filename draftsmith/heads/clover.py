@@ -360,10 +360,11 @@ class CloverSession(LevelSession):
     def _level(self, level: int, states: Optional[Tensor], tokens: Tensor) -> tuple[Tensor, Tensor]:
         """A level's node states from their parents' (the root's from ``base``), as ``expand``."""
         head = self.head
+        base = self.step_input
         if level == 1 and head.fuse is not None:  # Clover-2: the root token was fused before the block
-            return self.base, self.lm_head(head.output(1, self.base, None))
+            return base, self.lm_head(head.output(1, base, None))
         embedding = self.embed(tokens)
-        state = head.advance(self.base if states is None else states, embedding)
+        state = head.advance(base if states is None else states, embedding)
         return state, self.lm_head(head.output(level, state, embedding))
 
     def _layer_caches(self) -> list:
@@ -383,7 +384,7 @@ class CloverSession(LevelSession):
         self.states, self.outputs = {}, {}
 
     def expand(self, frontier: Any) -> Tensor:
-        head = self.head
+        head, base = self.head, self.step_input
         todo: dict[int, list[int]] = {}
         for node in frontier.nodes:
             if node not in self.outputs:
@@ -391,9 +392,9 @@ class CloverSession(LevelSession):
         for d, nodes in todo.items():
             if head.fuse is not None and d == 0:
                 # Clover-2: the root token was fused before the block.
-                self.states[0], self.outputs[0] = self.base, head.output(1, self.base, None)
+                self.states[0], self.outputs[0] = base, head.output(1, base, None)
                 continue
-            previous = torch.cat([self.base if d == 0 else self.states[frontier.parents[n]] for n in nodes])
+            previous = torch.cat([base if d == 0 else self.states[frontier.parents[n]] for n in nodes])
             embedding = self.embed(torch.tensor([frontier.tokens[n] for n in nodes], device=previous.device))
             state = head.advance(previous, embedding)
             out = head.output(d + 1, state, embedding)

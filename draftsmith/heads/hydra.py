@@ -224,7 +224,7 @@ class HydraSession(LevelSession):
 
     def _level(self, level: int, states: Optional[Tensor], tokens: Tensor) -> tuple[Tensor, Tensor]:
         paths = tokens.unsqueeze(1) if states is None else torch.cat([states, tokens.unsqueeze(1)], dim=1)  # root first
-        return paths, self.head.path_logits(level, self.context.expand(paths.shape[0], -1), self.embed(paths), self.lm_head)
+        return paths, self.head.path_logits(level, self.step_input.expand(paths.shape[0], -1), self.embed(paths), self.lm_head)
 
     def _layer_caches(self) -> list:
         return [] if self.head.prefix is None else [(self.head.prefix, self.cache)]
@@ -245,8 +245,8 @@ class HydraSession(LevelSession):
             by_depth.setdefault(frontier.depths[node] + 1, []).append(row)
         for k, members in by_depth.items():
             # Root first: the k tokens x_{t+1} .. x_{t+k}.
-            paths = torch.tensor([path_tokens(frontier, frontier.nodes[row]) for row in members], device=self.context.device)
-            logits = self.head.path_logits(k, self.context.expand(len(members), -1), self.embed(paths), self.lm_head)
+            paths = torch.tensor([path_tokens(frontier, frontier.nodes[row]) for row in members], device=self.step_input.device)
+            logits = self.head.path_logits(k, self.step_input.expand(len(members), -1), self.embed(paths), self.lm_head)
             for i, row in enumerate(members):
                 rows[row] = logits[i]
         return torch.stack(rows)

@@ -104,8 +104,9 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
     if kind in ("hydra-dynamic", "clover-static"):  # the whole tree of a step is one graph
         compiled = drafter.session.graphs.captured
         assert compiled and all(g is not None for g in compiled.values())
-        assert any(isinstance(name, tuple) and name[0] == kind.split("-")[1] for name in compiled)
-        assert any(isinstance(name, tuple) and name[0] == "extend" for name in compiled)  # Hydra++'s prefix layer, Clover's block
+        # A step's read (Hydra++'s prefix layer, Clover's block) and its whole tree are one graph:
+        # ("extend", accepted count, layers, the tree's name), never a read's graph alone.
+        assert all(name[0] == "extend" and len(name) == 4 and name[-1][0] == kind.split("-")[1] for name in compiled), list(compiled)
     if kind == "hybrid":  # the head's read, its levels and the lookup's candidates merge in one graph a step
         names = list(drafter.head.session.graphs.captured)
         assert names and all(name[0] == "extend" and name[-1][0] == "dynamic" and name[-1][-1][0] == "hybrid" for name in names), names
@@ -157,8 +158,8 @@ def test_a_graphed_drafter_drafts_what_the_eager_one_drafts(kind):
         if kind.startswith("hybrid"):
             runs[cache] += ((drafter.reliability.tested, drafter.reliability.accepted),)
             # EAGLE's tree graph also holds the step's read: named ("extend", count, layers, the tree's name).
-            names = [name for name in drafter.head.session.graphs.captured if isinstance(name, tuple)]
-            trees = [name[3] if name[0] == "extend" and len(name) == 4 else name for name in names]
+            # The head's read of a step runs in its tree's graph: ("extend", count, layers, the tree's name).
+            trees = [name[3] for name in drafter.head.session.graphs.captured if name[0] == "extend" and len(name) == 4]
             merged = [name for name in trees if name[0] == "dynamic" and name[-1][0] == "hybrid"]
             assert bool(merged) == (cache == "static")  # through the graphs, the merged tree is one
     assert runs["static"] == runs["dynamic"]
@@ -323,11 +324,13 @@ def test_children_past_the_draft_support_decode_as_the_target(kind, monkeypatch)
         assert any(past)
 
 
-def test_an_eagle_read_no_whole_tree_takes_runs_in_a_graph_of_its_own():
-    """On graphs an EAGLE session's read of the accepted positions waits for the step's whole
-    tree, whose graph runs it. A tree grown otherwise (an adaptive one, node by node on the host)
-    reads the root's output first: the read then replays alone, and the output is still the
-    target's greedy one, equal to the run on growing caches."""
+@pytest.mark.parametrize("kind", ["eagle3-dynamic", "hydra-dynamic", "clover-static"])
+def test_a_read_no_whole_tree_takes_runs_in_a_graph_of_its_own(kind):
+    """On graphs a head session's read of the accepted positions (EAGLE's extend, Hydra++'s prefix
+    layer, Clover's block) waits for the step's whole tree, whose graph runs it. A tree grown
+    otherwise (an adaptive one, node by node on the host) reads the read's result first: the read
+    then replays alone, and the output is still the target's greedy one, equal to the run on
+    growing caches."""
     from draftsmith.runtime.tree import AdaptiveTreeSpec
 
     ids = torch.tensor([[5, 9, 14, 20, 7, 3]])
@@ -335,7 +338,7 @@ def test_an_eagle_read_no_whole_tree_takes_runs_in_a_graph_of_its_own():
     for cache in ("dynamic", "static"):
         with simulated_cuda_graphs(), torch.no_grad():
             target = FrozenTarget(tiny_causal_lm("llama", seed=0))
-            head = _drafter("eagle3-dynamic", target, cache).head
+            head = _drafter(kind, target, cache).head
             drafter = HeadDrafter(head, target, AdaptiveTreeSpec(depth=4, topk=3, budget=10), cache=cache)
             out, stats = speculative_generate(target, drafter, ids, 20, cache=cache)
             want = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20, pad_token_id=0, eos_token_id=None)
@@ -346,4 +349,5 @@ def test_an_eagle_read_no_whole_tree_takes_runs_in_a_graph_of_its_own():
             reads = [name for name in drafter.session.graphs.captured if isinstance(name, tuple)]
             assert reads and all(name[0] == "extend" and len(name) == 3 for name in reads), reads
             assert drafter.session._pending is None  # nothing left waiting after the last step
+    assert 0 < sum(runs["static"][1]), "nothing accepted: no step read more than the bonus"
     assert runs["static"] == runs["dynamic"]
