@@ -563,3 +563,27 @@ class simulated_cuda_graphs:
         graphs._simulation = self._before
         self._unpacked.__exit__(*exc)
         return False
+
+
+def graph_roles(captured) -> dict[str, list]:
+    """The graphs a head session captured (``session.graphs.captured``), by what each holds:
+    "read+tree" (a step's read of its accepted positions with the tree drafted after it, one graph:
+    ("extend" | "step", count, layers, tree) or ("heads", tree)), "read" (a read on its own: a
+    prompt's, longer than a step's, or one no tree took), "tree" (a tree on its own, after such a
+    read) and "other" (EAGLE's host-grown levels, by frontier size; DFlash's block after a long
+    prompt). A tree's name starts with "static" or "dynamic"."""
+
+    def is_tree(name) -> bool:
+        return isinstance(name, tuple) and name[:1] in (("static",), ("dynamic",))
+
+    roles: dict[str, list] = {"read+tree": [], "read": [], "tree": [], "other": []}
+    for name in captured:
+        if name == "heads" or (isinstance(name, tuple) and name[0] in ("extend", "step") and len(name) == 3):
+            roles["read"].append(name)
+        elif isinstance(name, tuple) and name[0] in ("extend", "step", "heads") and is_tree(name[-1]):
+            roles["read+tree"].append(name)
+        elif is_tree(name):
+            roles["tree"].append(name)
+        else:
+            roles["other"].append(name)
+    return roles

@@ -23,7 +23,7 @@ tokens.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, Hashable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -215,6 +215,9 @@ class HeadSession:
 
     forwards: Optional[int] = None
     graphs = Graphs(False)  # the session's CUDA graphs: none until preallocate asks (this one never captures)
+    # Whether every tree node takes its children from its depth's ``level_logits`` (Medusa, DFlash):
+    # a static tree is then drafted from them, where the session can right after its read (``after_levels``).
+    drafts_by_level = False
 
     def __init__(self, head: "DraftHead", embed: Callable[[Tensor], Tensor], lm_head: Callable[[Tensor], Tensor]) -> None:
         self.head = head
@@ -283,6 +286,14 @@ class HeadSession:
         in one top-k, without a host read. None for heads whose nodes condition on their path."""
         return None
 
+    def after_levels(self, then: Callable[..., tuple[Tensor, ...]], name: Hashable, extra: tuple[Tensor, ...] = ()) -> Optional[tuple[Tensor, ...]]:
+        """``then(levels [depth,V], root_token [1], *extra)`` run right after the step's read
+        that makes ``level_logits``, in the same function: on CUDA one graph per (read, ``name``:
+        what ``then`` bakes in), so the logits and the root token never leave it. Returns copies of
+        what ``then`` returns (tensors that outlive the next replay); None where the session has
+        no read waiting for it (the default: the caller reads ``level_logits`` itself)."""
+        return None
+
     def rollback(self) -> None:
         """Forget the tree drafted since the last extend."""
 
@@ -303,7 +314,7 @@ class LevelSession(HeadSession):
     capacity = 0  # entries of the preallocated caches of ``_layer_caches`` (0: growing ones)
     # ``extend`` of at most this many positions (a step's accepted path) replays a graph per count.
     GRAPHED_EXTEND = 32
-    # Such a read on graphs waits (its read function, inputs, count and layers): the step's whole
+    # Such a read on graphs waits (its read function, inputs, count, layers and start): the step's whole
     # tree runs it inside its own graph (``_whole_tree``), or ``_settle`` does before anything else
     # reads the step tensor.
     _pending: Optional[tuple] = None
@@ -367,7 +378,7 @@ class LevelSession(HeadSession):
 
             inputs = (hidden, *(layers[k] for k in keys), tokens, self.columns[start : start + 1])
             if self.graphs and caches and M <= self.GRAPHED_EXTEND:
-                self._pending, self.decided = (read, inputs, M, tuple(keys)), start + M
+                self._pending, self.decided = (read, inputs, M, tuple(keys), start), start + M
                 return
             step = read(*inputs)
         else:
@@ -381,7 +392,7 @@ class LevelSession(HeadSession):
         """Run a read still waiting (``_pending``) on its own, a graph per count: the step tensor is then at hand."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            read, inputs, M, keys = pending
+            read, inputs, M, keys, _ = pending
             step, replayed = self.graphs.run(("extend", M, keys), read, inputs, f"the {self.head.cfg.kind} head's extend")
             self.step_input = step.clone() if replayed else step  # a graph's output is overwritten by its next replay
 
@@ -442,9 +453,12 @@ class LevelSession(HeadSession):
     ) -> Optional[tuple[Tensor, ...]]:
         """``grow(root_token, device, *extra)`` as one function of the step tensor, the root token
         and ``extra``, captured once per ``name``; None where the session has no graphs (the caller
-        then grows the same tree level by level through ``expand_level``)."""
+        then grows the same tree level by level through ``expand_level``). A step's waiting read
+        runs in the same function."""
         if not self.graphs:
             return None
+        if self._pending is not None and self._pending[4] == 0:
+            self._settle()  # a prompt's read: its own graph, not one more whole tree per prompt length
         pending, self._pending = self._pending, None
         device = (getattr(self, self.step_attribute) if pending is None else pending[1][0]).device
 
@@ -460,7 +474,7 @@ class LevelSession(HeadSession):
         else:
             # The step's read and its tree in one function (one graph a step on CUDA): the step
             # tensor and the root token (the last one read) never leave it.
-            read, inputs, M, keys = pending
+            read, inputs, M, keys, _ = pending
             n = len(inputs)
 
             def read_then_tree(*args: Tensor) -> tuple[Tensor, ...]:

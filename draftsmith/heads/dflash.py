@@ -507,15 +507,19 @@ class DFlashSession(BufferedSession):
     logits) as one CUDA graph (``draftsmith.graphs``)."""
 
     head: DFlashHead
+    drafts_by_level = True
 
     def __init__(self, head: DFlashHead, embed, lm_head) -> None:
         super().__init__(head, embed, lm_head)
         self.kv: list[Optional[tuple[Tensor, Tensor]]] = [None for _ in head.layers]
         self.slot_logits: Optional[Tensor] = None  # [K,V] of the current step
+        # On graphs, a step's read (its layers, tokens and start) waits: the step's static tree runs
+        # it in its own graph (``after_levels``), or ``_settle`` does before anything else needs it.
+        self._pending: Optional[tuple] = None
         self.forwards = 0  # one block forward per step; the context's keys/values are projections, not a pass
 
     def _forget(self) -> None:
-        self.slot_logits = None
+        self.slot_logits, self._pending = None, None
 
     def _grow(self, capacity: int) -> None:
         """Context buffers of ``capacity`` entries holding the decided ones; the graph recaptured."""
@@ -541,7 +545,9 @@ class DFlashSession(BufferedSession):
         device = hidden.device
         if self.capacity and self.graphs and M <= 32:
             # A step's few accepted positions: their context entries and the block in one graph per count.
-            self.slot_logits = self._step_graphed(layers, tokens)
+            if start + M > self.capacity:
+                self._grow(max(2 * self.capacity, start + M + 64))  # drops the captured graphs
+            self._pending, self.decided = (layers, tokens, start), start + M
             self.forwards += 1
             return
         new = head.context_kv(head.context(layers), torch.arange(start, start + M, device=device))
@@ -566,19 +572,20 @@ class DFlashSession(BufferedSession):
             self.slot_logits, _ = self.graphs.run("block", self._block_logits, inputs, "the dflash head's block")
         self.forwards += 1
 
-    def _step_graphed(self, layers: dict[int, Tensor], tokens: Tensor) -> Tensor:
-        """``extend`` on the preallocated context as one function of device tensors (the decided
-        length a tensor): the new positions' keys and values written at their slots, then the
-        block after them; captured once per number of new positions. Returns the slots' logits."""
-        head, M, start = self.head, tokens.shape[1], self.decided
-        if start + M > self.capacity:
-            self._grow(max(2 * self.capacity, start + M + 64))  # drops the captured graphs
-        keys = sorted(layers)
-        inputs = (*(layers[k] for k in keys), tokens, self.columns[start : start + 1])
+    def _step_graphed(self, pending: tuple, then: Optional[Any] = None, name: Any = None, extra: tuple[Tensor, ...] = ()) -> tuple[Any, bool]:
+        """A waiting read (``pending``: its layers, tokens and start) on the preallocated context as
+        one function of device tensors (the decided length a tensor): the new positions' keys and
+        values written at their slots, then the block after them, then ``then(slot logits, root
+        token [1], *extra)`` where given; captured once per number of new positions (and ``name``,
+        what ``then`` bakes in). Returns (the slots' logits, or what ``then`` returns; replayed)."""
+        head = self.head
+        layers, tokens, start = pending
+        M, keys = tokens.shape[1], sorted(layers)
+        inputs = (*(layers[k] for k in keys), tokens, self.columns[start : start + 1], *extra)
         S = head.cfg.block_size
 
-        def step(*rest: Tensor) -> Tensor:
-            *states, tokens, start = rest
+        def step(*rest: Tensor) -> Any:
+            states, (tokens, start), extra = rest[: len(keys)], rest[len(keys) : len(keys) + 2], rest[len(keys) + 2 :]
             slots = start + torch.arange(tokens.shape[1], device=tokens.device)
             for (k, v), (nk, nv) in zip(self.kv, head.context_kv(head.context(dict(zip(keys, states))), slots)):
                 k.index_copy_(2, slots, nk)
@@ -587,17 +594,38 @@ class DFlashSession(BufferedSession):
             root = tokens[:, -1:]
             block = torch.cat([root, root.new_full((1, S - 1), head.mask_id)], dim=1).view(1, 1, S)
             positions = (decided + torch.arange(S, device=tokens.device)).view(1, 1, S)
-            return self._block_logits(block, positions, (self.columns < decided).view(1, 1, -1))
+            logits = self._block_logits(block, positions, (self.columns < decided).view(1, 1, -1))
+            return logits if then is None else then(logits, root[0], *extra)
 
-        self.decided = start + M
-        # One graph per number of new positions; its logits are overwritten by its next replay,
-        # and the tree reads them before that.
-        return self.graphs.run(("step", M, tuple(keys)), step, inputs, "the dflash head's step")[0]
+        key = ("step", M, tuple(keys)) + (() if name is None else (name,))
+        return self.graphs.run(key, step, inputs, "the dflash head's step")
+
+    def _settle(self) -> None:
+        """Run a read still waiting on its own: its slots' logits are then at hand."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            # One graph per number of new positions; its logits are overwritten by its next replay,
+            # and the tree reads them before that.
+            self.slot_logits = self._step_graphed(pending)[0]
+
+    def after_levels(self, then: Any, name: Any, extra: tuple[Tensor, ...] = ()) -> Optional[tuple[Tensor, ...]]:
+        if self._pending is not None and self._pending[2] == 0:
+            self._settle()  # a prompt's read: its own graph, not one more tree per prompt length
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        out, replayed = self._step_graphed(pending, then, name, extra)
+        self.slot_logits = None  # they lived in the graph: nothing reads them after the tree
+        return tuple(x.clone() for x in out) if replayed else out
+
+    def rollback(self) -> None:
+        self._settle()  # a read no tree took still writes its context entries
 
     def expand(self, frontier: Any) -> Tensor:
-        return self.slot_logits[[frontier.depths[n] for n in frontier.nodes]]
+        return self.level_logits()[[frontier.depths[n] for n in frontier.nodes]]
 
     def level_logits(self) -> Optional[Tensor]:
+        self._settle()
         return self.slot_logits
 
 

@@ -452,15 +452,18 @@ class EagleSession(BufferedSession):
         ``extra`` among its inputs. ``entries``: what the levels' forwards write after the decided
         ones; ``forwards``: how many they are."""
         if self.decided + entries > self.capacity:
-            self._settle()  # what waits is written before the buffers move
-            self._grow(max(2 * self.capacity, self.decided + entries + 64))  # drops the captured graphs
+            # Drops the captured graphs; a waiting read writes its entries into the new buffers.
+            self._grow(max(2 * self.capacity, self.decided + entries + 64))
 
         def tree_function(root_out: Tensor, root_token: Tensor, decided: Tensor, *extra: Tensor) -> tuple[Tensor, ...]:
             return self._tree_function(rank, grow, root_out, root_token, decided, extra)
 
+        if self._pending is not None and self._pending[3] == 0:
+            self._settle()  # a prompt's read: its own graph, not one more whole tree per prompt length
         pending, self._pending = self._pending, None
         if pending is not None:
-            # The step's new positions and the tree in one function: one graph a step on CUDA.
+            # A step's accepted positions and the tree in one function: one graph a step on CUDA,
+            # one per accepted count.
             tree, replayed = self._extended(pending, extra, tree_function, name)
         else:
             device = self.outputs[0].device

@@ -120,6 +120,7 @@ class MedusaSession(HeadSession):
     gets its children from head d + 1."""
 
     head: MedusaHead
+    drafts_by_level = True
 
     def preallocate(self, capacity: int, graphs: bool) -> bool:
         """Medusa keeps no cache; on CUDA its K heads and their logits replay as one CUDA graph
@@ -127,23 +128,51 @@ class MedusaSession(HeadSession):
         self.graphs = Graphs(graphs)
         return graphs
 
+    # On graphs, a step's heads wait (the hidden state that predicted the root, the root token):
+    # the step's static tree runs them in its own graph (``after_levels``), or ``_settle`` does
+    # before anything else reads the logits.
+    _pending: Optional[tuple[Tensor, Tensor]] = None
+
     def restart(self, capacity: int) -> bool:
-        if self.graphs.captured.get("heads") is None:
+        if not (self.graphs and self.graphs.captured):  # nothing captured yet, or a capture failed
             return False
-        self.decided = 0
+        self.decided, self._pending = 0, None
         return True
 
     def _logits(self, last: Tensor) -> Tensor:
         return self.head.head_logits(last, self.lm_head)  # [K,V]
 
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
-        last = hidden[0, -1]
-        # A graph's logits are overwritten by its next replay, at the next extend: the tree reads them before.
-        self.logits, _ = self.graphs.run("heads", self._logits, (last,), "the medusa heads")
         self.decided += hidden.shape[1]
+        if self.graphs:
+            self._pending = (hidden[0, -1], tokens[0, -1:])
+        else:
+            self.logits = self._logits(hidden[0, -1])
+
+    def _settle(self) -> None:
+        """Run the heads still waiting on their own ("heads": one graph)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            # A graph's logits are overwritten by its next replay, at the next step: the tree reads them before.
+            self.logits, _ = self.graphs.run("heads", self._logits, pending[:1], "the medusa heads")
+
+    def after_levels(self, then: Any, name: Any, extra: tuple[Tensor, ...] = ()) -> Optional[tuple[Tensor, ...]]:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+
+        def heads_then(last: Tensor, root_token: Tensor, *extra: Tensor) -> tuple[Tensor, ...]:
+            return then(self._logits(last), root_token, *extra)
+
+        out, replayed = self.graphs.run(("heads", name), heads_then, (*pending, *extra), "the medusa heads and the tree")
+        return tuple(x.clone() for x in out) if replayed else out
 
     def expand(self, frontier: Any) -> Tensor:
-        return self.logits[[frontier.depths[n] for n in frontier.nodes]]
+        return self.level_logits()[[frontier.depths[n] for n in frontier.nodes]]
 
     def level_logits(self) -> Tensor:
+        self._settle()
         return self.logits
+
+    def rollback(self) -> None:
+        self._pending = None  # heads nothing read: Medusa keeps no cache they would have written

@@ -49,7 +49,7 @@ from draftsmith.runtime.tree import (
     build_scored_tree,
 )
 from draftsmith.runtime.verify import SamplingParams, VerifyResult, logits_to_probs
-from draftsmith.sampling import DeviceDraws, gumbel
+from draftsmith.sampling import DeviceDraws, draws_inputs, draws_key, gumbel, with_uniforms
 from draftsmith.target import check_attention
 
 __all__ = [
@@ -268,6 +268,11 @@ def _fits(spec: TreeSpec, vocab: int, sampled: bool) -> bool:
     return max(spec.child_counts) <= vocab
 
 
+def _levels_fit(spec: TreeSpec, rows: int, vocab: int, sampled: bool) -> bool:
+    """Whether ``static_tree_on_device`` drafts ``spec`` from level logits [rows, vocab]."""
+    return spec.num_nodes >= 2 and rows >= spec.max_depth and _fits(spec, vocab, sampled)
+
+
 def _on_device_tree(spec: TreeSpec, tokens: Tensor, draft_probs: Optional[Tensor]) -> DraftTree:
     return DraftTree(
         tokens.unsqueeze(0), *spec_on_device(spec, tokens.device), draft_probs=None if draft_probs is None else draft_probs.unsqueeze(0),
@@ -275,19 +280,19 @@ def _on_device_tree(spec: TreeSpec, tokens: Tensor, draft_probs: Optional[Tensor
     )  # fmt: skip
 
 
-def static_tree_on_device(spec: TreeSpec, root: int, levels: Tensor, draws: Optional[DeviceDraws] = None) -> Optional[DraftTree]:
+def static_tree_on_device(spec: TreeSpec, root: Union[int, Tensor], levels: Tensor, draws: Optional[DeviceDraws] = None) -> Optional[DraftTree]:
     """Drafting of the static tree ``spec`` when every node at depth d takes its children from
     ``levels[d]`` ([depth,V] logits) whatever its path, on the device, no host read
     (grow_static_tree reads every level back). Greedy (``draws`` None): one top-k and one gather,
     the tree grow_static_tree makes, node for node (spec order). Sampled: each node's children
     drawn from the processed ``levels[d]`` (``DeviceDraws``), the tree grow_static_tree draws from
     the same uniforms, and draft_probs. None where it does not apply (fewer levels than the tree is
-    deep, or more children than tokens)."""
+    deep, or more children than tokens). ``root``: the root token, or a [1] tensor of it."""
     depth = spec.max_depth
-    if spec.num_nodes < 2 or levels.shape[0] < depth or not _fits(spec, levels.shape[-1], draws is not None):
+    if not _levels_fit(spec, levels.shape[0], levels.shape[-1], draws is not None):
         return None
     device = levels.device
-    root_token = torch.full((1,), root, dtype=torch.long, device=device)
+    root_token = root if isinstance(root, Tensor) else torch.full((1,), root, dtype=torch.long, device=device)
     if draws is None:
         key = (spec, device)
         if key not in _STATIC_SHAPES:
@@ -514,12 +519,20 @@ class HeadDrafter:
         # A static tree grows on the device, greedy, or sampled on the static cache (elsewhere a
         # sampled one grows on the host: the reference path).
         static = isinstance(self.tree, TreeSpec) and (not sampling.sampled or self.static_cache)
-        levels = self.session.level_logits() if static else None
+        # A head whose every node takes its children from its depth's logits (Medusa, DFlash) drafts a
+        # static tree from them on the device, where it can in the graph of the step's read.
+        by_level = self.session.drafts_by_level
+        levels = self.session.level_logits() if static and not by_level else None
+        by_level = static and (by_level or levels is not None)
         draws = None
-        if static and sampling.sampled and (levels is not None or self.session.levels_on_device):
+        if static and sampling.sampled and (by_level or self.session.levels_on_device):
             static = _fits(self.tree, self.head.dims.vocab_size, True)
             draws = DeviceDraws.draw(self.tree, sampling, self.head.dims.vocab_size, state.generator, device) if static else None
-        tree = None if levels is None or not static else static_tree_on_device(self.tree, state.root, levels, draws)
+        tree = None
+        if by_level and static:
+            tree = self._tree_after_levels(draws)
+            if tree is None:
+                tree = static_tree_on_device(self.tree, state.root, self.session.level_logits() if levels is None else levels, draws)
         if tree is None and self.session.levels_on_device:
             # A path-conditioned head on preallocated caches (EAGLE, EAGLE-3): the tree grows on the device.
             if isinstance(self.tree, DynamicTreeSpec):
@@ -544,6 +557,21 @@ class HeadDrafter:
         if tree is None:
             tree, _ = grow_tree(self.tree, state, self.session.expand, device)
         return tree
+
+    def _tree_after_levels(self, draws: Optional[DeviceDraws]) -> Optional[DraftTree]:
+        """The static tree drafted from the level logits in the function of the step's read (on
+        CUDA one graph: ``HeadSession.after_levels``); None where the session has no read waiting
+        or the tree does not fit the levels (``static_tree_on_device`` would say None)."""
+        spec = self.tree
+        if not _levels_fit(spec, self.head.depth, self.head.dims.vocab_size, draws is not None):
+            return None
+
+        def tree_from(levels: Tensor, root_token: Tensor, *uniforms: Tensor) -> tuple[Tensor, ...]:
+            tree = static_tree_on_device(spec, root_token, levels, with_uniforms(draws, uniforms))
+            return (tree.tokens[0],) if tree.draft_probs is None else (tree.tokens[0], tree.draft_probs[0])
+
+        parts = self.session.after_levels(tree_from, ("static", spec, draws_key(draws)), draws_inputs(draws))
+        return None if parts is None else _on_device_tree(spec, parts[0], parts[1] if len(parts) > 1 else None)
 
     def accept(self, result: VerifyResult) -> None:
         """Forget the tree; the accepted path returns with real features next step."""

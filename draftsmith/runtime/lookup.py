@@ -397,8 +397,8 @@ class HybridDrafter:
         device = state.tokens.device
         self.matcher.sync(state.decided)
         seeds = self.matcher.candidates(self.lookup_depth, self.seed_capacity, self.reliability.value)
-        # Uploaded before the head's extend is queued: a copy from pageable host memory waits for
-        # the stream to drain first, so here it waits for nothing.
+        # Uploaded before the head's drafting is queued: a copy from pageable host memory waits
+        # for the stream to drain first, so here it waits for nothing.
         rows = torch.tensor(seed_rows(seeds, self.seed_capacity), dtype=torch.float64).to(device) if self.head.static_cache else None
         if not self.head.read(state):
             return _root_only(state.root, device)
@@ -421,19 +421,33 @@ class HybridDrafter:
         """``build_scored_tree``'s tree built on the device (``build_scored_tree_on_device``) from
         the lookup's candidates uploaded in one copy (``rows``: ``seed_rows``): on the static
         cache, one CUDA graph a step for a head that grows its whole tree (EAGLE, EAGLE-3; Hydra and
-        Clover with graphs), its levels on the device otherwise (Medusa's and DFlash's rows). None
-        where the head's session can do neither (the host builds it)."""
+        Clover with graphs) or drafts from its level logits (Medusa's heads, DFlash's block: the
+        graph of the step's read), its levels on the device otherwise. None where the head's
+        session can do none of these (the host builds it)."""
         session, device, shape = self.head.session, state.tokens.device, self.shape
         build = functools.partial(build_scored_tree_on_device, cost=shape.cost, depth_bound=self.depth_bound)
-        root = torch.full((1,), state.root, dtype=torch.long, device=device)
-        levels = session.level_logits()
-        if levels is not None:  # every node at depth d takes its children from row d (Medusa, DFlash)
-            return build(lambda f: probs(levels[f.level - 1]).expand(f.nodes.shape[0], -1), root, shape.depth, shape.topk, shape.budget, device, True, rows)
-        if not session.levels_on_device:
-            return None
         sampling = state.sampling
         key = ("hybrid", shape.cost, self.seed_capacity, self.depth_bound, sampling.sampled, sampling.temperature, sampling.top_k, sampling.top_p)
-        parts = session.dynamic_tree(shape, state.root, probs, key, True, build, (rows,))
+
+        def from_levels(levels: Tensor, root: Tensor, rows: Tensor) -> tuple:
+            # Every node at depth d takes its children from row d (Medusa, DFlash).
+            return build(lambda f: probs(levels[f.level - 1]).expand(f.nodes.shape[0], -1), root, shape.depth, shape.topk, shape.budget, device, True, rows)
+
+        def parts_of(levels: Tensor, root: Tensor, rows: Tensor) -> tuple[Tensor, ...]:
+            tree, _, seeded, expected = from_levels(levels, root, rows)
+            return (tree.tokens, tree.parents, tree.depths, tree.num_nodes, seeded, expected)
+
+        root = torch.full((1,), state.root, dtype=torch.long, device=device)
+        parts = None
+        if session.drafts_by_level:  # in the graph of the step's read where the session has one
+            parts = session.after_levels(parts_of, ("dynamic", shape.depth, shape.topk, shape.budget, key), (rows,))
+        if parts is None:
+            levels = session.level_logits()
+            if levels is not None:
+                return from_levels(levels, root, rows)
+            if not session.levels_on_device:
+                return None
+            parts = session.dynamic_tree(shape, state.root, probs, key, True, build, (rows,))
         if parts is None:  # a session without graphs grows it level by level
             return build(lambda f: probs(session.expand_level(f)), root, shape.depth, shape.topk, shape.budget, device, True, rows)
         tokens, parents, depths, num_nodes, seeded, expected = parts

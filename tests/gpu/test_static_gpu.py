@@ -24,7 +24,7 @@ from draftsmith.runtime.lookup import HybridDrafter, SuffixMatcher  # noqa: E402
 from draftsmith.runtime.static import StaticSession  # noqa: E402
 from draftsmith.runtime.tree import DraftTree, DynamicTreeSpec, TreeSpec, default_tree  # noqa: E402
 from draftsmith.target import FrozenTarget  # noqa: E402
-from draftsmith.testing import tiny_causal_lm  # noqa: E402
+from draftsmith.testing import graph_roles, tiny_causal_lm  # noqa: E402
 
 CUDA = torch.device("cuda")
 
@@ -122,19 +122,22 @@ def test_graphed_decoding_equals_hf_greedy(target, kind):
         assert steps and all(graph is not None for graph in steps)
     if kind == "eagle-dynamic":  # and an EAGLE head's tree levels
         assert drafter.session.capacity and drafter.session.graphs and drafter.session.graphs.captured
-    if kind == "medusa-tree":  # and Medusa's heads
-        assert drafter.session.graphs and drafter.session.graphs.captured.get("heads") is not None
-    if kind in ("hydra-dynamic", "clover-tree"):  # and the whole tree, and Hydra++'s prefix layer or Clover's block
-        captured = drafter.session.graphs.captured
-        assert drafter.session.graphs and all(g is not None for g in captured.values())
-        assert all(name[0] == "extend" and name[-1][0] == ("dynamic" if kind == "hydra-dynamic" else "static") for name in captured), list(captured)
-    if kind == "dflash-chain":  # and DFlash's block forward
-        steps = [g for name, g in drafter.session.graphs.captured.items() if isinstance(name, tuple) and name[0] == "step"]
-        assert drafter.session.capacity and drafter.session.graphs and steps and all(graph is not None for graph in steps)
-    if kind == "hybrid-eagle":  # the head's levels and the lookup's candidates merged in one graph a step
-        captured = drafter.head.session.graphs.captured
-        merged = [g for name, g in captured.items() if name[0] == "extend" and name[-1][0] == "dynamic" and name[-1][-1][0] == "hybrid"]
-        assert drafter.head.session.graphs and merged and all(g is not None for g in captured.values())
+    if kind in ("medusa-tree", "hydra-dynamic", "clover-tree", "dflash-chain", "hybrid-eagle", "hybrid-medusa"):
+        # A head's read of a step's accepted positions (Medusa's heads, Hydra++'s prefix layer,
+        # Clover's block, DFlash's context and block, EAGLE's extend) and the tree drafted after it
+        # replay as one graph, captured (not eager after a failed capture). Only a prompt's read
+        # (the first, at position 0) runs alone, and the tree after it.
+        session = drafter.head.session if kind.startswith("hybrid") else drafter.session
+        captured = session.graphs.captured
+        assert session.graphs and captured and all(g is not None for g in captured.values()), list(captured)
+        roles = graph_roles(captured)
+        trees = [name[-1] for name in roles["read+tree"]] + roles["tree"]
+        assert roles["read+tree"] and not roles["other"] and len(roles["tree"]) <= 1, roles
+        assert {name[1] for name in roles["read"] if name != "heads"} <= {ids.shape[1] - 1 for ids in prompts}, roles  # the prompts' reads, never a step's
+        whole = "dynamic" if kind in ("hydra-dynamic", "hybrid-eagle", "hybrid-medusa") else "static"
+        assert all(name[0] == whole for name in trees), trees
+        if kind.startswith("hybrid"):  # the head's levels and the lookup's candidates merged in the same graph
+            assert all(name[-1][0] == "hybrid" for name in trees), trees
     if kind.startswith("hybrid"):  # the lookup's candidates were drafted (and so checked by the output)
         assert drafter.reliability.tested > 0
 
@@ -151,8 +154,10 @@ def test_a_graphed_eagle_head_drafts_what_the_eager_one_drafts(target):
         out, stats = speculative_generate(target, drafter, torch.tensor([[5, 9, 14, 20, 7, 3]], device=CUDA), 30, cache=cache)
         runs[cache] = (out.tolist(), stats.accept_lens, [t.tokens.tolist() for t in proposed])
         if cache == "static":  # each step's read and whole tree were captured as one graph, not run eagerly after a failed capture
-            whole = [graph for name, graph in drafter.session.graphs.captured.items() if name[0] == "extend" and name[-1][0] == "dynamic"]
-            assert whole and all(graph is not None for graph in whole)
+            captured = drafter.session.graphs.captured
+            roles = graph_roles(captured)
+            assert roles["read+tree"] and all(name[-1][0] == "dynamic" for name in roles["read+tree"]), roles
+            assert all(graph is not None for graph in captured.values())
     assert runs["static"] == runs["dynamic"]
 
 
@@ -182,7 +187,9 @@ def test_graphed_sampled_drafting_at_top_k_1_equals_hf_greedy(target, kind):
         graphs = lambda: target._static_sessions[((), target.device, target.dtype)].graphs  # noqa: E731
     if graphs is not None:
         captured = graphs().captured
-        # A head's tree graph also holds the step's read: ("extend", count, layers, the tree's name).
-        trees = [(name[3] if name[0] == "extend" and len(name) == 4 else name, g) for name, g in captured.items() if isinstance(name, tuple)]
+        # A head's tree graph also holds the step's read (graph_roles: "read+tree"), named after the tree.
+        roles = graph_roles(captured)
+        trees = [(name[-1], captured[name]) for name in roles["read+tree"]] + [(name, captured[name]) for name in roles["tree"]]
+        trees += [(name, g) for name, g in captured.items() if isinstance(name, tuple) and name not in roles["read+tree"] + roles["tree"]]
         sampled = [g for name, g in trees if name[-1] == (1.0, 1, 1.0)]
         assert sampled and all(g is not None for g in sampled), list(captured)

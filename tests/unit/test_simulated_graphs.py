@@ -22,7 +22,7 @@ from draftsmith.runtime.generate import autoregressive_generate, speculative_gen
 from draftsmith.runtime.lookup import HybridDrafter, LookupDrafter, SuffixMatcher
 from draftsmith.runtime.tree import DynamicTreeSpec, TreeSpec, default_tree
 from draftsmith.target import FrozenTarget
-from draftsmith.testing import TracedGraph, simulated_cuda_graphs, tiny_causal_lm
+from draftsmith.testing import TracedGraph, graph_roles, simulated_cuda_graphs, tiny_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,28 +101,24 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
         assert any(key[-1] == "verified" for key in session.graphs.captured)
     if kind == "suffix":  # trees of several sizes: one graph each, whatever depth a tree reached
         assert len(session.graphs.captured) > 1
-    if kind in ("hydra-dynamic", "clover-static"):  # the whole tree of a step is one graph
-        compiled = drafter.session.graphs.captured
-        assert compiled and all(g is not None for g in compiled.values())
-        # A step's read (Hydra++'s prefix layer, Clover's block) and its whole tree are one graph:
-        # ("extend", accepted count, layers, the tree's name), never a read's graph alone.
-        assert all(name[0] == "extend" and len(name) == 4 and name[-1][0] == kind.split("-")[1] for name in compiled), list(compiled)
-    if kind == "hybrid":  # the head's read, its levels and the lookup's candidates merge in one graph a step
-        names = list(drafter.head.session.graphs.captured)
-        assert names and all(name[0] == "extend" and name[-1][0] == "dynamic" and name[-1][-1][0] == "hybrid" for name in names), names
-    if kind.startswith("eagle"):  # the head's read of the accepted positions and its whole tree replayed
-        compiled = drafter.session.graphs.captured
-        assert drafter.session.graphs and compiled and all(g is not None for g in compiled.values())
-        # A step's read and its whole tree, EAGLE-2's or a static one, are one graph ("extend",
-        # accepted count, layers, the tree's name): never a read's graph alone.
-        whole = "dynamic" if kind.endswith("dynamic") else "static"
-        assert all(name[0] == "extend" and len(name) == 4 and name[-1][0] == whole for name in compiled), list(compiled)
-        assert len({name[1] for name in compiled}) > 1  # steps that accepted different counts
-    if kind == "medusa-tree":
-        assert isinstance(drafter.session.graphs.captured.get("heads"), TracedGraph)
-    if kind == "dflash-chain":  # a step's context entries and block, one graph per number of new positions
-        steps = [g for name, g in drafter.session.graphs.captured.items() if isinstance(name, tuple) and name[0] == "step"]
-        assert steps and all(isinstance(g, TracedGraph) for g in steps)
+    if kind in ("hydra-dynamic", "eagle-dynamic", "eagle3-dynamic", "eagle3-static", "clover-static", "hybrid", "dflash-chain", "medusa-tree"):
+        # A step's read of its accepted positions (EAGLE's extend, Hydra++'s prefix layer, Clover's
+        # block, DFlash's context and block, Medusa's heads) and the tree drafted after it are one
+        # graph. Only a prompt's read (the first, at position 0) runs alone, and the tree after it.
+        session = drafter.head.session if kind == "hybrid" else drafter.session
+        compiled = session.graphs.captured
+        assert session.graphs and compiled and all(isinstance(g, TracedGraph) for g in compiled.values()), list(compiled)
+        roles = graph_roles(compiled)
+        trees = [name[-1] for name in roles["read+tree"]] + roles["tree"]
+        assert roles["read+tree"] and not roles["other"], roles
+        # Reads alone: the prompts' (their length but the root), never a step's.
+        assert {name[1] for name in roles["read"] if name != "heads"} <= {ids.shape[1] - 1 for ids in prompts} and len(roles["tree"]) <= 1, roles
+        whole = "static" if kind.endswith(("static", "tree", "chain")) else "dynamic"
+        assert all(name[0] == whole for name in trees), trees
+        if kind == "hybrid":  # its levels and the lookup's candidates merged in the same graph
+            assert all(name[-1][0] == "hybrid" for name in trees), trees
+        if kind == "medusa-tree":  # the heads take no count: one graph for every step
+            assert list(compiled) == [("heads", ("static", drafter.tree, ()))]
     if isinstance(drafter, StandaloneDrafter):  # the draft model's own forwards
         assert drafter.static is not None and drafter.static.graphs and drafter.static.graphs.captured
         # A step's read and its whole tree are one graph; the 9-token prompt (the second: its larger
@@ -157,9 +153,9 @@ def test_a_graphed_drafter_drafts_what_the_eager_one_drafts(kind):
         runs[cache] = (out.tolist(), stats.accept_lens, [(t.tokens[:, :k].tolist(), t.parents[:, :k].tolist()) for t, k in zip(proposed, n)])
         if kind.startswith("hybrid"):
             runs[cache] += ((drafter.reliability.tested, drafter.reliability.accepted),)
-            # EAGLE's tree graph also holds the step's read: named ("extend", count, layers, the tree's name).
             # The head's read of a step runs in its tree's graph: ("extend", count, layers, the tree's name).
-            trees = [name[3] for name in drafter.head.session.graphs.captured if name[0] == "extend" and len(name) == 4]
+            roles = graph_roles(drafter.head.session.graphs.captured)
+            trees = [name[-1] for name in roles["read+tree"]] + roles["tree"]
             merged = [name for name in trees if name[0] == "dynamic" and name[-1][0] == "hybrid"]
             assert bool(merged) == (cache == "static")  # through the graphs, the merged tree is one
     assert runs["static"] == runs["dynamic"]
@@ -324,13 +320,13 @@ def test_children_past_the_draft_support_decode_as_the_target(kind, monkeypatch)
         assert any(past)
 
 
-@pytest.mark.parametrize("kind", ["eagle3-dynamic", "hydra-dynamic", "clover-static"])
+@pytest.mark.parametrize("kind", ["eagle3-dynamic", "hydra-dynamic", "clover-static", "medusa-tree", "dflash-chain"])
 def test_a_read_no_whole_tree_takes_runs_in_a_graph_of_its_own(kind):
     """On graphs a head session's read of the accepted positions (EAGLE's extend, Hydra++'s prefix
-    layer, Clover's block) waits for the step's whole tree, whose graph runs it. A tree grown
-    otherwise (an adaptive one, node by node on the host) reads the read's result first: the read
-    then replays alone, and the output is still the target's greedy one, equal to the run on
-    growing caches."""
+    layer, Clover's block, DFlash's context and block, Medusa's heads) waits for the step's tree,
+    whose graph runs it. A tree grown otherwise (an adaptive one, node by node on the host) reads
+    the read's result first: the read then replays alone, and the output is still the target's
+    greedy one, equal to the run on growing caches."""
     from draftsmith.runtime.tree import AdaptiveTreeSpec
 
     ids = torch.tensor([[5, 9, 14, 20, 7, 3]])
@@ -345,9 +341,13 @@ def test_a_read_no_whole_tree_takes_runs_in_a_graph_of_its_own(kind):
         assert out.tolist() == want.tolist(), cache
         runs[cache] = (out.tolist(), stats.accept_lens)
         if cache == "static":
-            # The read alone, one graph per accepted count; the host's nodes replay graphs per frontier size.
-            reads = [name for name in drafter.session.graphs.captured if isinstance(name, tuple)]
-            assert reads and all(name[0] == "extend" and len(name) == 3 for name in reads), reads
-            assert drafter.session._pending is None  # nothing left waiting after the last step
-    assert 0 < sum(runs["static"][1]), "nothing accepted: no step read more than the bonus"
+            # The read alone (a graph per accepted count; Medusa's heads one); EAGLE's host nodes
+            # replay graphs per frontier size. None holds a tree.
+            captured = drafter.session.graphs.captured
+            roles = graph_roles(captured)
+            # Still on graphs, every read captured (none fell back to eager), none holding a tree.
+            assert drafter.session.graphs and roles["read"] and all(captured[name] is not None for name in roles["read"]), roles
+            assert not roles["read+tree"] and not roles["tree"], roles
+    if kind != "dflash-chain":  # (the untrained DFlash block accepts nothing: every read is the bonus alone)
+        assert 0 < sum(runs["static"][1]), "nothing accepted: no step read more than the bonus"
     assert runs["static"] == runs["dynamic"]
