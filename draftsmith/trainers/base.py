@@ -22,6 +22,7 @@ every rank. The command line calls ``setup()``, ``train()`` and, whatever happen
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
@@ -55,6 +56,10 @@ class Trainer:
         self.run_lock = None
         self.stopped_by: Optional[str] = None
         self.nothing_to_train = False  # resumed at or past train.max_steps: the run's record stays as it was
+        # Seconds the run trained before the checkpoint it resumed from (0 on a fresh run), and when
+        # this process's loop started (loop.run_loop): a checkpoint records the two summed.
+        self.seconds_before = 0.0
+        self.loop_started: Optional[float] = None
 
     # ------------------------------------------------------------------ what a trainer writes
 
@@ -166,6 +171,7 @@ class Trainer:
             return None
         state = checkpoint.load_checkpoint(self.accelerator, self.resume_from, self.load_from, strict=strict)
         self.step = int(state["step"])
+        self.seconds_before = float(state.get("train_seconds", 0.0))
         if self.stream is not None:
             self.stream.load_state_dict(state["data"])
         self.last_eval = state.get("last_eval")
@@ -209,12 +215,23 @@ class Trainer:
     def save(self) -> Path:
         """A checkpoint at ``position`` (every rank calls this): the engine's states, the drafter's
         weights where the engine does not hold them, and trainer_state.json."""
-        state = {**({"data": self.stream.state_dict()} if self.stream is not None else {}), **self.checkpoint_state(), "last_eval": self.last_eval}
+        state = {
+            **({"data": self.stream.state_dict()} if self.stream is not None else {}), **self.checkpoint_state(), "last_eval": self.last_eval,
+            "train_seconds": round(self.train_seconds(), 3),
+        }  # fmt: skip
         path = checkpoint.save_checkpoint(
             self.accelerator, self.output_dir, self.position, state, self.recipe, self.drafter_kind(), self.checkpoint_weights(), self.argv
         )
         self.last_checkpoint = path
         return path
+
+    def train_seconds(self, elapsed: Optional[float] = None) -> float:
+        """Seconds the run has trained: before the checkpoint it resumed from, then this process's
+        loop (``elapsed``, or counted from its start). What the lost part of an interrupted run
+        trained after its last checkpoint is not counted: the resumed run trains it again."""
+        if elapsed is None:
+            elapsed = 0.0 if self.loop_started is None else time.time() - self.loop_started
+        return self.seconds_before + elapsed
 
     def close(self) -> None:
         """Release the engine and the process group so every rank exits cleanly (also after a

@@ -318,7 +318,7 @@ class HeadTrainer(Trainer):
         result, elapsed = loop.run_loop(self, loop.Schedule.steps(r.train), self.step, "train")
         if self.step >= r.train.max_steps and not result:
             result = self.last_eval = self.evaluate()  # resumed after the last step: report the final figures anyway
-        summary = {"step": self.step, "seconds": round(elapsed, 1), **result, **engine.peak_memory(acc), "checkpoint": str(self.last_checkpoint)}
+        summary = {"step": self.step, "seconds": round(self.train_seconds(elapsed), 1), **result, **engine.peak_memory(acc), "checkpoint": str(self.last_checkpoint)}
         tree = self.tree()
         if tree is not None:
             summary["tree"] = {k: tree[k] for k in ("choices", "expected_accept_length")}

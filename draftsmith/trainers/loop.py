@@ -134,6 +134,7 @@ def run_loop(trainer, schedule: Schedule, start: int, desc: str) -> tuple[dict, 
     restore = install_stop_handlers(stop)
     bar = tqdm(total=schedule.total, initial=start, desc=desc, unit=schedule.unit, disable=not acc.is_main_process, dynamic_ncols=True)
     started, result, position = time.time(), {}, start
+    trainer.loop_started = started  # a checkpoint records the seconds trained so far
     try:
         while position < schedule.total:
             before = position
@@ -180,7 +181,7 @@ def train_from_first_eval(trainer, desc: str) -> dict:
         if acc.is_main_process:
             print(trainer.describe(0, first), flush=True)
     result, elapsed = run_loop(trainer, Schedule.steps(trainer.recipe.train), trainer.step, desc)
-    summary = {"step": trainer.step, "seconds": round(elapsed, 1), **(result or first or trainer.last_eval or {}), "checkpoint": str(trainer.last_checkpoint)}
+    summary = {"step": trainer.step, "seconds": round(trainer.train_seconds(elapsed), 1), **(result or first or trainer.last_eval or {}), "checkpoint": str(trainer.last_checkpoint)}
     if acc.is_main_process and not trainer.nothing_to_train:
         write_atomic(trainer.output_dir / "final_metrics.json", json.dumps(summary, indent=2))
     return summary

@@ -231,7 +231,7 @@ class OnlineTrainer(Trainer):
         acc, r = self.accelerator, self.recipe
         schedule = loop.Schedule(len(self.requests), "request", log_every=1, save_every=r.train.save_every, log_kind="update")
         _, elapsed = loop.run_loop(self, schedule, self.served, "serve")
-        summary = {"served": self.served, "optimizer_steps": self.step, "seconds": round(elapsed, 1), "checkpoint": str(self.last_checkpoint)}
+        summary = {"served": self.served, "optimizer_steps": self.step, "seconds": round(self.train_seconds(elapsed), 1), "checkpoint": str(self.last_checkpoint)}
         if acc.is_main_process:
             summary.update(acceptance_by_source(self.output_dir))
             write_atomic(self.output_dir / "final_metrics.json", json.dumps(summary, indent=2))

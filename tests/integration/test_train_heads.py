@@ -1,13 +1,14 @@
 """The head trainer on a tiny random model: loss goes down, the target stays frozen, checkpoints are
 atomic and hold only head weights, and an interrupted run resumes to the uninterrupted run's losses."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.runs import RunFolderError, checkpoint_root, list_checkpoints, read_state
+from draftsmith.runs import STATE_FILE, RunFolderError, checkpoint_root, list_checkpoints, read_state
 from draftsmith.testing import heads_recipe, logged, run_trainer
 from draftsmith.trainers import TRAINERS
 
@@ -56,11 +57,20 @@ def test_sigterm_then_resume_reproduces_uninterrupted_losses(tmp_path, tiny_llam
     trainer, summary, _ = run_trainer(broken, interrupt_at=5)
     assert summary["step"] == 5
     assert [c.name for c in list_checkpoints(broken.output_dir)] == ["step-000005"]
+    # The checkpoint records the seconds trained so far; the resumed run counts on from them (made
+    # large here, so that the resumed run's own seconds cannot pass for the sum).
+    state_file = list_checkpoints(broken.output_dir)[0] / STATE_FILE
+    state = json.loads(state_file.read_text())
+    assert 0 < state["train_seconds"] <= summary["seconds"] + 0.1
+    state_file.write_text(json.dumps({**state, "train_seconds": 1000.0}))
 
     # A crash while writing the next checkpoint leaves a temporary folder; it must not be picked up.
     (checkpoint_root(broken.output_dir) / ".tmp-step-000008").mkdir()
     (checkpoint_root(broken.output_dir) / "step-000009").mkdir()  # no trainer_state.json: corrupt
-    run_trainer(broken)
+    _, summary, _ = run_trainer(broken)
+    assert 1000 < summary["seconds"] < 1000 + 600
+    assert json.loads((list_checkpoints(broken.output_dir)[-1] / STATE_FILE).read_text())["train_seconds"] > 1000
+    assert json.loads((Path(broken.output_dir) / "final_metrics.json").read_text())["seconds"] == summary["seconds"]
     resumed = logged(Path(broken.output_dir))
     assert sorted(resumed) == sorted(reference) == list(range(1, 13))
     for step in reference:
