@@ -165,6 +165,7 @@ class MedusaSession(HeadSession):
             return then(self._logits(last), root_token, *extra)
 
         out, replayed = self.graphs.run(("heads", name), heads_then, (*pending, *extra), "the medusa heads and the tree")
+        self.logits = None  # this step's lived in the graph: an earlier step's must not pass for them
         return tuple(x.clone() for x in out) if replayed else out
 
     def expand(self, frontier: Any) -> Tensor:
