@@ -29,7 +29,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from draftsmith.runs import CheckpointState, log
+from draftsmith.runs import STATE_FILE, CheckpointState, log
 from draftsmith.trainers import checkpoint, engine, loop
 
 
@@ -171,7 +171,11 @@ class Trainer:
             return None
         state = checkpoint.load_checkpoint(self.accelerator, self.resume_from, self.load_from, strict=strict)
         self.step = int(state["step"])
-        self.seconds_before = float(state.get("train_seconds", 0.0))
+        seconds = state.get("train_seconds", 0.0)  # absent from checkpoints written before it was recorded
+        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds >= 0:
+            self.seconds_before = float(seconds)
+        else:  # a report figure, not training state: a damaged one does not stop the run
+            log(f"note: {self.resume_from / STATE_FILE} has train_seconds {seconds!r}, not a number of seconds; the run's seconds count from this checkpoint")
         if self.stream is not None:
             self.stream.load_state_dict(state["data"])
         self.last_eval = state.get("last_eval")
