@@ -26,6 +26,14 @@ simulation existed (commits up to 2026-11-27 afternoon): no graphs, the callable
 left out, and the torch reference verification, which CUDA replaces with the fused kernel,
 counted apart (``reference verification``) and left out of the total.
 
+Beside them, under simulated graphs, the kernels a step replays inside its graphs: every aten
+operation of each replayed trace that computes (views, and allocations without a fill, left out),
+summed over the step's replays; and the same for a plain step (the target alone on the same static
+cache, one token a forward), so that their ratio says how much more a speculative step gives the
+GPU to run, apart from launches. It counts what the CPU's traces hold: where CUDA fuses an operation
+the CPU decomposes (or the other way round) the counts differ from a GPU's; and a kernel's cost
+grows with its work, which a count leaves out (at a large shape the weights read set the time).
+
 ``--temperatures`` above 0 decode with lossless sampling: the drafter draws its children (on the
 device on the static cache: ``draftsmith.sampling.DeviceDraws``) and the verification runs after
 the target's graph, here the torch reference, counted apart as above (on CUDA the fused kernel:
@@ -75,6 +83,7 @@ class EagerOps(TorchDispatchMode):
         self.package = str(Path(draftsmith.__file__).parent)
         self.depth = 0  # > 0 inside a graphed callable
         self.lines: collections.Counter[str] = collections.Counter()
+        self.replayed = 0  # kernels inside the graphs replayed (simulated graphs)
 
     def patch(self, stack: ExitStack) -> None:
         for cls, name in graphed_callables():
@@ -96,11 +105,12 @@ class EagerOps(TorchDispatchMode):
     def patch_replays(self, stack: ExitStack, traced) -> None:
         """Under simulated graphs: each replay counts as one operation (a graph launch), the input
         copies before it as one each (CapturedForward's copy_ on CUDA), the replayed operations
-        not at all."""
+        not at all (``replayed`` counts them apart: the kernels inside the graphs)."""
         original = traced.replay
 
         def replay(graph):
             self.lines[REPLAY] += 1
+            self.replayed += trace_kernels(graph.trace)
             self.depth += 1
             try:
                 return original(graph)
@@ -128,6 +138,26 @@ class EagerOps(TorchDispatchMode):
 
 REFERENCE = "reference verification: "
 REPLAY = "graph replays (one launch each)"
+
+
+def trace_kernels(trace) -> int:
+    """The operations of a traced graph (``draftsmith.testing.TracedGraph.trace``) that run a
+    kernel: every aten call but views (a result aliasing an input without writing it, and
+    ``_unsafe_view``, which aten does not mark so) and bare allocations."""
+    cache = trace.__dict__.get("_kernels")
+    if cache is None:
+        cache = 0
+        for node in trace.graph.nodes:
+            op = node.target
+            if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or op.overloadpacket in NO_KERNEL:
+                continue
+            alias = op._schema.returns[0].alias_info if op._schema.returns else None
+            cache += not (alias is not None and not alias.is_write)
+        trace.__dict__["_kernels"] = cache
+    return cache
+
+
+NO_KERNEL = (torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided, torch.ops.aten._unsafe_view)
 
 
 def reference_verification(line: str) -> bool:
@@ -163,6 +193,13 @@ def sampling_of(temperature: float):
     if temperature == 0:
         return SamplingParams(), lambda: None
     return SamplingParams(mode="sample", temperature=temperature), lambda: torch.Generator().manual_seed(0)
+
+
+def kernels_cell(row: dict) -> str:
+    """"replayed (plain)", or "-" without simulated graphs."""
+    if row["kernels_replayed_per_step"] is None:
+        return "-"
+    return f"{row['kernels_replayed_per_step']} ({row['plain_step_kernels']})"
 
 
 def decoding(temperature: float) -> str:
@@ -219,14 +256,35 @@ def count(shape: str, kind: str, args, temperature: float = 0.0) -> dict:
             with counter:
                 _, stats = speculative_generate(target, drafter, prompt, args.new_tokens, cache="static", sampling=sampling, generator=generator())
     steps = len(stats.accept_lens)
+    replayed = round(counter.replayed / steps, 1) if args.graphs == "simulated" else None
     reference = sum(n for line, n in counter.lines.items() if reference_verification(line))
     total = sum(counter.lines.values()) - reference
     reads, read_lines = host_reads(shape, kind, args, temperature)
     return {
         "shape": shape, "drafter": kind, "temperature": temperature, "steps": steps, "eager_ops_per_step": round(total / steps, 1),
-        "reference_verification_per_step": round(reference / steps, 1), "host_reads_per_step": reads, "host_read_lines": read_lines,
+        "reference_verification_per_step": round(reference / steps, 1), "host_reads_per_step": reads, "kernels_replayed_per_step": replayed,
+        "host_read_lines": read_lines,
         "top": [(line, round(n / steps, 1)) for line, n in counter.lines.most_common() if not reference_verification(line)][: args.top],
     }  # fmt: skip
+
+
+def plain_kernels(shape: str, args) -> float:
+    """Kernels a plain step replays (the target alone on the static cache, through simulated
+    graphs, one token a forward), the second of two generations."""
+    from bench_gpu import build_target
+
+    from draftsmith.runtime.generate import autoregressive_generate
+    from draftsmith.testing import TracedGraph, simulated_cuda_graphs
+
+    with simulated_cuda_graphs(), torch.no_grad():
+        target = build_target(shape, torch.device("cpu"), torch.float32)
+        prompt = torch.randint(3, target.dims.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+        autoregressive_generate(target, prompt, args.new_tokens, cache="static")
+        counter = EagerOps()
+        with ExitStack() as stack:
+            counter.patch_replays(stack, TracedGraph)
+            _, stats = autoregressive_generate(target, prompt, args.new_tokens, cache="static")
+    return round(counter.replayed / len(stats.accept_lens), 1)
 
 
 def main(argv=None) -> int:
@@ -251,11 +309,15 @@ def main(argv=None) -> int:
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="Markdown table (and .json beside it); default: print only")
     args = p.parse_args(argv)
-    rows = []
+    rows, plain = [], {}
     for shape in args.shapes:
+        if args.graphs == "simulated":
+            plain[shape] = plain_kernels(shape, args)
+            print(json.dumps({"shape": shape, "plain_step_kernels": plain[shape]}), flush=True)
         for temperature in args.temperatures:
             for kind in args.drafters:
                 rows.append(count(shape, kind, args, temperature))
+                rows[-1]["plain_step_kernels"] = plain.get(shape)
                 print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("top", "host_read_lines")}), flush=True)
                 for line, n in rows[-1]["top"]:
                     print(f"  {n:7.1f}  {line}")
@@ -269,10 +331,10 @@ def main(argv=None) -> int:
             + ("Counted on the CPU, decoding through simulated CUDA graphs: a graph replay and each input copy count one operation."
                if args.graphs == "simulated" else
                "Counted on the CPU without graphs, the callables CUDA captures left out; the torch reference verification, which CUDA replaces with the fused kernel, apart."), "",
-            "| shape | drafter | decoding | steps | eager operations a step | reference verification a step | host reads a step |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| shape | drafter | decoding | steps | eager operations a step | reference verification a step | host reads a step | kernels replayed a step (a plain step's) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]  # fmt: skip
-        lines += [f"| {r['shape']} | {r['drafter']} | {decoding(r['temperature'])} | {r['steps']} | {r['eager_ops_per_step']} | {r['reference_verification_per_step']} | {r['host_reads_per_step']} |" for r in rows]
+        lines += [f"| {r['shape']} | {r['drafter']} | {decoding(r['temperature'])} | {r['steps']} | {r['eager_ops_per_step']} | {r['reference_verification_per_step']} | {r['host_reads_per_step']} | {kernels_cell(r)} |" for r in rows]
         save(args.out, lines, rows, meta)
         print(f"results: {args.out.resolve()} (and {args.out.with_suffix('.json').name})")
     return 0
