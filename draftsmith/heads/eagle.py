@@ -489,18 +489,21 @@ class EagleSession(BufferedSession):
         columns so far) and the slots and rotary positions are computed on the device."""
         device = root_out.device
         level_state: dict[str, Any] = {"cols": 0, "level": None}
+        # Made once a tree, not once a level: the decided columns every node sees, and the slots
+        # after them (each level's entries; the columns of its ancestors' entries), sliced per level.
+        decided_columns = self.columns < decided
+        slots_after = decided + self.columns
 
         def expand(frontier: Any) -> Tensor:
             cols = level_state["cols"]
 
             def forward(feature: Tensor, tokens: Tensor, seen: Tensor) -> Tensor:
                 width = seen.shape[0]
-                visible = (self.columns < decided).expand(width, -1).clone()
-                visible.index_copy_(1, decided + torch.arange(cols + width, device=device), seen)
+                visible = decided_columns.expand(width, -1).clone()
+                visible.index_copy_(1, slots_after[: cols + width], seen)
                 positions = (decided + (frontier.level - 2)).expand(width)
-                slots = decided + cols + torch.arange(width, device=device)
                 level_state["cols"] = cols + width
-                return self._slotted_forward(feature, tokens, positions, visible, slots)
+                return self._slotted_forward(feature, tokens, positions, visible, slots_after[cols : cols + width])
 
             level_state["level"], logits = self._tree_level(frontier, root_out, level_state["level"], forward)
             return rank(logits)

@@ -33,6 +33,7 @@ __all__ = [
     "ResidualBlock",
     "Rotary",
     "attend",
+    "attend_cached",
     "attend_in_training",
     "flex_attend",
     "causal_allowed",
@@ -51,10 +52,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        # torch's rms_norm: the same operations on the CPU (the same bits), one fused kernel on CUDA
+        # (torch >= 2.9) where the formula written out is six, each a launch or a graph node.
         dtype = torch.promote_types(x.dtype, torch.float32)
-        y = x.to(dtype)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.to(dtype) * y).to(x.dtype)
+        return F.rms_norm(x.to(dtype), self.weight.shape, self.weight.to(dtype), self.eps).to(x.dtype)
 
 
 class ResidualBlock(nn.Module):
@@ -144,14 +145,26 @@ class Rotary(nn.Module):
         else:
             inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
             scaling = 1.0
-        self.register_buffer("inv_freq", inv_freq.to(torch.float64), persistent=False)
+        # Each rotated pair's frequency, in both halves (the rotate-half layout), in float64.
+        self._frequencies = torch.cat([inv_freq, inv_freq]).to(torch.float64)
+        self.register_buffer("frequencies", self._frequencies.clone(), persistent=False)
         self.scaling = float(scaling)
+
+    def _apply(self, fn, recurse: bool = True):
+        # A cast of the whole head (``head.to(torch.bfloat16)``, ``head.half()``; older DeepSpeed
+        # releases cast a bf16 model so) would round the frequencies to 8 bits: at position 3,000
+        # an angle would be off by radians. They stay float64 wherever the module goes.
+        super()._apply(fn, recurse)
+        self.frequencies = self._frequencies.to(self.frequencies.device)
+        return self
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin [..., P, Dh] for integer positions [..., P] (rotate-half convention)."""
-        angles = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq.to(positions.device)
-        angles = torch.cat([angles, angles], dim=-1)
-        return (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
+        angles = positions.to(torch.float64).unsqueeze(-1) * self.frequencies.to(positions.device)
+        cos, sin = angles.cos(), angles.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(dtype), sin.to(dtype)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -395,6 +408,21 @@ def training_block_mask(mask_mod, allowed: Tensor, KV: int, own_keys: Optional[T
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=(block, block), mask_mod=mask_mod, seq_lengths=(P, KV))
 
 
+def attend_cached(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
+    """Drafting's attention over a cache: q [1,H,P,Dh] over k, v [1,Hkv,S,Dh], visible [P,S] bool
+    (every row sees at least itself). ``attend``'s result, to rounding, through torch's scaled dot
+    product attention: one fused kernel on CUDA where ``attend`` writes out about a dozen (in a
+    drafting graph, a dozen nodes a level). The H query heads fold into Hkv groups of G = H / Hkv
+    heads, each group's queries one after another, so each key/value head is read as it is (no
+    copy G times over) and the attention keeps a kernel that takes a mask."""
+    B, H, P, Dh = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    grouped = q.reshape(B, Hkv, G * P, Dh)  # query head kv*G + g is group kv's rows g*P .. g*P+P-1
+    mask = visible.view(1, 1, 1, P, -1).expand(1, 1, G, P, -1).reshape(1, 1, G * P, -1)
+    return F.scaled_dot_product_attention(grouped, k.to(q.dtype), v.to(q.dtype), attn_mask=mask).view(B, H, P, Dh)
+
+
 def attend_in_training(
     q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, own: OwnEntries = (), own_allowed: Optional[Tensor] = None, own_capacity: int = 0
 ) -> Tensor:
@@ -590,7 +618,7 @@ class DecoderLayer(nn.Module):
             keys = k if cache.get("k") is None else torch.cat([cache["k"], k], dim=2)
             values = v if cache.get("v") is None else torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = keys, values
-        return self.finish(residual, attend(q, keys, values, visible.view(1, 1, *visible.shape)))
+        return self.finish(residual, attend_cached(q, keys, values, visible))
 
 
 def preallocate_cache(layer: "DecoderLayer", cache: dict, capacity: int, keep: int, device) -> None:

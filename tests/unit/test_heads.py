@@ -593,3 +593,61 @@ def test_a_flex_attention_that_fails_falls_back_to_recomputing_once(monkeypatch,
     for loss, grad in results["flex"]:
         torch.testing.assert_close(loss, results["keep"][0][0])
         torch.testing.assert_close(grad, results["keep"][0][1])
+
+
+def test_the_rotary_frequencies_stay_float64_when_the_head_is_cast():
+    """A head cast as a whole (``head.bfloat16()``, ``head.to(dtype)``: scripts/bench_gpu.py casts
+    its heads so, older DeepSpeed releases cast a bf16 model so) keeps its rotary frequencies in
+    float64: rounded to bf16 they turned position 3,000 by radians. The angles then equal an uncast
+    head's."""
+    from draftsmith.heads import EagleConfig
+
+    target = FrozenTarget(tiny_causal_lm("llama", vocab_size=40, hidden_size=32, num_layers=8))
+    reference = HEADS["eagle3"](HEADS["eagle3"].config_class(), target.dims).rotary
+    positions = torch.arange(3000, 3016)
+    cos, sin = reference(positions, torch.float32)
+    for cast in (lambda m: m.bfloat16(), lambda m: m.to(torch.float16), lambda m: m.double().float()):
+        head = cast(HEADS["eagle3"](HEADS["eagle3"].config_class(), target.dims))
+        assert head.rotary.frequencies.dtype == torch.float64
+        got = head.rotary(positions, torch.float32)
+        assert torch.equal(got[0], cos) and torch.equal(got[1], sin)
+    head = HEADS["eagle"](EagleConfig(), target.dims).bfloat16()
+    assert head.rotary.frequencies.dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rms_norm_gives_the_bits_of_its_formula(dtype):
+    """RMSNorm through torch's rms_norm (one kernel on CUDA) gives on the CPU the bits of the formula
+    it replaced: weight * x / sqrt(mean(x^2) + eps) in at least fp32, for fp32, fp64 and bf16 inputs
+    and weights of another precision."""
+    from draftsmith.heads.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    for x_dtype in (dtype, torch.bfloat16):
+        norm = RMSNorm(48, 1e-6)
+        norm.weight.data = torch.randn(48, generator=g).to(dtype)
+        x = torch.randn(2, 5, 48, generator=g).to(x_dtype)
+        wide = torch.promote_types(x.dtype, torch.float32)
+        y = x.to(wide)
+        formula = (norm.weight.to(wide) * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + norm.eps))).to(x.dtype)
+        assert torch.equal(norm(x), formula)
+
+
+def test_drafting_attention_equals_attend():
+    """attend_cached (drafting's attention, one fused kernel on CUDA) gives attend's result with
+    grouped-query heads and without, for one query and for several, whatever the mask hides
+    (each row sees itself at least), in fp64 to rounding and in bf16 to bf16's."""
+    from draftsmith.heads.layers import attend, attend_cached
+
+    g = torch.Generator().manual_seed(11)
+    for H, Hkv, P, S in ((4, 2, 3, 10), (8, 8, 1, 5), (6, 2, 4, 33), (4, 1, 2, 7)):
+        q, k, v = torch.randn(1, H, P, 16, generator=g), torch.randn(1, Hkv, S, 16, generator=g), torch.randn(1, Hkv, S, 16, generator=g)
+        visible = torch.rand(P, S, generator=g) > 0.5
+        visible[:, S - P :] |= torch.eye(P, dtype=torch.bool)
+        want = attend(q.double(), k.double(), v.double(), visible.view(1, 1, P, S))
+        got = attend_cached(q.double(), k.double(), v.double(), visible)
+        assert got.shape == want.shape == (1, H, P, 16)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        low = attend_cached(q.bfloat16(), k.bfloat16(), v.bfloat16(), visible)
+        assert low.dtype == torch.bfloat16
+        torch.testing.assert_close(low.double(), want, rtol=0.03, atol=0.03)
