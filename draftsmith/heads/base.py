@@ -249,6 +249,14 @@ class HeadSession:
         return False
 
     @property
+    def vocabulary_columns(self) -> Optional[Tensor]:
+        """``head.vocabulary_columns()``, read once for the session: a graph a session captures
+        keeps reading the tensor it captured."""
+        if "_columns" not in self.__dict__:
+            self._columns = self.head.vocabulary_columns()
+        return self._columns
+
+    @property
     def levels_on_device(self) -> bool:
         """Whether ``expand_level`` serves: an EAGLE-2 tree (``runtime.tree.build_dynamic_tree_on_device``)
         or a greedy static tree (``runtime.drafters.grow_static_tree_on_device``) can then grow on the
@@ -545,6 +553,11 @@ class DraftHead(nn.Module):
     def required_layers(self) -> list[int]:
         """Decoder layers whose outputs the head reads (besides final_hidden)."""
         return []
+
+    def vocabulary_columns(self) -> Optional[Tensor]:
+        """The target token ids the head's logits can be finite at, ascending (a draft vocabulary
+        smaller than the target's), or None (the default): every token."""
+        return None
 
     def init_from_data(self, examples: Sequence[dict]) -> Optional[str]:
         """Choose what the head takes from the training data (examples with input_ids and

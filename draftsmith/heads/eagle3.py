@@ -182,6 +182,9 @@ class Eagle3Head(EagleHead):
         """Target ids of the draft vocabulary, ascending [Vd]."""
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
+    def vocabulary_columns(self) -> Optional[Tensor]:
+        return self.draft_ids if self.d2t.numel() < self.dims.vocab_size else None
+
     def init_from_data(self, examples: Sequence[dict]) -> Optional[str]:
         vocab = draft_vocabulary(examples, self.dims.vocab_size, self.cfg.draft_vocab_size)
         self.d2t.copy_(vocab.d2t)

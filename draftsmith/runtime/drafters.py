@@ -27,6 +27,7 @@ verified as fixed candidates. In "typical" mode (NOT lossless) every tree drafts
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
@@ -538,7 +539,9 @@ class HeadDrafter:
             if isinstance(self.tree, DynamicTreeSpec):
                 # The session grows the whole tree itself where it can (EAGLE: one CUDA graph a step).
                 key = (sampling.sampled, sampling.temperature, sampling.top_k, sampling.top_p)
-                parts = self.session.dynamic_tree(self.tree, state.root, _ranking(sampling), key, sampling.sampled, build_dynamic_tree_on_device)
+                columns = self.session.vocabulary_columns  # a draft vocabulary: the top-k reads its columns alone
+                build = build_dynamic_tree_on_device if columns is None else functools.partial(build_dynamic_tree_on_device, columns=columns)
+                parts = self.session.dynamic_tree(self.tree, state.root, _ranking(sampling), key, sampling.sampled, build)
                 if parts is not None:
                     tokens, parents, depths, num_nodes = parts
                     tree = DraftTree(tokens=tokens, parents=parents, depths=depths, num_nodes=num_nodes,

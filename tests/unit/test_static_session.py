@@ -481,7 +481,8 @@ def _line_of(function, text: str) -> int:
 def test_the_whole_tree_in_one_function_is_the_level_by_level_tree(monkeypatch, mode):
     """EAGLE's dynamic_tree (what CUDA captures as one graph a step) grows, every step of a
     generation, exactly the tree build_dynamic_tree_on_device grows through expand_level from the
-    same state: tokens, parents, depths and node count, greedy and sampled."""
+    same state: tokens, parents, depths and node count, greedy and sampled; the whole tree's top-k
+    reading the head's draft vocabulary alone (``columns``), the reference's the whole rows."""
     from draftsmith.heads.eagle import EagleSession
     from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
     from draftsmith.runtime.drafters import HeadDrafter
@@ -491,9 +492,9 @@ def test_the_whole_tree_in_one_function_is_the_level_by_level_tree(monkeypatch, 
     original, compared = EagleSession.dynamic_tree, []
 
     def checked(self, spec, root, logp, key, deterministic, build):
-        assert build is build_dynamic_tree_on_device
+        assert build.func is build_dynamic_tree_on_device and torch.equal(build.keywords["columns"], self.head.draft_ids)
         length = self.length
-        reference, _ = build(lambda f: logp(self.expand_level(f)), root, spec.depth, spec.topk, spec.budget, self.outputs[0].device, deterministic)
+        reference, _ = build_dynamic_tree_on_device(lambda f: logp(self.expand_level(f)), root, spec.depth, spec.topk, spec.budget, self.outputs[0].device, deterministic)
         self.length = length  # expand_level moved it; the whole tree writes the same slots again
         parts = original(self, spec, root, logp, key, deterministic, build)
         for name, got in zip(("tokens", "parents", "depths", "num_nodes"), parts):

@@ -331,6 +331,28 @@ def test_a_static_tree_grown_on_the_device_is_the_host_tree():
     assert len(calls) == 1  # only the root's logits were asked for
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_dynamic_tree_on_device_over_a_draft_vocabulary_is_the_same_tree(seed):
+    """``columns`` (a draft vocabulary: the only tokens a row can give a finite log-prob) makes the
+    top-k read those columns alone and gives the tree the whole rows give: the same tokens, parents,
+    depths, node count and creation ids, with live candidates fewer than topk in some rows."""
+    g = torch.Generator().manual_seed(seed)
+    V, C = 40, 9 + seed
+    columns = torch.randperm(V, generator=g)[:C].sort().values
+    table = torch.full((V, V), float("-inf"))
+    table[:, columns] = torch.log_softmax(torch.randn(V, C, generator=g) * 2, dim=-1)
+    if seed % 2:
+        table[torch.rand(V, V, generator=g) < 0.5] = float("-inf")
+        table[:, columns[0]] = 0.0  # one live candidate in every row
+    depth, topk, budget = 2 + seed % 3, 3 + seed % 2, 6 + 3 * seed
+    whole, whole_ids = build_dynamic_tree_on_device(_level_expand(table, []), 1, depth, topk, budget, torch.device("cpu"))
+    read, read_ids = build_dynamic_tree_on_device(_level_expand(table, []), 1, depth, topk, budget, torch.device("cpu"), columns=columns)
+    for name in ("tokens", "parents", "depths", "num_nodes"):
+        assert torch.equal(getattr(read, name), getattr(whole, name)), name
+    assert torch.equal(read_ids, whole_ids)
+    assert set(read.tokens[0, 1 : int(read.num_nodes[0])].tolist()) <= set(columns.tolist())
+
+
 def test_dynamic_tree_on_device_level_shapes_are_fixed():
     """Every level past the first expands exactly topk nodes (CUDA graphs replay one shape)."""
     table = torch.log_softmax(torch.randn(9, 9), dim=-1)
