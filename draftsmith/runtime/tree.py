@@ -588,12 +588,15 @@ class LevelFrontier:
     spec node ids for grow_static_tree_on_device); ``parents`` [F]: their parents' ids (-1 for the
     root); ``tokens`` [F]. In a dynamic tree F is always ``topk`` from level 2 on: where fewer nodes
     are worth expanding, the rest are nodes of score -inf, whose children are never kept.
+    ``parent_rows`` [F] or None: each node's parent's row in the level before (its index among that
+    level's ``nodes``), where the builder knows it (build_dynamic_tree_on_device).
     """
 
     level: int
     nodes: Tensor
     parents: Tensor
     tokens: Tensor
+    parent_rows: Optional[Tensor] = None
 
 
 def _expanded(expand: Callable[[LevelFrontier], Tensor], frontier: LevelFrontier) -> Tensor:
@@ -642,17 +645,17 @@ def build_dynamic_tree_on_device(
             candidates = columns[picked]
         k = values.shape[-1]
         level_scores = (frontier_scores.unsqueeze(1) + values.double().clamp_max(0.0)).flatten()  # -inf stays -inf
-        ids = torch.arange(created, created + F * k, **long)
         level_parents = frontier.nodes.repeat_interleave(k)
         tokens.append(candidates.flatten())
         parents.append(level_parents)
         depths.append(torch.full((F * k,), level, **long))
         scores.append(level_scores)
-        created += F * k
         if level < depth:
+            # Candidate j of the level (flattened) has id created + j and its parent in row j // k.
             best = torch.sort(level_scores, descending=True, stable=True).indices[:topk].sort().values
-            frontier = LevelFrontier(level + 1, ids[best], level_parents[best], candidates.flatten()[best])
+            frontier = LevelFrontier(level + 1, best + created, level_parents[best], candidates.flatten()[best], best.div(k, rounding_mode="floor"))
             frontier_scores = level_scores[best]
+        created += F * k
     tokens_all, parents_all, depths_all, scores_all = (torch.cat(x) for x in (tokens, parents, depths, scores))
     keep = min(budget, created - 1)
     chosen = torch.sort(scores_all[1:], descending=True, stable=True).indices[:keep] + 1

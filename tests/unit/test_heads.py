@@ -619,13 +619,13 @@ def test_the_rotary_frequencies_stay_float64_when_the_head_is_cast():
 def test_rms_norm_gives_the_bits_of_its_formula(dtype):
     """RMSNorm through torch's rms_norm (one kernel on CUDA) gives on the CPU the bits of the formula
     it replaced: weight * x / sqrt(mean(x^2) + eps) in at least fp32, for fp32, fp64 and bf16 inputs
-    and weights of another precision."""
+    and weights of the same precision or another."""
     from draftsmith.heads.layers import RMSNorm
 
     g = torch.Generator().manual_seed(3)
-    for x_dtype in (dtype, torch.bfloat16):
+    for x_dtype, w_dtype in ((dtype, dtype), (torch.bfloat16, dtype), (torch.bfloat16, torch.bfloat16), (dtype, torch.bfloat16)):
         norm = RMSNorm(48, 1e-6)
-        norm.weight.data = torch.randn(48, generator=g).to(dtype)
+        norm.weight.data = torch.randn(48, generator=g).to(w_dtype)
         x = torch.randn(2, 5, 48, generator=g).to(x_dtype)
         wide = torch.promote_types(x.dtype, torch.float32)
         y = x.to(wide)

@@ -260,6 +260,10 @@ def _same_tree_on_device(table, depth, topk, budget):
     tree.validate()
     assert tree.depth_bound == depth and tree.max_depth == host.max_depth
     assert len(device_calls) == depth and host_calls[0] == device_calls[0].nodes.tolist() == [0]
+    # Each level names its nodes' parents' rows in the level before.
+    assert device_calls[0].parent_rows is None
+    for before, level in zip(device_calls, device_calls[1:]):
+        assert before.nodes[level.parent_rows].tolist() == level.parents.tolist()
     # ids name each kept node's creation: the token expand's top-k gave it.
     created = torch.cat([torch.tensor([1])] + [table[c.tokens].topk(min(topk, V), dim=-1).indices.flatten() for c in device_calls])
     assert created[device_ids[:n]].tolist() == host.tokens[0].tolist()
