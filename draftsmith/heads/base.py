@@ -23,6 +23,7 @@ tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Hashable, Optional, Sequence
 
 import torch
@@ -34,7 +35,10 @@ from draftsmith.heads.layers import preallocate_cache
 from draftsmith.sampling import draws_inputs, draws_key, with_uniforms
 from draftsmith.target import FrozenTarget, TargetDims, TargetFeatures
 
-__all__ = ["DraftHead", "HeadSession", "LevelSession", "TargetDims", "TargetFeatures", "depth_label_weights", "depth_labels", "depth_loss", "path_tokens"]
+__all__ = [
+    "DraftHead", "HeadSession", "LevelSession", "TargetDims", "TargetFeatures", "WaitingRead", "depth_label_weights", "depth_labels", "depth_loss",
+    "path_tokens",
+]  # fmt: skip
 
 
 def depth_labels(
@@ -204,6 +208,19 @@ def static_tree_parts(tree: Any) -> tuple[Tensor, ...]:
     return parts if tree.draft_probs is None else (*parts, tree.draft_probs)
 
 
+@dataclass
+class WaitingRead:
+    """A step's read kept back, on graphs, until the tree drafted from it runs it inside the tree's
+    own graph (``HeadSession._take_read``: one replay a step, read and tree), or until something
+    else needs what it computes (``HeadSession._settle`` runs it alone). ``parts``: what the
+    session's read takes. ``start``: the first position it reads; a prompt's read (start 0) runs
+    alone, its length varying, so that each prompt length does not capture one more whole tree
+    (None: the read has one shape whatever it reads, Medusa's)."""
+
+    start: Optional[int]
+    parts: tuple
+
+
 class HeadSession:
     """One generation's drafting state of a head (batch size 1); see the module docstring.
 
@@ -219,11 +236,36 @@ class HeadSession:
     # a static tree is then drafted from them, where the session can right after its read (``after_levels``).
     drafts_by_level = False
 
+    # A step's read waiting for the tree drafted from it (``WaitingRead``; on graphs only).
+    _pending: Optional[WaitingRead] = None
+
     def __init__(self, head: "DraftHead", embed: Callable[[Tensor], Tensor], lm_head: Callable[[Tensor], Tensor]) -> None:
         self.head = head
         self.embed = embed
         self.lm_head = lm_head
         self.decided = 0
+
+    def _wait(self, start: Optional[int], *parts: Any) -> None:
+        """Keep a step's read back (``WaitingRead``)."""
+        self._pending = WaitingRead(start, parts)
+
+    def _settle(self) -> None:
+        """Run a read still waiting, alone (``_read_alone``): what it computes is then at hand."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._read_alone(*pending.parts)
+
+    def _read_alone(self, *parts: Any) -> None:
+        """A waiting read's ``parts`` run on their own (a graph of their own on graphs)."""
+        raise NotImplementedError
+
+    def _take_read(self) -> Optional[tuple]:
+        """The waiting read's parts, handed to a tree to run inside its own graph (None: none
+        waits); a prompt's read runs alone first."""
+        if self._pending is not None and self._pending.start == 0:
+            self._settle()
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.parts
 
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
         """Read M decided positions j = decided .. decided+M-1: the target's final hidden states
@@ -322,10 +364,9 @@ class LevelSession(HeadSession):
     capacity = 0  # entries of the preallocated caches of ``_layer_caches`` (0: growing ones)
     # ``extend`` of at most this many positions (a step's accepted path) replays a graph per count.
     GRAPHED_EXTEND = 32
-    # Such a read on graphs waits (its read function, inputs, count, layers and start): the step's whole
-    # tree runs it inside its own graph (``_whole_tree``), or ``_settle`` does before anything else
-    # reads the step tensor.
-    _pending: Optional[tuple] = None
+    # Such a read on graphs waits (``_wait``: its read function, inputs, count and layers): the step's
+    # whole tree runs it inside its own graph (``_whole_tree``), or ``_settle`` does before anything
+    # else reads the step tensor.
 
     def preallocate(self, capacity: int, graphs: bool) -> bool:
         device = next(self.head.parameters()).device
@@ -386,7 +427,8 @@ class LevelSession(HeadSession):
 
             inputs = (hidden, *(layers[k] for k in keys), tokens, self.columns[start : start + 1])
             if self.graphs and caches and M <= self.GRAPHED_EXTEND:
-                self._pending, self.decided = (read, inputs, M, tuple(keys), start), start + M
+                self._wait(start, read, inputs, M, tuple(keys))
+                self.decided = start + M
                 return
             step = read(*inputs)
         else:
@@ -396,13 +438,10 @@ class LevelSession(HeadSession):
         self.step_input = step
         self.decided = start + M
 
-    def _settle(self) -> None:
-        """Run a read still waiting (``_pending``) on its own, a graph per count: the step tensor is then at hand."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            read, inputs, M, keys, _ = pending
-            step, replayed = self.graphs.run(("extend", M, keys), read, inputs, f"the {self.head.cfg.kind} head's extend")
-            self.step_input = step.clone() if replayed else step  # a graph's output is overwritten by its next replay
+    def _read_alone(self, read: Callable[..., Tensor], inputs: tuple, M: int, keys: tuple) -> None:
+        """A waiting read on its own, a graph per count: the step tensor is then at hand."""
+        step, replayed = self.graphs.run(("extend", M, keys), read, inputs, f"the {self.head.cfg.kind} head's extend")
+        self.step_input = step.clone() if replayed else step  # a graph's output is overwritten by its next replay
 
     step_attribute = ""  # the attribute holding the per-step tensor ``extend`` sets
 
@@ -431,8 +470,11 @@ class LevelSession(HeadSession):
             states = None
         else:
             nodes, previous = self._previous
-            # Each node's parent is one of the last level's nodes: its row there.
-            states = previous[(frontier.parents.unsqueeze(1) == nodes.unsqueeze(0)).int().argmax(dim=1)]
+            # Each node's parent is one of the last level's nodes: its row there (the builder's, where it says).
+            rows = frontier.parent_rows
+            if rows is None:
+                rows = (frontier.parents.unsqueeze(1) == nodes.unsqueeze(0)).int().argmax(dim=1)
+            states = previous[rows]
         states, logits = self._level(frontier.level, states, frontier.tokens)
         self._previous = (frontier.nodes, states)
         return logits
@@ -465,9 +507,7 @@ class LevelSession(HeadSession):
         runs in the same function."""
         if not self.graphs:
             return None
-        if self._pending is not None and self._pending[4] == 0:
-            self._settle()  # a prompt's read: its own graph, not one more whole tree per prompt length
-        pending, self._pending = self._pending, None
+        pending = self._take_read()
         device = (getattr(self, self.step_attribute) if pending is None else pending[1][0]).device
 
         def tree_function(step: Tensor, root_token: Tensor, *extra: Tensor) -> tuple[Tensor, ...]:
@@ -482,7 +522,7 @@ class LevelSession(HeadSession):
         else:
             # The step's read and its tree in one function (one graph a step on CUDA): the step
             # tensor and the root token (the last one read) never leave it.
-            read, inputs, M, keys, _ = pending
+            read, inputs, M, keys = pending
             n = len(inputs)
 
             def read_then_tree(*args: Tensor) -> tuple[Tensor, ...]:

@@ -513,9 +513,8 @@ class DFlashSession(BufferedSession):
         super().__init__(head, embed, lm_head)
         self.kv: list[Optional[tuple[Tensor, Tensor]]] = [None for _ in head.layers]
         self.slot_logits: Optional[Tensor] = None  # [K,V] of the current step
-        # On graphs, a step's read (its layers, tokens and start) waits: the step's static tree runs
-        # it in its own graph (``after_levels``), or ``_settle`` does before anything else needs it.
-        self._pending: Optional[tuple] = None
+        # On graphs, a step's read (its layers, tokens and start) waits (``_wait``): the step's static
+        # tree runs it in its own graph (``after_levels``), or ``_settle`` does before anything else needs it.
         self.forwards = 0  # one block forward per step; the context's keys/values are projections, not a pass
 
     def _forget(self) -> None:
@@ -547,7 +546,8 @@ class DFlashSession(BufferedSession):
             # A step's few accepted positions: their context entries and the block in one graph per count.
             if start + M > self.capacity:
                 self._grow(max(2 * self.capacity, start + M + 64))  # drops the captured graphs
-            self._pending, self.decided = (layers, tokens, start), start + M
+            self._wait(start, layers, tokens, start)
+            self.decided = start + M
             self.forwards += 1
             return
         new = head.context_kv(head.context(layers), torch.arange(start, start + M, device=device))
@@ -600,18 +600,14 @@ class DFlashSession(BufferedSession):
         key = ("step", M, tuple(keys)) + (() if name is None else (name,))
         return self.graphs.run(key, step, inputs, "the dflash head's step")
 
-    def _settle(self) -> None:
-        """Run a read still waiting on its own: its slots' logits are then at hand."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            # One graph per number of new positions; its logits are overwritten by its next replay,
-            # and the tree reads them before that.
-            self.slot_logits = self._step_graphed(pending)[0]
+    def _read_alone(self, *pending: Any) -> None:
+        """A waiting read on its own: its slots' logits are then at hand. One graph per number of
+        new positions; its logits are overwritten by its next replay, and the tree reads them
+        before that."""
+        self.slot_logits = self._step_graphed(pending)[0]
 
     def after_levels(self, then: Any, name: Any, extra: tuple[Tensor, ...] = ()) -> Optional[tuple[Tensor, ...]]:
-        if self._pending is not None and self._pending[2] == 0:
-            self._settle()  # a prompt's read: its own graph, not one more tree per prompt length
-        pending, self._pending = self._pending, None
+        pending = self._take_read()
         if pending is None:
             return None
         out, replayed = self._step_graphed(pending, then, name, extra)

@@ -251,9 +251,8 @@ class EagleSession(BufferedSession):
         self.slots: dict[int, int] = {}  # node id -> cache entry
         self.forwards = 0
         self.length = 0  # entries the caches hold: the decided positions, then this step's tree
-        # A step's read (extend's hidden, layers, tokens and start) not run yet, on graphs: the
+        # On graphs a step's read (extend's hidden, layers, tokens and start) waits (``_wait``): the
         # tree's graph runs it (``_whole_tree``), or ``_settle`` does before anything else needs it.
-        self._pending: Optional[tuple] = None
 
     def _forget(self) -> None:
         self.length = 0
@@ -303,7 +302,7 @@ class EagleSession(BufferedSession):
             # replay a step, extend and tree); anything else runs them first in a graph per count.
             if start + M > self.capacity:
                 self._grow(max(2 * self.capacity, start + M + 64))  # drops the captured graphs
-            self._pending = (hidden, layers, tokens, start)
+            self._wait(start, hidden, layers, tokens, start)
         else:
             feature = self.head.feature(hidden, layers)
             positions = torch.arange(start, start + M, device=hidden.device)
@@ -312,13 +311,11 @@ class EagleSession(BufferedSession):
         self.forwards += 1
         self.decided = self.length = start + M
 
-    def _settle(self) -> None:
-        """Run an ``extend`` still waiting (``_pending``) on its own: the root's output is then at hand."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            root, replayed = self._extended(pending, (), lambda root_out, root_token, decided: root_out)
-            # A graph's output is overwritten by its next replay: the root's output is copied.
-            self.outputs[0] = (root.clone() if replayed else root).unsqueeze(0)
+    def _read_alone(self, *pending: Any) -> None:
+        """A waiting ``extend`` on its own: the root's output is then at hand."""
+        root, replayed = self._extended(pending, (), lambda root_out, root_token, decided: root_out)
+        # A graph's output is overwritten by its next replay: the root's output is copied.
+        self.outputs[0] = (root.clone() if replayed else root).unsqueeze(0)
 
     def _extended(self, pending: tuple, extra: tuple[Tensor, ...], then: Callable[..., Any], name: Optional[Hashable] = None) -> tuple[Any, bool]:
         """``then(root_out [1,D], root_token [1], decided [], *extra)`` after a waiting extend's
@@ -460,9 +457,7 @@ class EagleSession(BufferedSession):
         def tree_function(root_out: Tensor, root_token: Tensor, decided: Tensor, *extra: Tensor) -> tuple[Tensor, ...]:
             return self._tree_function(rank, grow, root_out, root_token, decided, extra)
 
-        if self._pending is not None and self._pending[3] == 0:
-            self._settle()  # a prompt's read: its own graph, not one more whole tree per prompt length
-        pending, self._pending = self._pending, None
+        pending = self._take_read()
         if pending is not None:
             # A step's accepted positions and the tree in one function: one graph a step on CUDA,
             # one per accepted count.

@@ -128,10 +128,9 @@ class MedusaSession(HeadSession):
         self.graphs = Graphs(graphs)
         return graphs
 
-    # On graphs, a step's heads wait (the hidden state that predicted the root, the root token):
-    # the step's static tree runs them in its own graph (``after_levels``), or ``_settle`` does
-    # before anything else reads the logits.
-    _pending: Optional[tuple[Tensor, Tensor]] = None
+    # On graphs, a step's heads wait (``_wait``: the hidden state that predicted the root, the root
+    # token; one shape whatever the step read, so a prompt's wait too): the step's static tree runs
+    # them in its own graph (``after_levels``), or ``_settle`` does before anything else reads the logits.
 
     def restart(self, capacity: int) -> bool:
         if not (self.graphs and self.graphs.captured):  # nothing captured yet, or a capture failed
@@ -145,19 +144,17 @@ class MedusaSession(HeadSession):
     def extend(self, hidden: Tensor, layers: dict[int, Tensor], tokens: Tensor) -> None:
         self.decided += hidden.shape[1]
         if self.graphs:
-            self._pending = (hidden[0, -1], tokens[0, -1:])
+            self._wait(None, hidden[0, -1], tokens[0, -1:])
         else:
             self.logits = self._logits(hidden[0, -1])
 
-    def _settle(self) -> None:
-        """Run the heads still waiting on their own ("heads": one graph)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            # A graph's logits are overwritten by its next replay, at the next step: the tree reads them before.
-            self.logits, _ = self.graphs.run("heads", self._logits, pending[:1], "the medusa heads")
+    def _read_alone(self, last: Tensor, root: Tensor) -> None:
+        """The waiting heads on their own ("heads": one graph). A graph's logits are overwritten by
+        its next replay, at the next step: the tree reads them before."""
+        self.logits, _ = self.graphs.run("heads", self._logits, (last,), "the medusa heads")
 
     def after_levels(self, then: Any, name: Any, extra: tuple[Tensor, ...] = ()) -> Optional[tuple[Tensor, ...]]:
-        pending, self._pending = self._pending, None
+        pending = self._take_read()
         if pending is None:
             return None
 

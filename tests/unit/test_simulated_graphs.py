@@ -113,6 +113,9 @@ def test_decoding_through_the_captured_graphs_equals_hf_greedy(kind, capsys):
         assert roles["read+tree"] and not roles["other"], roles
         # Reads alone: the prompts' (their length but the root), never a step's.
         assert {name[1] for name in roles["read"] if name != "heads"} <= {ids.shape[1] - 1 for ids in prompts} and len(roles["tree"]) <= 1, roles
+        # And no prompt's read in a tree's graph: the 9-token prompt's (8 positions) would capture a
+        # whole tree of its own, where a step reads at most its tree's depth + 1 (5 here).
+        assert all(name[1] <= 5 for name in roles["read+tree"] if name[0] != "heads"), roles
         whole = "static" if kind.endswith(("static", "tree", "chain")) else "dynamic"
         assert all(name[0] == whole for name in trees), trees
         if kind == "hybrid":  # its levels and the lookup's candidates merged in the same graph
