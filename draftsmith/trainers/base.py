@@ -171,10 +171,13 @@ class Trainer:
             return None
         state = checkpoint.load_checkpoint(self.accelerator, self.resume_from, self.load_from, strict=strict)
         self.step = int(state["step"])
-        seconds = state.get("train_seconds", 0.0)  # absent from checkpoints written before it was recorded
-        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds >= 0:
+        # A report figure, not training state: an absent or damaged one does not stop the run.
+        seconds = state.get("train_seconds")
+        if "train_seconds" not in state:
+            log(f"note: {self.resume_from / STATE_FILE} records no train_seconds (written before checkpoints kept them); the run's seconds count from this checkpoint")
+        elif isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds >= 0:
             self.seconds_before = float(seconds)
-        else:  # a report figure, not training state: a damaged one does not stop the run
+        else:
             log(f"note: {self.resume_from / STATE_FILE} has train_seconds {seconds!r}, not a number of seconds; the run's seconds count from this checkpoint")
         if self.stream is not None:
             self.stream.load_state_dict(state["data"])

@@ -116,20 +116,29 @@ def test_damaged_checkpoint_is_skipped_and_explicit_resume_works(tmp_path, tiny_
     assert f"skipping corrupt checkpoint {step4}" in out and "sha256" in out
 
 
-def test_a_damaged_seconds_figure_does_not_stop_a_resume(tmp_path, tiny_llama_dir, capsys):
-    """train_seconds is a report figure: a checkpoint whose figure is not a number of seconds
-    resumes all the same, says so in one line naming the file, and counts from the checkpoint."""
+@pytest.mark.parametrize("figure", ["damaged", "absent"])
+def test_a_damaged_or_absent_seconds_figure_does_not_stop_a_resume(tmp_path, tiny_llama_dir, capsys, figure):
+    """train_seconds is a report figure: a checkpoint whose figure is not a number of seconds, or
+    that has none (written before checkpoints kept it), resumes all the same, says so in one line
+    naming the file, and counts from the checkpoint."""
     recipe = heads_recipe(tmp_path, tiny_llama_dir, "run", "train.max_steps=4", "train.save_every=2")
     run_trainer(recipe)
     step2, step4 = list_checkpoints(recipe.output_dir)
     state = json.loads((step2 / STATE_FILE).read_text())
-    (step2 / STATE_FILE).write_text(json.dumps({**state, "train_seconds": None}))
+    if figure == "damaged":
+        state["train_seconds"] = None
+    else:
+        del state["train_seconds"]
+    (step2 / STATE_FILE).write_text(json.dumps(state))
     shutil.rmtree(step4)
     capsys.readouterr()
     _, summary, _ = run_trainer(heads_recipe(tmp_path, tiny_llama_dir, "run", "train.max_steps=4", "train.save_every=2"))
     out = capsys.readouterr().out
     assert summary["step"] == 4 and 0 <= summary["seconds"] < 600
-    assert f"{step2 / STATE_FILE} has train_seconds None, not a number of seconds" in out
+    if figure == "damaged":
+        assert f"{step2 / STATE_FILE} has train_seconds None, not a number of seconds" in out
+    else:
+        assert f"{step2 / STATE_FILE} records no train_seconds (written before checkpoints kept them)" in out
 
 
 def test_a_run_that_fails_to_set_up_keeps_what_was_there(tmp_path, tiny_llama_dir):
