@@ -31,7 +31,9 @@ operation of each replayed trace that computes (views, and allocations without a
 summed over the step's replays; and the same for a plain step (the target alone on the same static
 cache, one token a forward), so that their ratio says how much more a speculative step gives the
 GPU to run, apart from launches. It counts what the CPU's traces hold: where CUDA fuses an operation
-the CPU decomposes (or the other way round) the counts differ from a GPU's; and a kernel's cost
+the CPU decomposes (or the other way round) the counts differ from a GPU's (rms_norm is six here,
+one kernel on CUDA; the target's graph holds the torch reference verification, about 54 kernels
+greedy and 1,181 sampled at a 26-node tree, where CUDA runs the fused kernel); and a kernel's cost
 grows with its work, which a count leaves out (at a large shape the weights read set the time).
 
 ``--temperatures`` above 0 decode with lossless sampling: the drafter draws its children (on the
@@ -328,7 +330,11 @@ def main(argv=None) -> int:
         lines = [
             f"# Eager operations a speculative step runs outside CUDA graphs, {meta['date']}", "",
             f"`scripts/bench_eager_ops.py --graphs {args.graphs}`, torch {meta['torch']}, the static cache, {args.new_tokens} new tokens after a warm-up generation of as many. "
-            + ("Counted on the CPU, decoding through simulated CUDA graphs: a graph replay and each input copy count one operation."
+            + ("Counted on the CPU, decoding through simulated CUDA graphs: a graph replay and each input copy count one operation. "
+               "The last column counts the kernels replayed inside the graphs a step (views and bare allocations left out) and, in brackets, a "
+               "plain step's (the target alone on the same cache). It counts the CPU's operations: the target's graph holds the torch reference "
+               "verification (about 54 kernels greedy and 1,181 sampled at a 26-node tree, where CUDA runs the fused kernel), and rms_norm counts "
+               "its six operations (one fused kernel on CUDA)."
                if args.graphs == "simulated" else
                "Counted on the CPU without graphs, the callables CUDA captures left out; the torch reference verification, which CUDA replaces with the fused kernel, apart."), "",
             "| shape | drafter | decoding | steps | eager operations a step | reference verification a step | host reads a step | kernels replayed a step (a plain step's) |",

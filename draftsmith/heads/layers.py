@@ -52,8 +52,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # torch's rms_norm: the same operations on the CPU (the same bits), one fused kernel on CUDA
-        # (torch >= 2.9) where the formula written out is six, each a launch or a graph node. It
+        # torch's rms_norm: the same operations on the CPU (the same bits with torch 2.13), one fused
+        # kernel on CUDA (torch >= 2.9) where the formula written out is six, each a launch or a graph node. It
         # computes half-precision inputs in fp32 itself; inputs and weights of two precisions (bf16
         # activations under autocast) it would not fuse, so those are brought to one first.
         if x.dtype == self.weight.dtype:
@@ -147,19 +147,24 @@ class Rotary(nn.Module):
             )
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
         else:
-            inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+            inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
             scaling = 1.0
-        # Each rotated pair's frequency, in both halves (the rotate-half layout), in float64.
-        self._frequencies = torch.cat([inv_freq, inv_freq]).to(torch.float64)
-        self.register_buffer("frequencies", self._frequencies.clone(), persistent=False)
+        # Each rotated pair's frequency, in both halves (the rotate-half layout), in float64. Not a
+        # buffer: a cast of the whole head (``head.to(torch.bfloat16)``, ``head.half()``; older
+        # DeepSpeed releases cast a bf16 model so) would round a buffer to 8 bits, and at position
+        # 3,000 an angle would be off by radians. ``_apply`` moves it with the module, never casts
+        # it, from a copy kept on the host (so a head made on the meta device gets real values).
+        self._host_frequencies = torch.cat([inv_freq.cpu(), inv_freq.cpu()]).to(torch.float64)
+        self.frequencies = self._host_frequencies.to(torch.get_default_device())
         self.scaling = float(scaling)
 
     def _apply(self, fn, recurse: bool = True):
-        # A cast of the whole head (``head.to(torch.bfloat16)``, ``head.half()``; older DeepSpeed
-        # releases cast a bf16 model so) would round the frequencies to 8 bits: at position 3,000
-        # an angle would be off by radians. They stay float64 wherever the module goes.
         super()._apply(fn, recurse)
-        self.frequencies = self._frequencies.to(self.frequencies.device)
+        # Where ``fn`` sends a tensor of this device (a move, a cast, to_empty): only a move moves the
+        # frequencies, so a cast or a no-op keeps the tensor itself (a captured graph reads it).
+        device = fn(torch.zeros(0, dtype=torch.float64, device=self.frequencies.device)).device
+        if device != self.frequencies.device:
+            self.frequencies = self._host_frequencies.to(device)
         return self
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -414,17 +419,22 @@ def training_block_mask(mask_mod, allowed: Tensor, KV: int, own_keys: Optional[T
 
 def attend_cached(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
     """Drafting's attention over a cache: q [1,H,P,Dh] over k, v [1,Hkv,S,Dh], visible [P,S] bool
-    (every row sees at least itself). ``attend``'s result, to rounding, through torch's scaled dot
-    product attention: one fused kernel on CUDA where ``attend`` writes out about a dozen (in a
-    drafting graph, a dozen nodes a level). The H query heads fold into Hkv groups of G = H / Hkv
-    heads, each group's queries one after another, so each key/value head is read as it is (no
-    copy G times over) and the attention keeps a kernel that takes a mask."""
+    (every row sees at least itself). ``attend``'s result through torch's scaled dot product
+    attention: one fused kernel on CUDA where ``attend`` writes out about a dozen (in a drafting
+    graph, a dozen nodes a level); in fp32 and fp64 equal to rounding, in bf16 at the kernel's own
+    precision (``attend`` keeps the weights in fp32). The H query heads fold into Hkv groups of
+    G = H / Hkv heads, each group's queries one after another, so each key/value head is read as it
+    is (no copy G times over) and the attention keeps a kernel that takes a mask. Returns [1,H,P,Dh]
+    as a view of a [1,P,H,Dh] tensor, which ``Attention.output`` reads without another copy
+    (whatever layout the kernel wrote: CUDA's memory-efficient one writes [B,P',Hkv,Dh])."""
     B, H, P, Dh = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
     grouped = q.reshape(B, Hkv, G * P, Dh)  # query head kv*G + g is group kv's rows g*P .. g*P+P-1
     mask = visible.view(1, 1, 1, P, -1).expand(1, 1, G, P, -1).reshape(1, 1, G * P, -1)
-    return F.scaled_dot_product_attention(grouped, k.to(q.dtype), v.to(q.dtype), attn_mask=mask).view(B, H, P, Dh)
+    out = F.scaled_dot_product_attention(grouped, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)  # [B,Hkv,G*P,Dh]
+    by_position = out.unflatten(2, (G, P)).permute(0, 3, 1, 2, 4).reshape(B, P, H, Dh)
+    return by_position.transpose(1, 2)
 
 
 def attend_in_training(

@@ -623,8 +623,10 @@ def build_dynamic_tree_on_device(
 
     ``root_token`` may be a one-element device tensor (a captured step reads it from a buffer).
     ``columns`` [C] (ascending token ids): the only columns where ``expand``'s rows can be finite (a
-    draft vocabulary); the top-k then reads those alone, the same candidates (ties aside) from a
-    quarter of the row at a Llama-3 target with a 32,000-token draft vocabulary.
+    draft vocabulary of at least ``topk`` tokens; a smaller one is read whole); the top-k then reads
+    those alone, a quarter of the row at a Llama-3 target with a 32,000-token draft vocabulary, and
+    finds the same candidates but where values tie exactly (bf16 logits tie often): which of the tied
+    ones top-k returns is left open, here as over the whole row.
     Returns (tree, ids [N] on the device: the creation id ``expand`` saw for each tree node,
     padding included). The tree's depth is not read: ``known_depth_bound`` is ``depth``.
     """
@@ -638,10 +640,10 @@ def build_dynamic_tree_on_device(
     for level in range(1, depth + 1):
         logp = _expanded(expand, frontier)
         F = frontier.nodes.shape[0]
-        if columns is None:
+        if columns is None or columns.shape[0] < topk:
             values, candidates = torch.topk(logp.float(), min(topk, logp.shape[-1]), dim=-1)
         else:
-            values, picked = torch.topk(logp.float().index_select(-1, columns), min(topk, columns.shape[0]), dim=-1)
+            values, picked = torch.topk(logp.float().index_select(-1, columns), topk, dim=-1)
             candidates = columns[picked]
         k = values.shape[-1]
         level_scores = (frontier_scores.unsqueeze(1) + values.double().clamp_max(0.0)).flatten()  # -inf stays -inf

@@ -613,6 +613,11 @@ def test_the_rotary_frequencies_stay_float64_when_the_head_is_cast():
         assert torch.equal(got[0], cos) and torch.equal(got[1], sin)
     head = HEADS["eagle"](EagleConfig(), target.dims).bfloat16()
     assert head.rotary.frequencies.dtype == torch.float64
+    # A move that changes nothing keeps the buffer itself: a captured graph goes on reading it.
+    kept = head.rotary.frequencies
+    assert head.to("cpu").rotary.frequencies is kept and head.to(torch.bfloat16).rotary.frequencies is kept and head.float().rotary.frequencies is kept
+    assert head.to("meta").rotary.frequencies.device.type == "meta"  # a move moves them
+    assert torch.equal(head.to_empty(device="cpu").rotary.frequencies, kept)  # and back from the meta device, with their values
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -651,3 +656,28 @@ def test_drafting_attention_equals_attend():
         low = attend_cached(q.bfloat16(), k.bfloat16(), v.bfloat16(), visible)
         assert low.dtype == torch.bfloat16
         torch.testing.assert_close(low.double(), want, rtol=0.03, atol=0.03)
+
+
+def test_drafting_attention_takes_the_layout_cudas_kernel_writes(monkeypatch):
+    """On CUDA the memory-efficient attention kernel (the one that takes a mask) returns [B,M,H,K]
+    storage seen as [B,H,M,K]; with grouped-query heads a plain view of it cannot merge the groups
+    (it raised on CUDA). attend_cached gives the same result from that layout, and the attention
+    output reads it with no further copy."""
+    import torch.nn.functional as F
+
+    from draftsmith.heads import layers
+    from draftsmith.heads.layers import attend, attend_cached
+
+    real = F.scaled_dot_product_attention
+
+    def cuda_layout(*args, **kwargs):
+        return real(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(layers.F, "scaled_dot_product_attention", cuda_layout)
+    g = torch.Generator().manual_seed(12)
+    for H, Hkv, P in ((8, 2, 4), (8, 2, 1), (4, 4, 3)):
+        q, k, v = torch.randn(1, H, P, 16, generator=g), torch.randn(1, Hkv, 9, 16, generator=g), torch.randn(1, Hkv, 9, 16, generator=g)
+        visible = torch.ones(P, 9, dtype=torch.bool)
+        got = attend_cached(q, k, v, visible)
+        torch.testing.assert_close(got, attend(q, k, v, visible.view(1, 1, P, 9)))
+        assert got.transpose(1, 2).is_contiguous()  # Attention.output's reshape is a view

@@ -355,6 +355,12 @@ def test_dynamic_tree_on_device_over_a_draft_vocabulary_is_the_same_tree(seed):
         assert torch.equal(getattr(read, name), getattr(whole, name)), name
     assert torch.equal(read_ids, whole_ids)
     assert set(read.tokens[0, 1 : int(read.num_nodes[0])].tolist()) <= set(columns.tolist())
+    # A vocabulary smaller than topk is read whole: the same tree, level shapes and all.
+    few = columns[: topk - 1]
+    table[:, [c for c in range(V) if c not in set(few.tolist())]] = float("-inf")
+    whole, _ = build_dynamic_tree_on_device(_level_expand(table, []), 1, depth, topk, budget, torch.device("cpu"))
+    read, _ = build_dynamic_tree_on_device(_level_expand(table, []), 1, depth, topk, budget, torch.device("cpu"), columns=few)
+    assert all(torch.equal(getattr(read, name), getattr(whole, name)) for name in ("tokens", "parents", "depths", "num_nodes"))
 
 
 def test_dynamic_tree_on_device_level_shapes_are_fixed():
