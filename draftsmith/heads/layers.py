@@ -425,8 +425,9 @@ def attend_cached(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
     precision (``attend`` keeps the weights in fp32). The H query heads fold into Hkv groups of
     G = H / Hkv heads, each group's queries one after another, so each key/value head is read as it
     is (no copy G times over) and the attention keeps a kernel that takes a mask. Returns [1,H,P,Dh]
-    as a view of a [1,P,H,Dh] tensor, which ``Attention.output`` reads without another copy
-    (whatever layout the kernel wrote: CUDA's memory-efficient one writes [B,P',Hkv,Dh])."""
+    whatever layout the kernel wrote (CUDA's memory-efficient one writes [B,P',Hkv,Dh] storage),
+    brought to the heads' order with at most one copy, after which ``Attention.output`` needs none
+    (or, where no copy was needed here, makes its own one)."""
     B, H, P, Dh = q.shape
     Hkv = k.shape[1]
     G = H // Hkv

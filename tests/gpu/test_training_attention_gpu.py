@@ -58,3 +58,22 @@ def test_training_attention_gives_attends_loss_and_gradients(monkeypatch, kind, 
     for name in grads:
         scale = ref_grads[name].abs().max().clamp_min(1e-8)
         torch.testing.assert_close(grads[name] / scale, ref_grads[name] / scale, **tol, msg=f"{kind} {how}: {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,Hkv,P", [(8, 2, 4), (8, 2, 1), (4, 4, 3)])
+def test_drafting_attention_on_cuda_is_attend(dtype, H, Hkv, P):
+    """attend_cached (drafting's attention: torch's fused kernel, the grouped heads folded into the
+    queries) against attend on CUDA, with a mask hiding a random half of the cache (every row sees
+    itself): equal to fp32 rounding, or bf16's."""
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    S = 70  # not a multiple of the kernel's alignment: the mask is padded inside
+    q = torch.randn(1, H, P, 64, generator=g, device=DEVICE)
+    k, v = (torch.randn(1, Hkv, S, 64, generator=g, device=DEVICE) for _ in range(2))
+    visible = torch.rand(P, S, generator=g, device=DEVICE) > 0.5
+    visible[:, S - P :] |= torch.eye(P, dtype=torch.bool, device=DEVICE)
+    want = layers.attend(q.double(), k.double(), v.double(), visible.view(1, 1, P, S))
+    got = layers.attend_cached(q.to(dtype), k.to(dtype), v.to(dtype), visible)
+    assert got.shape == (1, H, P, 64) and got.dtype == dtype
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)

@@ -661,8 +661,8 @@ def test_drafting_attention_equals_attend():
 def test_drafting_attention_takes_the_layout_cudas_kernel_writes(monkeypatch):
     """On CUDA the memory-efficient attention kernel (the one that takes a mask) returns [B,M,H,K]
     storage seen as [B,H,M,K]; with grouped-query heads a plain view of it cannot merge the groups
-    (it raised on CUDA). attend_cached gives the same result from that layout, and the attention
-    output reads it with no further copy."""
+    (it raised on CUDA). attend_cached gives the same result from that layout, and brings it to the
+    heads' order in one copy, after which the attention output needs none."""
     import torch.nn.functional as F
 
     from draftsmith.heads import layers
