@@ -32,14 +32,16 @@ summed over the step's replays; and the same for a plain step (the target alone 
 cache, one token a forward), so that their ratio says how much more a speculative step gives the
 GPU to run, apart from launches. It counts what the CPU's traces hold: where CUDA fuses an operation
 the CPU decomposes (or the other way round) the counts differ from a GPU's (rms_norm is six here,
-one kernel on CUDA; the target's graph holds the torch reference verification, about 54 kernels
-greedy and 1,181 sampled at a 26-node tree, where CUDA runs the fused kernel); and a kernel's cost
-grows with its work, which a count leaves out (at a large shape the weights read set the time).
+one kernel on CUDA; the target's graph holds the torch reference verification where CUDA runs
+the fused kernel: about 54 kernels greedy and 1,181 sampled, counted once around
+``runtime.static.verified_in_graph`` at a 26-node tree and 512 tokens); and a kernel's cost grows
+with its work, which a count leaves out (at a large shape the weights read set the time).
 
 ``--temperatures`` above 0 decode with lossless sampling: the drafter draws its children (on the
-device on the static cache: ``draftsmith.sampling.DeviceDraws``) and the verification runs after
-the target's graph, here the torch reference, counted apart as above (on CUDA the fused kernel:
-a draw of uniforms and its launches).
+device on the static cache: ``draftsmith.sampling.DeviceDraws``) and the verification runs inside
+the target's graph as the greedy one does (since the eleventh session: the uniforms drawn first,
+an input of the graph), here the torch reference, on CUDA the fused kernel. Under ``--graphs
+left-out`` it runs outside and is counted apart, as above.
 """
 
 from __future__ import annotations

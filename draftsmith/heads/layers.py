@@ -420,9 +420,10 @@ def training_block_mask(mask_mod, allowed: Tensor, KV: int, own_keys: Optional[T
 def attend_cached(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
     """Drafting's attention over a cache: q [1,H,P,Dh] over k, v [1,Hkv,S,Dh], visible [P,S] bool
     (every row sees at least itself). ``attend``'s result through torch's scaled dot product
-    attention: one fused kernel on CUDA where ``attend`` writes out about a dozen (in a drafting
-    graph, a dozen nodes a level); in fp32 and fp64 equal to rounding, in bf16 at the kernel's own
-    precision (``attend`` keeps the weights in fp32). The H query heads fold into Hkv groups of
+    attention: its fused kernel and a few small ones (the queries' and the mask's copies, the mask's
+    conversion) where ``attend`` writes out nine operations in fp32 and more in bf16, casting the
+    keys and values; in fp32 and fp64 equal to rounding, in bf16 at the kernel's own precision
+    (``attend`` keeps the weights in fp32). The H query heads fold into Hkv groups of
     G = H / Hkv heads, each group's queries one after another, so each key/value head is read as it
     is (no copy G times over) and the attention keeps a kernel that takes a mask. Returns [1,H,P,Dh]
     whatever layout the kernel wrote (CUDA's memory-efficient one writes [B,P',Hkv,Dh] storage),

@@ -613,7 +613,7 @@ def test_the_rotary_frequencies_stay_float64_when_the_head_is_cast():
         assert torch.equal(got[0], cos) and torch.equal(got[1], sin)
     head = HEADS["eagle"](EagleConfig(), target.dims).bfloat16()
     assert head.rotary.frequencies.dtype == torch.float64
-    # A move that changes nothing keeps the buffer itself: a captured graph goes on reading it.
+    # A move that changes nothing, or a cast, keeps the tensor itself: a captured graph goes on reading it.
     kept = head.rotary.frequencies
     assert head.to("cpu").rotary.frequencies is kept and head.to(torch.bfloat16).rotary.frequencies is kept and head.float().rotary.frequencies is kept
     assert head.to("meta").rotary.frequencies.device.type == "meta"  # a move moves them
