@@ -361,11 +361,26 @@ def test_bench_eager_ops_counts_what_cuda_would_launch_eagerly(tmp_path):
                 # The target's tree forward with its verification, and the drafter's graph: replayed every step.
                 assert r["reference_verification_per_step"] == 0 and lines[bench.REPLAY] >= 2
                 assert not any("__init__" in line for line in lines)  # nothing captured while counting
+                # The kernels inside them: the target's (a plain step's and the tree's verification) and the drafter's.
+                assert 0 < r["plain_step_kernels"] < r["kernels_replayed_per_step"], r
             else:
                 assert r["reference_verification_per_step"] > 0 and bench.REPLAY not in lines
+                assert r["kernels_replayed_per_step"] is None  # no graphs, nothing replayed
+    assert "| - |" in (tmp_path / "ops-left-out.md").read_text()
     assert 0 < counts["left-out"]["eagle3"] < counts["left-out"]["dflash"]
     assert counts["simulated"]["dflash"] < counts["left-out"]["dflash"]
     assert all(0 < n < 60 for n in counts["simulated"].values()), counts
+
+
+def test_bench_eager_ops_counts_the_kernels_of_a_trace_not_its_views():
+    """trace_kernels, the kernels column: a multiplication and an addition are two kernels; the
+    views, the slices and a bare allocation between them none."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    bench = load_script("scripts/bench_eager_ops.py")
+    trace = make_fx(lambda x: (x * 2).view(-1)[1:3] + torch.empty_like(x).view(-1)[:2].unsqueeze(0).squeeze(0))(torch.ones(2, 2))
+    assert bench.trace_kernels(trace) == 2
 
 
 def test_bench_eager_ops_counts_sampled_steps(tmp_path):
