@@ -470,11 +470,8 @@ class LevelSession(HeadSession):
             states = None
         else:
             nodes, previous = self._previous
-            # Each node's parent is one of the last level's nodes: its row there (the builder's, where it says).
-            rows = frontier.parent_rows
-            if rows is None:
-                rows = (frontier.parents.unsqueeze(1) == nodes.unsqueeze(0)).int().argmax(dim=1)
-            states = previous[rows]
+            # Each node's parent is one of the last level's nodes: its row there.
+            states = previous[frontier.rows_in(nodes)]
         states, logits = self._level(frontier.level, states, frontier.tokens)
         self._previous = (frontier.nodes, states)
         return logits

@@ -395,10 +395,8 @@ class EagleSession(BufferedSession):
             return level, self.head.logits(root_out, self.lm_head)
         nodes, outputs, seen = previous
         width = frontier.nodes.shape[0]
-        # Each node's parent is one of the last level's nodes: its row there (the builder's, where it says).
-        rows = frontier.parent_rows
-        if rows is None:
-            rows = (frontier.parents.unsqueeze(1) == nodes.unsqueeze(0)).int().argmax(dim=1)
+        # Each node's parent is one of the last level's nodes: its row there.
+        rows = frontier.rows_in(nodes)
         seen = torch.cat([seen[rows], torch.eye(width, dtype=torch.bool, device=seen.device)], dim=1)
         out = forward(outputs[rows].unsqueeze(0), frontier.tokens.unsqueeze(0), seen)
         return (frontier.nodes, out[0], seen), self.head.logits(out[0], self.lm_head)

@@ -56,9 +56,7 @@ class RMSNorm(nn.Module):
         # kernel on CUDA (torch >= 2.9) where the formula written out is six, each a launch or a graph node. It
         # computes half-precision inputs in fp32 itself; inputs and weights of two precisions (bf16
         # activations under autocast) it would not fuse, so those are brought to one first.
-        if x.dtype == self.weight.dtype:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps).to(x.dtype)
-        dtype = torch.promote_types(x.dtype, torch.float32)
+        dtype = x.dtype if x.dtype == self.weight.dtype else torch.promote_types(x.dtype, torch.float32)
         return F.rms_norm(x.to(dtype), self.weight.shape, self.weight.to(dtype), self.eps).to(x.dtype)
 
 

@@ -578,9 +578,7 @@ class StaticSession:
                 return rank(root_logits.unsqueeze(0))
             width, done = frontier.nodes.shape[0], (frontier.level - 2) * k
             # Each node's parent is one of the last level's nodes: it sees what its parent saw, and itself.
-            parent_rows = frontier.parent_rows
-            if parent_rows is None:
-                parent_rows = (frontier.parents.unsqueeze(1) == level["nodes"].unsqueeze(0)).int().argmax(dim=1)
+            parent_rows = frontier.rows_in(level["nodes"])
             seen = torch.cat([level["seen"][parent_rows], torch.eye(width, dtype=torch.bool, device=self.device)], dim=1)
             entries = done + torch.arange(width, device=self.device)
             visible = (self.columns < base).expand(width, -1).clone()

@@ -598,6 +598,13 @@ class LevelFrontier:
     tokens: Tensor
     parent_rows: Optional[Tensor] = None
 
+    def rows_in(self, before: Tensor) -> Tensor:
+        """Each node's parent's row among ``before`` [F'] (the level before's node ids):
+        ``parent_rows`` where the builder gave them, else found by comparing ids."""
+        if self.parent_rows is not None:
+            return self.parent_rows
+        return (self.parents.unsqueeze(1) == before.unsqueeze(0)).int().argmax(dim=1)
+
 
 def _expanded(expand: Callable[[LevelFrontier], Tensor], frontier: LevelFrontier) -> Tensor:
     """``expand(frontier)``, checked to give one row per frontier node."""
