@@ -221,12 +221,13 @@ def spec_on_device(spec: TreeSpec, device) -> tuple[Tensor, Tensor, Tensor]:
 @dataclass(frozen=True)
 class _Level:
     """One level of a static tree grown on the device, as index tensors: the frontier (its spec
-    nodes with children and their parents), and per child drafted there its frontier row, its rank
-    (greedy: the rank-th most likely token) and its order among its siblings (sampled: the order-th
-    draw); the widest rank and the most siblings."""
+    nodes with children, their parents, and each parent's row in the level before), and per child
+    drafted there its frontier row, its rank (greedy: the rank-th most likely token) and its order
+    among its siblings (sampled: the order-th draw); the widest rank and the most siblings."""
 
     nodes: Tensor
     parents: Tensor
+    parent_rows: Tensor  # [F]: each node's parent's index among the level before's nodes (0 at level 1)
     draw_rows: Tensor  # each frontier node's row of DeviceDraws.uniforms
     kids: Tensor
     rows: Tensor
@@ -245,17 +246,19 @@ def _levels(spec: TreeSpec, device) -> list[_Level]:
     if key not in _LEVELS:
         long = dict(dtype=torch.long, device=device)
         drafting = [n for n in range(spec.num_nodes) if spec.children(n)]
-        levels = []
+        levels, before = [], [-1]
         for depth in range(spec.max_depth):
             frontier = [n for n in drafting if spec.depths[n] == depth]
             kids = [(row, order, k) for row, n in enumerate(frontier) for order, k in enumerate(spec.children(n))]
+            parents = [spec.parents[n] for n in frontier]  # each drafts, so it is in the level before
             levels.append(_Level(
                 *(torch.tensor(x, **long) for x in (
-                    frontier, [spec.parents[n] for n in frontier], [drafting.index(n) for n in frontier], [k for *_, k in kids],
+                    frontier, parents, [before.index(p) for p in parents], [drafting.index(n) for n in frontier], [k for *_, k in kids],
                     [row for row, *_ in kids], [spec.ranks[k] for *_, k in kids], [order for _, order, _ in kids],
                 )),
                 widest=max(spec.ranks[k] for *_, k in kids) + 1, most=max(order for _, order, _ in kids) + 1,
             ))  # fmt: skip
+            before = frontier
         _LEVELS[key] = levels
     return _LEVELS[key]
 
@@ -341,7 +344,7 @@ def grow_static_tree_on_device(
         tokens = torch.full((spec.num_nodes,), int(root), dtype=torch.long, device=device)
     draft_probs = None
     for number, level in enumerate(_levels(spec, device), start=1):
-        logits = level_logits(LevelFrontier(number, level.nodes, level.parents, tokens[level.nodes]))
+        logits = level_logits(LevelFrontier(number, level.nodes, level.parents, tokens[level.nodes], level.parent_rows))
         if number == 1 and not _fits(spec, logits.shape[-1], draws is not None):
             return None
         if draws is None:

@@ -589,7 +589,8 @@ class LevelFrontier:
     root); ``tokens`` [F]. In a dynamic tree F is always ``topk`` from level 2 on: where fewer nodes
     are worth expanding, the rest are nodes of score -inf, whose children are never kept.
     ``parent_rows`` [F] or None: each node's parent's row in the level before (its index among that
-    level's ``nodes``), where the builder knows it (build_dynamic_tree_on_device).
+    level's ``nodes``), where the builder knows it (build_dynamic_tree_on_device, and
+    grow_static_tree_on_device from the spec).
     """
 
     level: int

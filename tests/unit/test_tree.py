@@ -314,8 +314,10 @@ def test_a_static_tree_grown_on_the_device_is_the_host_tree():
         return torch.stack(rows)
 
     tokens_of = {}  # the device version's tokens per spec node, kept to rebuild each path
+    levels = []
 
     def device_logits(level: LevelFrontier):
+        levels.append(level)
         rows = []
         for node, parent, token in zip(level.nodes.tolist(), level.parents.tolist(), level.tokens.tolist()):
             tokens_of[node] = token
@@ -330,9 +332,26 @@ def test_a_static_tree_grown_on_the_device_is_the_host_tree():
     device = grow_static_tree_on_device(spec, 4, device_logits, torch.device("cpu"))
     assert device.tokens.tolist() == host.tokens.tolist() and device.parents.tolist() == host.parents.tolist()
     assert device.max_depth == host.max_depth == 4
+    # Each level names its nodes' parents' rows in the level before.
+    assert len(levels) == 4 and all(before.nodes[level.parent_rows].tolist() == level.parents.tolist() for before, level in zip(levels, levels[1:]))
     calls = []
     assert grow_static_tree_on_device(TreeSpec.from_choices([(0,), (12,)]), 4, lambda f: calls.append(f) or torch.zeros(1, V), torch.device("cpu")) is None
     assert len(calls) == 1  # only the root's logits were asked for
+
+
+def test_a_static_trees_levels_name_their_parents_rows_as_comparing_ids_finds_them():
+    """A branching spec: level 3's nodes have parents at rows 0, 1, 1 of level 2 (a mutant giving
+    every node row 0, as a one-node level would, fails)."""
+    from draftsmith.runtime.drafters import grow_static_tree_on_device
+
+    spec = TreeSpec.from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1), (0, 0, 0), (1, 1, 0), (1, 0, 0)])
+    levels = []
+    grow_static_tree_on_device(spec, 4, lambda level: levels.append(level) or torch.randn(level.nodes.shape[0], 9), torch.device("cpu"))
+    assert [level.parent_rows.tolist() for level in levels] == [[0], [0, 0], [0, 1, 1]]
+    for before, level in zip(levels, levels[1:]):
+        by_ids = LevelFrontier(level.level, level.nodes, level.parents, level.tokens).rows_in(before.nodes)
+        assert level.rows_in(before.nodes).tolist() == by_ids.tolist()
+        assert before.nodes[level.parent_rows].tolist() == level.parents.tolist()
 
 
 @pytest.mark.parametrize("seed", range(6))
