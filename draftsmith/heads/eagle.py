@@ -175,11 +175,12 @@ class EagleHead(DraftHead):
     def top_tokens(self, features: TargetFeatures, k: int) -> Tensor:
         """[B,T,K,k] step by step: never all steps' [B,T,V] logits at once."""
         outputs, _ = self.unroll(features, self.depth)
-        picks = []
-        for a in outputs:
-            logits = self.logits(a, features.lm_head)
-            picks.append(logits.topk(min(k, logits.shape[-1]), dim=-1).indices)
-        return torch.stack(picks, dim=-2)
+        return torch.stack([self.ranked(a, features.lm_head, k) for a in outputs], dim=-2)
+
+    def ranked(self, output: Tensor, lm_head, k: int) -> Tensor:
+        """The k most likely target ids [...,k] after a step's ``output``, best first."""
+        logits = self.logits(output, lm_head)
+        return logits.topk(min(k, logits.shape[-1]), dim=-1).indices
 
     def teacher_probs(self, features: TargetFeatures, s: int, rows: Tensor) -> Tensor:
         """The target's own distribution over x_{t+1+s} at rows [B,T]: its logits at position t + s."""
