@@ -185,6 +185,9 @@ class Trainer:
         self.restore(state)
         self.metrics.truncate_after(int(state["step"]))
         log(f"resumed from {self.resume_from} at {state['step']}")
+        changed = engine.apply_optimizer_settings(self.scheduler, self.recipe.train)
+        if changed:
+            log(f"the recipe changed the optimizer since that checkpoint: {'; '.join(changed)} from here on (its Adam moments are kept)")
         return state
 
     # Whether the loop's position is ``step`` against train.max_steps (the online trainer counts

@@ -290,6 +290,31 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train))
 
 
+def apply_optimizer_settings(scheduler, train: TrainConfig) -> list[str]:
+    """After a resume: a checkpoint brings back the optimizer's settings with its state (AdamW's
+    moments, which stay), so a recipe that changed train.lr, weight_decay or the Adam betas since
+    would go unheard. Sets the recipe's values (the learning rate at the step reached, as the
+    schedule gives it) and returns what changed, "train.lr 0.01 -> 0.5", for the run to say."""
+    changed = []
+    groups = scheduler.optimizer.param_groups
+    if any(base != train.lr for base in scheduler.base_lrs):
+        changed.append(f"train.lr {scheduler.base_lrs[0]:g} -> {train.lr:g}")
+        scheduler.base_lrs = [train.lr] * len(groups)
+        for group in groups:
+            group["initial_lr"] = train.lr
+            group["lr"] = train.lr * lr_factor(scheduler.last_epoch, train)
+        scheduler._last_lr = [group["lr"] for group in groups]
+    for key, value in {"weight_decay": train.weight_decay, "betas": (train.adam_beta1, train.adam_beta2)}.items():
+        old = groups[0].get(key)
+        old = tuple(old) if isinstance(old, (list, tuple)) else old
+        if old is None or old == value:
+            continue
+        changed.append(f"{'train.adam_beta1, adam_beta2' if key == 'betas' else 'train.' + key} {old} -> {value}")
+        for group in groups:
+            group[key] = value
+    return changed
+
+
 def any_rank(accelerator, flag: bool) -> bool:
     """True on every rank when `flag` is true on any rank, so all ranks stop at the same step."""
     if accelerator.num_processes == 1:

@@ -157,9 +157,12 @@ def run_loop(trainer, schedule: Schedule, start: int, desc: str) -> tuple[dict, 
             if crossed(before, position, schedule.save_every) or done or stopping:
                 trainer.save()
             if stopping:
+                names = [name for name in gather_objects(acc, stop.signal_name) if name]
+                if done:  # the schedule ended with this save: a finished run, not a stopped one
+                    log(f"{names[0] if names else 'SIGINT'} arrived as the last {schedule.unit} ended: the run is complete. Checkpoint: {trainer.last_checkpoint}")
+                    break
                 # The command line exits 130 (SIGINT) or 143 (SIGTERM) after this save, on every
                 # rank alike, whichever rank the signal reached.
-                names = [name for name in gather_objects(acc, stop.signal_name) if name]
                 trainer.stopped_by = names[0] if names else "SIGINT"
                 log(f"stopped at {schedule.unit} {position}; resume with the same command. Checkpoint: {trainer.last_checkpoint}")
                 break

@@ -78,6 +78,35 @@ def test_sigterm_then_resume_reproduces_uninterrupted_losses(tmp_path, tiny_llam
         assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
 
 
+def test_a_signal_at_the_last_step_leaves_a_finished_run(tmp_path, tiny_llama_dir, capsys):
+    """SIGTERM as the last step ends (its evaluation and save still run): the run is complete, not
+    stopped, so the command line exits 0 and `train && export` exports it."""
+    recipe = heads_recipe(tmp_path, tiny_llama_dir, "last", "train.max_steps=4", "train.save_every=100", "train.eval_every=100")
+    trainer, summary, _ = run_trainer(recipe, interrupt_at=4)
+    assert summary["step"] == 4 and getattr(trainer, "stopped_by", None) is None
+    assert [c.name for c in list_checkpoints(recipe.output_dir)] == ["step-000004"]
+    assert "SIGTERM arrived as the last step ended: the run is complete" in capsys.readouterr().out
+
+
+def test_a_resume_follows_a_changed_learning_rate_and_says_so(tmp_path, tiny_llama_dir, capsys):
+    """The checkpoint brings back its optimizer's settings; train.lr and weight_decay changed in the
+    recipe since hold from the resumed step on (the schedule's factor kept), and the run says so."""
+    first = heads_recipe(tmp_path, tiny_llama_dir, "lr", "train.max_steps=4", "train.lr_schedule=linear", "train.min_lr_ratio=0.5")
+    run_trainer(first)
+    before = logged(Path(first.output_dir), key="lr")
+    capsys.readouterr()
+    again = heads_recipe(tmp_path, tiny_llama_dir, "lr", "train.max_steps=6", "train.lr_schedule=linear", "train.min_lr_ratio=0.5", "train.lr=0.5",
+                         "train.weight_decay=0.3")  # fmt: skip
+    trainer, _, _ = run_trainer(again)
+    lrs = logged(Path(again.output_dir), key="lr")
+    assert all(lrs[step] == before[step] for step in range(1, 5))
+    # Linear from 1 to 0.5 over the 4 steps after 2 of warm-up: factors 0.625 and 0.5 after steps 5 and 6.
+    assert lrs[5] == pytest.approx(0.5 * 0.625) and lrs[6] == pytest.approx(0.5 * 0.5)
+    assert trainer.scheduler.optimizer.param_groups[0]["weight_decay"] == 0.3
+    out = capsys.readouterr().out
+    assert "train.lr 0.01 -> 0.5" in out and "train.weight_decay 0.0 -> 0.3" in out, out
+
+
 def test_resume_never_refuses_to_overwrite(tmp_path, tiny_llama_dir):
     recipe = heads_recipe(tmp_path, tiny_llama_dir, "once", "train.max_steps=2", "train.save_every=1")
     run_trainer(recipe)
