@@ -189,6 +189,21 @@ class AcceptanceStats:
         return _ratio(tps, base) if tps is not None and base is not None else None
 
     @property
+    def timing_note(self) -> str | None:
+        """A warning where the wall clock contradicts the counts: a speculative step costs at least
+        a target forward, so the speedup cannot pass the tokens made per target forward by more
+        than timing noise (10 %); past that, something else used the machine during one of the two
+        timings. None otherwise. The acceptance figures, which are counts, stand either way."""
+        speedup, made = self.speedup, self.tokens_per_target_forward
+        if speedup is None or made is None or speedup <= 1.1 * made:
+            return None
+        return (
+            f"the speedup {speedup:.2f}x exceeds the {made:.3f} tokens made per target forward, which no speculative step can "
+            "beat: the timings were disturbed (other processes on the machine, or more threads than cores: set OMP_NUM_THREADS); "
+            "rerun on a quiet machine for the speed figures"
+        )
+
+    @property
     def assisted_tokens_per_second(self) -> float | None:
         """Throughput of the reference speculative implementation."""
         return _ratio(self.assisted_tokens, self.assisted_seconds)
@@ -232,6 +247,7 @@ class AcceptanceStats:
             "baseline_tokens_per_second": self.baseline_tokens_per_second,
             "speedup": self.speedup,
             "speedup_ci95": self.speedup_interval(),
+            "timing_note": self.timing_note,
             "tokens_per_target_forward": self.tokens_per_target_forward,
             "steps": self.steps,
             "accepted_tokens": self.accepted_tokens,

@@ -140,6 +140,8 @@ def _markdown(report: dict[str, Any], meta: dict[str, Any], stats: AcceptanceSta
     lines += ["| metric | value |", "| --- | ---: |"]
     lines += [f"| {name} | {_fmt(value)} |" for name, value in rows]
     lines.append("")
+    if report.get("timing_note"):
+        lines += [f"**Warning:** {report['timing_note']}.", ""]
 
     if stats.depth_attempts:
         lines += [

@@ -260,3 +260,25 @@ def test_a_list_of_records_is_a_table_of_its_own(tmp_path):
     markdown = (tmp_path / "report.md").read_text()
     assert "## exit_sweep\n\n| exit_layer | speedup |\n| --- | --- |\n| 2 | 1.250 |\n| 4 | 0.500 |" in markdown
     assert "{'exit_layer'" not in markdown and json.loads((tmp_path / "report.json").read_text())["exit_sweep"] == rows
+
+
+def test_a_speedup_past_the_tokens_per_forward_is_flagged_as_disturbed_timing(tmp_path):
+    """Nothing accepted (one token a target forward) yet twice as fast as the target alone: the
+    walk-through's loaded machine. The report says the timings were disturbed; a speedup within
+    10 % of what the counts allow gets no such note."""
+
+    def stats_at(fast: float) -> AcceptanceStats:
+        stats = AcceptanceStats()
+        for _ in range(8):
+            stats.add_step(0, 3)
+        stats.add_generation(new_tokens=8, seconds=fast, target_forwards=8)
+        stats.add_baseline(new_tokens=8, seconds=2.0)
+        return stats
+
+    report = write_report(stats_at(1.0), tmp_path / "loaded", META)
+    assert report["speedup"] == pytest.approx(2.0) and report["tokens_per_target_forward"] == 1.0
+    assert "exceeds the 1.000 tokens made per target forward" in report["timing_note"]
+    assert "**Warning:** the speedup 2.00x exceeds" in (tmp_path / "loaded" / "report.md").read_text()
+    quiet = write_report(stats_at(1.9), tmp_path / "quiet", META)
+    assert quiet["speedup"] == pytest.approx(2.0 / 1.9) and quiet["timing_note"] is None
+    assert "Warning" not in (tmp_path / "quiet" / "report.md").read_text()
