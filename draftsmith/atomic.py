@@ -248,14 +248,16 @@ def previous_report(folder: Union[str, Path]) -> bool:
 
 
 def check_destination(
-    out: Union[str, Path], inputs=(), overwrite: bool = False, owned=previous_output, flag: str = "--overwrite", around=()
+    out: Union[str, Path], inputs=(), overwrite: bool = False, owned=previous_output, flag: str = "--overwrite", around=(), keep=None
 ) -> None:
     """Refuse, before any work, to write `out` where that would delete what the user did not ask
     to replace: `out` must neither contain nor lie inside one of `inputs` (the folders a command
     reads), must not contain one of `around` (a folder it may write into, such as a run folder),
     and an existing non-empty folder must be a previous output of the same command (`owned`) or be
-    given with `flag` (None: a command without such an option). DestinationError, one line,
-    otherwise; then the OSError that writing there would meet (check_writable)."""
+    given with `flag` (None: a command without such an option); what `keep(out)` describes (work
+    no flag replaces, such as a training run: runs.work_in) is refused even with `flag`.
+    DestinationError, one line, otherwise; then the OSError that writing there would meet
+    (check_writable)."""
     out = Path(out)
     where = out.resolve()
     for source, inside_ok in [*((p, False) for p in inputs), *((p, True) for p in around)]:
@@ -271,6 +273,12 @@ def check_destination(
             # cannot be renamed over ("Device or resource busy" after all the work).
             raise DestinationError(f"{out} is a mount point, which draftsmith cannot replace: write into a folder inside it (e.g. {out / 'out'})")
         entries = sorted(p.name for p in out.iterdir())
+        work = keep(out) if entries and keep is not None and not owned(out) else None
+        if work:
+            raise DestinationError(
+                f"{out} is {work}, which draftsmith never replaces" + (f", not even with {flag}" if flag else "")
+                + ": choose another destination (or delete it yourself if it is no longer wanted)"
+            )
         if entries and not owned(out) and not overwrite:
             what = "another draftsmith command's output (an export, or an eval report)" if previous_output(out) else "files draftsmith did not write there"
             raise DestinationError(

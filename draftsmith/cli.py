@@ -128,7 +128,7 @@ def check_data_dir(folder: Path) -> None:
     refuse a folder that holds anything else, the user's files, a training run's folder or an
     export (absent, empty, an earlier data cache, or one serve-target logs into are fine)."""
     from draftsmith.atomic import MANIFEST_NAME
-    from draftsmith.runs import LOCK_NAME, RunFolderError
+    from draftsmith.runs import LOCK_NAME, RunFolderError, is_run_folder
 
     if not folder.exists():
         return
@@ -136,7 +136,7 @@ def check_data_dir(folder: Path) -> None:
         raise RunFolderError(f"data.cache_dir {folder} exists and is not a folder")
     # serve-target's log proves nothing either way: the other entries decide.
     entries = sorted(p.name for p in folder.iterdir() if p.name not in (SERVER_LOG, LOCK_NAME))
-    other = "a training run's folder (it holds checkpoints/)" if "checkpoints" in entries else "an export or a report (it holds its manifest)" if MANIFEST_NAME in entries else None
+    other = "a training run's folder" if is_run_folder(folder) else "an export or a report (it holds its manifest)" if MANIFEST_NAME in entries else None
     if other:
         raise RunFolderError(f"data.cache_dir {folder} is {other}, whose recipe.yaml and command.txt the data step would replace: choose an empty or new folder")
     command = folder / "command.txt"
@@ -391,6 +391,7 @@ def _load_drafter(args, exit_layer=None):
 
 def cmd_generate(args) -> int:
     from draftsmith.eval.run import generate_one, too_long
+    from draftsmith.runs import work_in
     from draftsmith.runtime.generate import cache_in_use, verification_kernel
 
     sampling = _sampling(args)
@@ -445,13 +446,14 @@ def cmd_eval(args) -> int:
     from draftsmith.eval.report import report_folder, write_report
     from draftsmith.eval.run import evaluate, fitting_prompts, load_prompts
     from draftsmith.packed import packed_layers
+    from draftsmith.runs import work_in
     from draftsmith.runtime.generate import cache_in_use, verification_kernel
 
     sampling = _sampling(args)
     # What eval reads (the drafter, the prompts file, a local target) is never written over, not
     # even with --overwrite; a report may go inside a run folder, as an export may.
     inputs, runs = eval_reads(args)
-    check_destination(args.out, inputs=inputs, around=runs, overwrite=args.overwrite, owned=report_folder)
+    check_destination(args.out, inputs=inputs, around=runs, overwrite=args.overwrite, owned=report_folder, keep=work_in)
     prompts = load_prompts(args.prompts, args.limit)
     if isinstance(args.exit_layer, list) or args.exit_layer == "sweep":
         from draftsmith.eval.early_exit import sweep_exit_layers
@@ -501,6 +503,8 @@ def cmd_eval(args) -> int:
     )
     if loaded.kind == "early_exit":
         print(f"exit layer {report['exit_layer']} ({report['exit_layer_chosen_by']})")
+    if report.get("timing_note"):
+        print(f"warning: {report['timing_note']}", file=sys.stderr)
     if report.get("greedy_identity_note"):
         print(f"note: greedy output identical to plain decoding on {report['greedy_identical_to_baseline']} prompts: {report['greedy_identity_note']}", file=sys.stderr)
     print(f"report: {Path(args.out).resolve()}/report.md (also report.json, report.png)")
@@ -698,7 +702,14 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in kept
     argv = [arg for arg in kept if arg != "--debug"]
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        # A recipe's files and overrides may sit on both sides of a flag (train a.yaml --device cpu
+        # k=v), as argparse alone does not allow; anything else left over is refused as before.
+        if extra and hasattr(args, "recipe") and not any(item.startswith("-") for item in extra):
+            args.recipe += extra
+        elif extra:
+            parser.parse_args(argv)
     except SystemExit as stop:  # --help, or a bad command line already said in one line
         return int(stop.code or 0)
     # What gets recorded beside outputs: this command as it was given (launcher flags dropped).

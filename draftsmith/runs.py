@@ -194,6 +194,45 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found[-1]
 
 
+def _command_of(folder: Path) -> list[str]:
+    """The first two words of the folder's command.txt (``draftsmith train``), or []."""
+    try:
+        return (folder / "command.txt").read_text(errors="replace").split()[:2]
+    except OSError:
+        return []
+
+
+def is_run_folder(folder: str | Path) -> bool:
+    """Whether `folder` is a training run: `draftsmith train` wrote its command.txt, or its
+    checkpoints/ holds a draftsmith checkpoint (a bare checkpoints/ folder, as other tools make
+    one, is not enough)."""
+    folder = Path(folder)
+    if _command_of(folder) == ["draftsmith", "train"]:
+        return True
+    root = checkpoint_root(folder)
+    return root.is_dir() and any(is_checkpoint(p) for p in root.glob(f"{CHECKPOINT_PREFIX}*"))
+
+
+def is_data_cache(folder: str | Path) -> bool:
+    """Whether `folder` is a data cache: `draftsmith prepare` wrote its command.txt, or it holds the
+    data step's files (tokenized examples, regenerated answers, a feature cache's index)."""
+    folder = Path(folder)
+    if _command_of(folder) == ["draftsmith", "prepare"]:
+        return True
+    return any(folder.glob("examples-*.pt")) or any(folder.glob("regenerated-*.jsonl")) or any(folder.glob("features*/index.json"))
+
+
+def work_in(folder: str | Path) -> Optional[str]:
+    """What draftsmith work `folder` holds that no command may replace, even when told to
+    overwrite: "a training run (its checkpoints)" or "a data cache (regenerated answers,
+    tokenized examples, features)"; None for anything else."""
+    if is_run_folder(folder):
+        return "a draftsmith training run (its checkpoints)"
+    if is_data_cache(folder):
+        return "a draftsmith data cache (regenerated answers, tokenized examples, features)"
+    return None
+
+
 # Beside a run's files (and a data cache's) while a process writes there: who holds the folder.
 LOCK_NAME = ".draftsmith.lock"
 

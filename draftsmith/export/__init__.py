@@ -17,6 +17,7 @@ from draftsmith.export import native, sglang, speculators, vllm
 from draftsmith.export.base import ExportError, ExportOptions
 from draftsmith.export.hub import push_folder
 from draftsmith.export.native import write_head_folder
+from draftsmith.runs import work_in
 
 FORMATS = {
     "draftsmith": native,
@@ -41,8 +42,12 @@ def export(
     if format not in FORMATS:
         raise ExportError(f"unknown export format '{format}'; one of: {', '.join(FORMATS)}")
     artifact = open_drafter(source)  # reads what the folder records; weights of a whole model load later
-    # An export may go inside a run folder (run/export), never around it or inside what is read.
-    check_destination(out, inputs=[artifact.folder], around=[source], overwrite=overwrite, owned=export_folder)
+    # An export may go inside a run folder (run/export), never around it or inside what is read,
+    # nor over the drafter's own target where that is a local folder; a training run or a data
+    # cache is never replaced, not even with overwrite.
+    target = artifact.target_source()[0]
+    inputs = [artifact.folder, *([Path(target)] if target and Path(target).is_dir() else [])]
+    check_destination(out, inputs=inputs, around=[source], overwrite=overwrite, owned=export_folder, keep=work_in)
     if isinstance(artifact, HeadArtifact) and artifact.head is None:
         raise ExportError(f"{source} is a {artifact.layout} folder written by another tool: export reads what draftsmith trained (a run, a checkpoint or a draftsmith export)")
     if not isinstance(artifact, HeadArtifact) and artifact.recipe is None:

@@ -23,7 +23,7 @@ from draftsmith.atomic import TMP_PREFIX, atomic_path, commit, full_disk_names, 
 from draftsmith.recipe import Recipe, save_resolved
 from draftsmith.runs import (
     CHECKPOINT_PREFIX, LOCK_NAME, STATE_FILE, WEIGHTS_NAME, FolderLock, RunFolderError, checkpoint_problem, checkpoint_root, hold_folder,
-    list_checkpoints, log, read_state,
+    is_data_cache, is_run_folder, list_checkpoints, log, read_state,
 )
 from draftsmith.trainers.engine import TrainingError, engine_info, full_state_dict, uses_deepspeed
 
@@ -107,13 +107,17 @@ def check_output_dir(output_dir: Path) -> None:
     if not output_dir.is_dir():
         raise RunFolderError(f"output_dir {output_dir} exists and is not a folder")
     entries = sorted(p.name for p in output_dir.iterdir() if p.name != LOCK_NAME)
-    command = output_dir / "command.txt"
-    is_run = (output_dir / "checkpoints").is_dir() or (command.is_file() and command.read_text(errors="replace").startswith("draftsmith"))
-    if entries and not is_run:
+    if not entries or is_run_folder(output_dir):
+        return
+    if is_data_cache(output_dir):
         raise RunFolderError(
-            f"output_dir {output_dir} holds files that are not a draftsmith run ({len(entries)} entries, e.g. {entries[0]!r}): "
-            "choose an empty or new folder"
+            f"output_dir {output_dir} is a draftsmith data cache, whose recipe.yaml and command.txt a run would replace: "
+            "choose an empty or new folder (the data cache stays data.cache_dir)"
         )
+    raise RunFolderError(
+        f"output_dir {output_dir} holds files that are not a draftsmith run ({len(entries)} entries, e.g. {entries[0]!r}): "
+        "choose an empty or new folder"
+    )
 
 
 def open_run(accelerator, output_dir: Path, resume: str) -> tuple[Optional[Path], Optional[FolderLock]]:

@@ -55,8 +55,13 @@ def world(tmp_path_factory, tiny_llama_dir):
     asked = root / "asked"  # a folder of the user's holding a prompts file
     asked.mkdir()
     shutil.copy(prompts, asked / "questions.jsonl")
+    lit = root / "lit"  # another tool's run, laid out with a checkpoints/ folder of its own
+    (lit / "checkpoints" / "step-000999").mkdir(parents=True)
+    (lit / "checkpoints" / "step-000999" / "weights.bin").write_bytes(b"\0" * 64)
+    (lit / "recipe.yaml").write_text("my experiment's recipe\n")
+    (lit / "metrics.jsonl").write_text('{"my": "metrics"}\n')
     return {"root": root, "recipe": root / "run.yaml", "run": root / "run", "export": root / "export", "report": root / "report", "user": user,
-            "prompts": prompts, "latin1": latin1, "model": tiny_llama_dir, "asked": asked}  # fmt: skip
+            "prompts": prompts, "latin1": latin1, "model": tiny_llama_dir, "asked": asked, "lit": lit, "data": root / "run" / "data"}  # fmt: skip
 
 
 def _prompts(root: Path) -> Path:
@@ -90,14 +95,20 @@ ROWS = NO_CUDA + [
     ("missing recipe", lambda w: ["train", str(w["root"] / "nope.yaml")], 2, ["nope.yaml"]),
     ("missing data file", lambda w: ["train", str(w["recipe"]), f"data.path={w['root'] / 'gone.jsonl'}", f"output_dir={w['root'] / 'r2'}"], 2, ["data.path: data file not found", "gone.jsonl"]),
     ("unknown recipe key", lambda w: ["train", str(w["recipe"]), "train.lrr=1e-3"], 2, ["train.lrr", "train.lr"]),
+    # Overrides after a flag still reach the recipe (argparse alone calls them unrecognized arguments).
+    ("unknown recipe key after --device", lambda w: ["train", str(w["recipe"]), "--device", "cpu", "train.lrr=1e-3"], 2, ["train.lrr", "train.lr"]),
     ("output_dir is the user's folder", lambda w: ["train", str(w["recipe"]), f"output_dir={w['user']}"], 2, ["mine", "not a draftsmith run"]),
+    # A checkpoints/ folder of another tool's does not make a draftsmith run; a data cache is none either.
+    ("output_dir is another tool's run", lambda w: ["train", str(w["recipe"]), f"output_dir={w['lit']}"], 2, ["lit", "not a draftsmith run"]),
+    ("output_dir is a data cache", lambda w: ["train", str(w["recipe"]), f"output_dir={w['data']}", f"data.cache_dir={w['root'] / 'd2'}"], 2, ["output_dir", "is a draftsmith data cache"]),
+    ("output_dir and data.cache_dir are one folder", lambda w: ["train", str(w["recipe"]), f"output_dir={w['root'] / 'same'}", f"data.cache_dir={w['root'] / 'same'}"], 2, ["'output_dir' and 'data.cache_dir'", "same folder"]),
     ("resume=never on a run", lambda w: ["train", str(w["recipe"]), "train.resume=never"], 2, ["already holds checkpoints"]),
     ("resume another head kind", lambda w: ["train", str(w["recipe"]), "head.kind=hydra", "train.max_steps=3"], 2, ["head.kind", "hydra", "medusa"]),
     ("resume a reshaped head", lambda w: ["train", str(w["recipe"]), "head.num_heads=3", "train.max_steps=3"], 2, ["does not fit", "head"]),
     ("data cache in the user's folder", lambda w: ["prepare", str(w["recipe"]), f"data.cache_dir={w['user']}"], 2, ["data.cache_dir", "not a draftsmith data cache"]),
     ("train's data cache in the user's folder", lambda w: ["train", str(w["recipe"]), f"data.cache_dir={w['user']}"], 2, ["data.cache_dir", "not a draftsmith data cache"]),
     # A run's recipe.yaml and command.txt are its record; an export's files are what the user ships.
-    ("the data cache in a run folder", lambda w: ["prepare", str(w["recipe"]), f"data.cache_dir={w['run']}"], 2, ["data.cache_dir", "training run's folder"]),
+    ("the data cache in a run folder", lambda w: ["prepare", str(w["recipe"]), f"data.cache_dir={w['run']}", f"output_dir={w['root'] / 'r9'}"], 2, ["data.cache_dir", "training run's folder"]),
     ("train's data cache in an export", lambda w: ["train", str(w["recipe"]), f"data.cache_dir={w['export']}"], 2, ["data.cache_dir", "an export or a report"]),
     # eval and export each replace only their own earlier output, never the other's.
     ("eval --out over an export", lambda w: ["eval", "--drafter", str(w["run"]), "--prompts", str(w["prompts"]), "--out", str(w["export"])], 2, ["another draftsmith command's output", "--overwrite"]),
@@ -106,6 +117,10 @@ ROWS = NO_CUDA + [
     ("eval --out inside the export it reads", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--out", str(w["export"] / "report")], 2, ["is inside the input", "write somewhere else"]),
     ("eval --out around its prompts", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["asked"] / "questions.jsonl"), "--out", str(w["asked"]), "--overwrite"], 2, ["contains the input", "questions.jsonl"]),
     ("export --out over an eval report", lambda w: ["export", str(w["run"]), "--out", str(w["report"])], 2, ["another draftsmith command's output", "--overwrite"]),
+    # A training run, a data cache and the drafter's own target are never replaced, --overwrite or not.
+    ("eval --out over a training run", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--out", str(w["run"]), "--overwrite"], 2, ["training run", "not even with --overwrite"]),
+    ("export --out over a data cache", lambda w: ["export", str(w["run"]), "--out", str(w["data"]), "--overwrite"], 2, ["data cache", "not even with --overwrite"]),
+    ("export --out over its target", lambda w: ["export", str(w["run"]), "--out", str(w["model"]), "--overwrite"], 2, ["is the input", "write somewhere else"]),
     ("a mistyped built-in drafter", lambda w: ["generate", "--drafter", "sufix", "--prompt", "hi"], 2, ["sufix", "did you mean 'suffix'", "built-in name"]),
     # argparse names a missing required flag before an unknown one: the mistyped flag comes first.
     ("a mistyped flag beside a required one", lambda w: ["generate", "--drafter", "suffix", "--promt", "hi"], 2, ["unrecognized arguments: --promt", "did you mean --prompt?"]),
@@ -179,7 +194,7 @@ def _unknown_kind(folder: Path) -> None:
 @pytest.mark.parametrize("name, argv, code, words", ROWS, ids=[row[0] for row in ROWS])
 def test_bad_input_is_one_line_with_its_exit_code_and_loses_nothing(world, capsys, monkeypatch, name, argv, code, words):
     monkeypatch.setenv("DRAFTSMITH_VLLM_VENV", str(world["root"] / "no-venv"))
-    before = {key: snapshot(world[key]) for key in ("user", "run", "export", "report")}
+    before = {key: snapshot(world[key]) for key in ("user", "run", "export", "report", "lit", "model")}
     args = argv(world)
     capsys.readouterr()
     started = time.monotonic()
@@ -199,6 +214,8 @@ def test_the_user_folder_survives_every_row(world):
     assert (world["user"] / "recipe.yaml").read_text() == "my own recipe, not draftsmith's\n"
     assert (world["asked"] / "questions.jsonl").read_bytes() == world["prompts"].read_bytes()
     assert list_checkpoints(world["run"]), "the run eval was pointed at lost its checkpoints"
+    assert (world["lit"] / "recipe.yaml").read_text() == "my experiment's recipe\n"
+    assert (world["data"] / "recipe.yaml").exists() is False and any(world["data"].glob("examples-*.pt"))
 
 
 def _silent_server() -> tuple[socket.socket, str]:
