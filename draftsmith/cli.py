@@ -390,7 +390,7 @@ def _load_drafter(args, exit_layer=None):
 
 
 def cmd_generate(args) -> int:
-    from draftsmith.eval.run import generate_one, too_long
+    from draftsmith.eval.run import context_length, generate_one, too_long
     from draftsmith.runs import work_in
     from draftsmith.runtime.generate import cache_in_use, verification_kernel
 
@@ -407,10 +407,19 @@ def cmd_generate(args) -> int:
     messages = [{"role": "user", "content": args.prompt}]
     long = too_long(loaded, messages, args.max_new_tokens)
     if long:  # refused, not cut: a cut prompt asks something else
+        # Which one to change: the prompt, unless the new tokens alone take most of the context.
+        limit = context_length(loaded)
+        if limit is not None and args.max_new_tokens > limit // 2:
+            raise BadInput(f"--max-new-tokens {args.max_new_tokens} is too many: {long}; lower it")
         raise BadInput(f"--prompt is too long: {long}; shorten it or lower --max-new-tokens")
     text, new, stats = generate_one(loaded, messages, args.max_new_tokens, sampling, args.seed)
     print(text)
     tau = (sum(stats.accept_lens) + stats.steps) / max(stats.steps, 1)
+    kept = stats.new_tokens / max(stats.steps, 1)
+    if abs(kept - tau) >= 5e-3:  # the last step accepted tokens past --max-new-tokens (or an end of text)
+        tau_line = f"mean accepted length {tau:.2f}, {kept:.2f} kept a step (the last step's tokens past the end are cut)"
+    else:
+        tau_line = f"mean accepted length {tau:.2f}"
     if loaded.kind == "early_exit":
         drafting = f"exit layer {loaded.meta['exit_layer']}, chain of {loaded.meta['draft_length']}"
     else:
@@ -419,7 +428,7 @@ def cmd_generate(args) -> int:
         f"\n[{loaded.kind} drafter, {drafting}; on {loaded.target.device}, {cache_in_use(loaded.target, loaded.cache)}; "
         f"verification: {sampling.describe()}, {verification_kernel(loaded.target.device, sampling)}] "
         f"{stats.new_tokens} tokens in {stats.steps} target steps: "
-        f"mean accepted length {tau:.2f}, {stats.new_tokens / max(stats.wall_time, 1e-9):.1f} tokens/s",
+        f"{tau_line}, {stats.new_tokens / max(stats.wall_time, 1e-9):.1f} tokens/s",
         file=sys.stderr,
     )
     return 0
@@ -467,10 +476,14 @@ def cmd_eval(args) -> int:
     else:
         loaded = _load_drafter(args, args.exit_layer)
         prompts = fitting_prompts(loaded, prompts, args.max_new_tokens)
-        stats, extra = evaluate(
-            loaded, prompts, args.max_new_tokens, sampling, args.seed,
-            baseline=True, assisted=loaded.kind in ("standalone", "early_exit", "lookup") and not args.no_assisted,
-        )
+        try:
+            stats, extra = evaluate(
+                loaded, prompts, args.max_new_tokens, sampling, args.seed,
+                baseline=True, assisted=loaded.kind in ("standalone", "early_exit", "lookup") and not args.no_assisted,
+            )
+        except KeyboardInterrupt:
+            print(f"\nnothing was written to {args.out}: a report is written whole, once every prompt is measured (--limit N measures fewer)", file=sys.stderr)
+            raise
     if loaded.kind == "early_exit":
         extra = {**loaded.meta, **extra}
     meta = {

@@ -286,6 +286,26 @@ def _holder(fd: int) -> dict:
         return {}
 
 
+def holder_of(folder: str | Path) -> Optional[dict]:
+    """Who holds `folder` now (pid, host, command, started), when a live process does; None when
+    nobody does. Reads only: a lock it can take, it lets go at once."""
+    import fcntl
+
+    try:
+        fd = os.open(Path(folder) / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as err:
+        return _holder(fd) if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def hold_folder(folder: str | Path, what: str = "output_dir", warn: Callable[[str], None] = log) -> FolderLock:
     """Take `folder` (created if absent) for this process's writes, or refuse in one line
     (FolderInUseError) naming the process that holds it. `what` names the folder in messages

@@ -81,7 +81,7 @@ def _progress(artifact) -> Optional[str]:
         return said[1].split("\n", 1)[0] if len(said) == 2 else None
     from omegaconf import OmegaConf
 
-    from draftsmith.runs import list_checkpoints, log, read_state
+    from draftsmith.runs import holder_of, list_checkpoints, log, read_state
 
     step = read_state(artifact.folder).step
     try:
@@ -95,6 +95,10 @@ def _progress(artifact) -> Optional[str]:
         # An earlier checkpoint of a run that went on (asked for by name, or the newest was damaged).
         log(f"note: exporting {artifact.folder} at step {step} of train.max_steps={total}; its run has a later checkpoint, at step {newest}")
         return f"Exported from checkpoint `{name}`, step {step} of the recipe's {total} (not its run's last)."
+    running = holder_of(artifact.folder.parent.parent)
+    if total is not None and step < total and running:
+        log(f"note: exporting {artifact.folder} at step {step} of train.max_steps={total}: its run is still training (pid {running.get('pid', '?')})")
+        return f"Exported from checkpoint `{name}`, step {step} of the recipe's {total}, while its training went on."
     if total is not None and step < total:
         log(f"note: exporting {artifact.folder} at step {step} of train.max_steps={total}: its run stopped before the end (train again to finish it)")
         return f"Exported from checkpoint `{name}`, step {step} of the recipe's {total}: its training stopped before the end."

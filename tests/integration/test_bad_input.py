@@ -147,6 +147,7 @@ ROWS = NO_CUDA + [
     ("a flipped byte in a checkpoint", lambda w: ["export", str(damaged_copy(w["run"], w["root"] / "run-flipped", lambda d: flip(next((d / "checkpoints").iterdir()) / "model.safetensors"))), "--out", str(w["root"] / "x3")], 2, ["sha256", "model.safetensors"]),
     ("a truncated export", lambda w: ["generate", "--drafter", str(damaged_copy(w["export"], w["root"] / "export-cut", lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:64]))), "--prompt", "hi"], 2, ["model.safetensors"]),
     ("a cut-off config.json", lambda w: ["eval", "--drafter", str(damaged_copy(w["export"], w["root"] / "export-config", lambda d: (d / "config.json").write_text((d / "config.json").read_text()[:30]))), "--prompts", str(w["prompts"]), "--out", str(w["root"] / "e1")], 2, ["config.json"]),
+    ("a relative target recorded elsewhere", lambda w: ["generate", "--drafter", str(damaged_copy(w["export"], w["root"] / "export-relative", _relative_target)), "--prompt", "hi"], 2, ["records its target as 'tiny-target'", "pass --target"]),
     ("an unknown head kind", lambda w: ["eval", "--drafter", str(damaged_copy(w["export"], w["root"] / "export-kind", _unknown_kind)), "--prompts", str(w["prompts"]), "--out", str(w["root"] / "e2")], 2, ["teleport"]),
     ("--limit 0", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--limit", "0", "--out", str(w["root"] / "e3")], 2, ["--limit"]),
     ("--limit -1", lambda w: ["eval", "--drafter", str(w["export"]), "--prompts", str(w["prompts"]), "--limit", "-1", "--out", str(w["root"] / "e4")], 2, ["--limit"]),
@@ -173,6 +174,7 @@ ROWS = NO_CUDA + [
     ("eval --out where nothing can be written", lambda w: ["eval", "--drafter", str(w["root"] / "nope"), "--prompts", str(w["prompts"]), "--out", "/sys/draftsmith-probe"], 1, ["PermissionError", "/sys/draftsmith-probe"]),
     ("an empty --prompt", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "  "], 2, ["--prompt", "empty"]),
     ("a prompt longer than the target's context", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "say " * 300, "--max-new-tokens", "4"], 2, ["--prompt", "1024", "context"]),
+    ("more new tokens than the target's context", lambda w: ["generate", "--drafter", str(w["export"]), "--prompt", "hi", "--max-new-tokens", "2000"], 2, ["--max-new-tokens 2000 is too many", "1024"]),
     # More tokens per step than the drafter has heads (DFlash's block rule has its own tests).
     ("3 tokens a step from 2 Medusa heads", lambda w: ["export", str(w["run"]), "--out", str(w["root"] / "x4"), "--format", "vllm", "--num-speculative-tokens", "3"], 2, ["2 heads", "--num-speculative-tokens 2"]),
 ]
@@ -182,6 +184,13 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def _relative_target(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config["draftsmith"]["target"]["path"] = "tiny-target"  # as a run started beside its target records it
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / MANIFEST_NAME).unlink()  # edited by hand, not damaged
 
 
 def _unknown_kind(folder: Path) -> None:

@@ -1,6 +1,7 @@
 """`draftsmith eval` / `generate` end to end on tiny models: reports, losslessness, clear errors."""
 
 import json
+import re
 
 import pytest
 
@@ -73,7 +74,12 @@ def test_generate_from_run_folder(head_export):
     _, tmp = head_export
     proc = cli("generate", "--drafter", tmp / "run", "--prompt", "say red", "--max-new-tokens", 12)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "mean accepted length" in proc.stderr
+    # The summary's figures agree with each other: tokens a step kept are the tokens over the steps
+    # (the mean accepted length may count the last step's tokens past --max-new-tokens, and says so).
+    line = re.search(r"(\d+) tokens in (\d+) target steps: mean accepted length ([\d.]+)(?:, ([\d.]+) kept a step)?", proc.stderr)
+    assert line, proc.stderr[-2000:]
+    new, steps, tau = int(line[1]), int(line[2]), float(line[3])
+    assert float(line[4] or tau) == pytest.approx(new / steps, abs=5e-3) and tau >= new / steps - 5e-3
 
 
 def test_standalone_drafter_with_assisted_generation(tiny_llama_dir, tmp_path):

@@ -125,3 +125,22 @@ def test_an_earlier_checkpoint_of_a_run_that_went_on_is_not_called_stopped(tmp_p
     printed = "".join(capsys.readouterr())
     assert "its run has a later checkpoint, at step 20" in printed and "stopped before the end" not in printed
     assert "step 10 of the recipe's 200 (not its run's last)" in (out / "README.md").read_text()
+
+
+def test_a_checkpoint_of_a_run_still_training_is_not_called_stopped(tmp_path, capsys):
+    """The run's folder is held (a `train` at work there): the export says the run goes on,
+    naming the process, and once it lets go the same export says the run stopped."""
+    from draftsmith.runs import hold_folder, holder_of
+
+    _, _, run = fake_checkpoint(tmp_path)
+    (run / "checkpoints" / "step-000010" / "recipe.yaml").write_text("trainer: heads\ntrain:\n  max_steps: 200\n")
+    assert holder_of(run) is None
+    with hold_folder(run):
+        assert holder_of(run)["pid"] == os.getpid()
+        out = export(run, tmp_path / "export")
+        printed = "".join(capsys.readouterr())
+    assert f"its run is still training (pid {os.getpid()})" in printed and "stopped before the end" not in printed, printed
+    assert "step 10 of the recipe's 200, while its training went on" in (out / "README.md").read_text()
+    assert holder_of(run) is None
+    export(run, tmp_path / "later")
+    assert "its run stopped before the end" in "".join(capsys.readouterr())
