@@ -119,8 +119,9 @@ class FeaturesConfig:
     # prepare` (built by `train` when missing). hybrid: run the target during the first epoch,
     # caching what it computes, and read the cache afterwards.
     mode: Literal["online", "cache", "hybrid"] = "online"
-    # The cache folder; default <data cache_dir>/features (features-l<i>-<j>.. when the head reads
-    # decoder layers besides the final hidden state, so heads sharing a data cache do not collide).
+    # The cache folder; default <data cache_dir>/features-<key> (features-l<i>-<j>..-<key> when the
+    # head reads decoder layers besides the final hidden state, so heads sharing a data cache do not
+    # collide; the key names the target, examples and storage, so variants keep a cache each).
     dir: Optional[str] = None
     # auto: bfloat16 where the machine computes it natively, else float32 (as target.dtype).
     dtype: Dtype = "auto"

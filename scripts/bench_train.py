@@ -171,11 +171,12 @@ def main() -> int:
         for mode in args.modes:
             features = "mode: online" if mode == "online" else "mode: cache, dtype: bfloat16"
             if mode == "cache":
-                shutil.rmtree(out / "data" / "features", ignore_errors=True)
+                for built in (out / "data").glob("features*"):  # features-<key> (trainers/features.py: features_dir)
+                    shutil.rmtree(built, ignore_errors=True)
                 recipe = out / "prepare.yaml"
                 recipe.write_text(recipe_text(args, "prepare", out, target, data, features, max(nprocs)))
                 wall = launch("prepare", recipe, max(nprocs), out / "prepare.log", env)
-                folder = out / "data" / "features"
+                (folder,) = (out / "data").glob("features*")
                 index = json.loads((folder / "index.json").read_text())
                 size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
                 results.append({"config": f"prepare-{max(nprocs)}proc", "features": "build cache", "nproc": max(nprocs), "wall_s": round(wall, 1), "cache_mb": round(size / 2**20, 1), "layers": index["layers"]})

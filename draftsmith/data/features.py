@@ -87,6 +87,24 @@ class FeatureSpec:
         value_bytes = 2 if self.compress == "int8" else torch.tensor([], dtype=STORAGE_DTYPES[self.dtype]).element_size()
         return vectors * per_vector + self.top_k * (value_bytes + 4)
 
+    def key(self) -> str:
+        """8 hex digits naming what the features were computed from and how they are stored (the
+        target's weights and precision, the examples, the storage format), the layers aside: two
+        specs with one key hold the same numbers."""
+        import hashlib
+
+        what = {"target": [self.target.get("fingerprint"), self.target.get("dtype")], "dtype": self.dtype, "compress": self.compress,
+                "top_k": self.top_k, "data": self.data, "format": self.format}  # fmt: skip
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:8]
+
+    def serves(self, wanted: "FeatureSpec") -> bool:
+        """Whether this stored cache serves `wanted` (check_serves, as a yes or no)."""
+        try:
+            self.check_serves(wanted, Path("."))
+        except FeatureCacheError:
+            return False
+        return True
+
     def check_serves(self, wanted: "FeatureSpec", folder: Path) -> None:
         """Raise FeatureCacheError unless this (stored) cache serves `wanted`: same target, data and
         storage format, every wanted layer present, at least as many top-k logits."""

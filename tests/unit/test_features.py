@@ -202,7 +202,8 @@ def test_training_from_the_cache_gives_online_losses_without_decoder_layers(tmp_
     _, online_summary = train(online_path)
     cached_path = recipe_file(tmp_path, tiny_llama_dir, "cached", "mode: cache, dtype: float32")
     assert cli.main(["prepare", str(cached_path)]) == 0
-    assert (tmp_path / "data" / "features" / "index.json").is_file()
+    (built,) = (tmp_path / "data").glob("features-*/index.json")  # features-<key>: no layers besides the final state
+    assert built.parent.name == f"features-{fc.read_spec(built.parent).key()}"
     trainer, cached_summary = train(cached_path)
     # The decoder layers are gone: any call would raise. Only embed/lm_head callables remain.
     assert all(type(layer).__name__ == "_DroppedDecoderLayer" for layer in trainer.target.layers)
@@ -240,9 +241,11 @@ def test_hybrid_runs_the_target_only_in_the_first_epoch(tmp_path, tiny_llama_dir
 
 
 def test_cli_refuses_a_cache_of_another_target_in_one_line(tmp_path, tiny_llama_dir, capsys):
+    """At the folder data.features.dir names; by default another target's features go to a folder
+    of their own (test_variants_of_the_data_keep_a_feature_cache_each)."""
     from draftsmith.testing import save_tiny_model
 
-    path = recipe_file(tmp_path, tiny_llama_dir, "first", "mode: cache, dtype: float32")
+    path = recipe_file(tmp_path, tiny_llama_dir, "first", f"mode: cache, dtype: float32, dir: {tmp_path / 'mine'}")
     assert cli.main(["prepare", str(path)]) == 0
     other = save_tiny_model(tmp_path / "other-target", "llama", seed=3)
     capsys.readouterr()
@@ -251,6 +254,28 @@ def test_cli_refuses_a_cache_of_another_target_in_one_line(tmp_path, tiny_llama_
     assert code == 2
     assert len(errors) == 1 and "built for another target" in errors[0], errors
     assert not (tmp_path / "second" / "checkpoints").exists()
+
+
+def test_variants_of_the_data_keep_a_feature_cache_each(tmp_path, tiny_llama_dir, capsys):
+    """A trial on fewer conversations, then the full run, in one data cache (the walk-through's
+    trap: the second was refused once its answers were made). Each gets its own features-<key>;
+    running either again reads its own, and a folder made before keys (no key in its name) that
+    serves the run is read as it is."""
+    import shutil
+
+    path = recipe_file(tmp_path, tiny_llama_dir, "v", "mode: cache, dtype: float32")
+    assert cli.main(["prepare", str(path), "data.limit=12"]) == 0
+    (trial,) = (tmp_path / "data").glob("features-*")
+    assert cli.main(["prepare", str(path)]) == 0
+    (full,) = set((tmp_path / "data").glob("features-*")) - {trial}
+    assert fc.read_spec(trial).data != fc.read_spec(full).data
+    assert full.name == f"features-{fc.read_spec(full).key()}" and trial.name == f"features-{fc.read_spec(trial).key()}"
+    assert cli.main(["prepare", str(path)]) == 0 and set((tmp_path / "data").glob("features-*")) == {trial, full}
+    # The full run's cache under the key-less name an older draftsmith gave it: read there.
+    full.rename(tmp_path / "data" / "features")
+    trainer, _ = train(path)
+    assert trainer.source.cache.folder == tmp_path / "data" / "features"
+    assert set((tmp_path / "data").glob("features-*")) == {trial}
 
 
 def test_the_default_cache_folder_is_named_after_the_layers_so_heads_sharing_data_do_not_collide(tmp_path):
