@@ -190,7 +190,7 @@ def cmd_validate(args) -> int:
     experiments = all_recipe_files(args.root)
     paths = [Path(p) for p in args.paths] or experiments + engine_fragments(args.root)
     if not paths:
-        print(f"error: no recipes found under {args.root}/", file=sys.stderr)
+        print(f"error: no recipes found under {args.root}/ (the recipes come with a clone of the repository: pass --root, or recipe files)", file=sys.stderr)
         return EXIT_BAD_INPUT
     failed = 0
     for path in paths:
@@ -640,9 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("push", help="upload an exported folder to the Hugging Face Hub")
-    p.add_argument("folder")
-    p.add_argument("--repo-id", required=True)
-    p.add_argument("--private", action="store_true")
+    p.add_argument("folder", help="a folder `draftsmith export` wrote (verified against its manifest before anything is sent)")
+    p.add_argument("--repo-id", required=True, help="the Hub repository, user/name or org/name (created when absent)")
+    p.add_argument("--private", action="store_true", help="create the repository private")
     p.add_argument("--timeout", type=bounded(float, 0.0, 3600.0, low_open=True), default=60.0, help="seconds a request may go without an answer")
     p.add_argument("--deadline", type=bounded(float, 0.0, 86400.0, low_open=True), default=3600.0, help="seconds the whole upload may take")
     p.set_defaults(func=cmd_push)

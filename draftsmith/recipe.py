@@ -555,8 +555,14 @@ def _check_keys(node: Any, schema: Any, prefix: str) -> None:
 
 
 def _omegaconf_error(err: OmegaConfBaseException, prefix: str = "") -> RecipeError:
+    from omegaconf.errors import MissingMandatoryValue
+
     key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
     msg = str(getattr(err, "msg", None) or err).splitlines()[0]
+    if isinstance(err, MissingMandatoryValue):
+        msg = "is missing: every recipe sets it"
+    else:  # omegaconf's names for what it read: a YAML list, a YAML mapping
+        msg = msg.replace("of type 'ListConfig'", "(a list)").replace("of type 'DictConfig'", "(a mapping)")
     return RecipeError(f"recipe key '{prefix}{key}': {msg}")
 
 

@@ -62,6 +62,7 @@ def test_yaml_files_merge_in_order_then_overrides(recipe_file, tmp_path):
         ("train.mixed_precision=fp8", "recipe key 'train.mixed_precision'"),
         ("train.micro_batch_size=0", "'train.micro_batch_size' must be positive"),
         ("outputdir=x", "did you mean 'output_dir'"),
+        ("train.max_steps=[1,2]", "recipe key 'train.max_steps': Value '[1, 2]' (a list) could not be converted to Integer"),
     ],
 )
 def test_bad_values_name_the_key(recipe_file, override, expected):
@@ -74,7 +75,7 @@ def test_bad_values_name_the_key(recipe_file, override, expected):
 def test_missing_required_value_names_the_key(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("trainer: heads\ntarget: {path: m}\ndata: {path: d}\nhead: {kind: medusa}\n")
-    with pytest.raises(RecipeError, match="output_dir"):
+    with pytest.raises(RecipeError, match="recipe key 'output_dir': is missing: every recipe sets it"):
         load_recipe(path)
 
 
