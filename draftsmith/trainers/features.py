@@ -131,12 +131,18 @@ class FeatureSource:
             acc.wait_for_everyone()
             fc.open_cache(folder, spec, create=False)
         cache = fc.FeatureCache(folder, spec, rank=acc.process_index, shard_tokens=cfg.shard_tokens)
+        complete = all(cache.count(split) >= len(examples) for split, examples in splits.items())
         if cfg.mode == "cache":
             for split, examples in splits.items():
                 if cache.count(split) < len(examples):
                     raise fc.FeatureCacheError(f"feature cache {folder} holds {cache.count(split)} of {len(examples)} {split} examples after building")
             if not self.shard_target:
                 drop_decoder_layers(self.target)
+        elif complete and not self.shard_target:
+            # Hybrid mode on a cache an earlier run completed: the target's decoder layers would
+            # never run, so they go as in cache mode (at 8B, 14 GB the run does not hold).
+            drop_decoder_layers(self.target)
+            log(f"feature cache {folder} holds every example: the target's decoder layers are freed, its features are read from there")
         self.cache, self.spec = cache, spec
 
     # ------------------------------------------------------------------ reading

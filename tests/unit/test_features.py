@@ -238,6 +238,12 @@ def test_hybrid_runs_the_target_only_in_the_first_epoch(tmp_path, tiny_llama_dir
     a, b = losses(tmp_path / "online2"), losses(tmp_path / "hybrid")
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
+    # A second hybrid run finds the cache complete: the target's decoder layers are freed at once
+    # (any call would raise), and it trains as the first did.
+    again, _ = train(path, f"output_dir={tmp_path / 'hybrid-again'}")
+    assert all(type(layer).__name__ == "_DroppedDecoderLayer" for layer in again.target.layers)
+    c = losses(tmp_path / "hybrid-again")
+    assert sorted(c) == sorted(b) and all(c[step] == pytest.approx(b[step], rel=1e-5) for step in b)
 
 
 def test_cli_refuses_a_cache_of_another_target_in_one_line(tmp_path, tiny_llama_dir, capsys):
