@@ -106,7 +106,9 @@ def check_output_dir(output_dir: Path) -> None:
         return
     if not output_dir.is_dir():
         raise RunFolderError(f"output_dir {output_dir} exists and is not a folder")
-    entries = sorted(p.name for p in output_dir.iterdir() if p.name != LOCK_NAME)
+    # A first run stopped in its data step (Ctrl-C while the target regenerates answers) leaves
+    # only its default data cache, <output_dir>/data: the same command goes on.
+    entries = sorted(p.name for p in output_dir.iterdir() if p.name != LOCK_NAME and not (p.name == "data" and is_data_cache(p)))
     if not entries or is_run_folder(output_dir):
         return
     if is_data_cache(output_dir):

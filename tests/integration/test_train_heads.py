@@ -107,6 +107,19 @@ def test_a_resume_follows_a_changed_learning_rate_and_says_so(tmp_path, tiny_lla
     assert "train.lr 0.01 -> 0.5" in out and "train.weight_decay 0.0 -> 0.3" in out, out
 
 
+def test_prepare_then_train_with_the_default_data_cache(tmp_path, tiny_llama_dir):
+    """`prepare` writes <output_dir>/data (data.cache_dir unset): the run folder then holds only
+    that data cache, as after a first run stopped in its data step, and `train` goes on there
+    instead of calling the folder someone else's."""
+    from draftsmith.cli import main
+
+    recipe = heads_recipe(tmp_path, tiny_llama_dir, "fresh")
+    assert main(["prepare", str(tmp_path / "fresh.yaml")]) == 0
+    assert sorted(p.name for p in Path(recipe.output_dir).iterdir()) == ["data"]
+    assert main(["train", str(tmp_path / "fresh.yaml"), "train.max_steps=2"]) == 0
+    assert [c.name for c in list_checkpoints(recipe.output_dir)] == ["step-000002"]
+
+
 def test_resume_never_refuses_to_overwrite(tmp_path, tiny_llama_dir):
     recipe = heads_recipe(tmp_path, tiny_llama_dir, "once", "train.max_steps=2", "train.save_every=1")
     run_trainer(recipe)
