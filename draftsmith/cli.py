@@ -59,6 +59,7 @@ def cmd_train(args) -> int:
     from draftsmith.trainers import TRAINERS
 
     recipe = _load(args.recipe, args.device)
+    check_separate_folders(recipe)
     check_data_dir(recipe.data_dir())  # before anything is written there, as prepare checks it
     check_data_path(recipe)
     trainer = TRAINERS[recipe.trainer](recipe, argv=args.argv)
@@ -92,6 +93,7 @@ def cmd_prepare(args) -> int:
     from draftsmith.trainers import TRAINERS
 
     recipe = _load(args.recipe, args.device)
+    check_separate_folders(recipe)
     check_data_dir(recipe.data_dir())
     check_data_path(recipe)
     main_process = int(os.environ.get("RANK", "0")) == 0
@@ -121,6 +123,19 @@ def check_data_path(recipe) -> None:
         resolve_data_path(recipe.data.path)
     except DataError as err:
         raise BadInput(f"data.path: {err}") from None
+
+
+def check_separate_folders(recipe) -> None:
+    """A run and its data cache in one folder mix their recipe.yaml and command.txt, and the first
+    run's checkpoints make the folder refused as a data cache from then on: refused before either
+    writes (here, not in load_recipe, which also reads the recipes of runs trained before)."""
+    from draftsmith.recipe import RecipeError
+
+    if recipe.data.cache_dir and Path(recipe.data.cache_dir).resolve() == Path(recipe.output_dir).resolve():
+        raise RecipeError(
+            f"recipe keys 'output_dir' and 'data.cache_dir' name the same folder ({recipe.output_dir}): a run's recipe.yaml and "
+            "checkpoints would mix with the data cache's; set data.cache_dir to another folder (or leave it out: <output_dir>/data)"
+        )
 
 
 def check_data_dir(folder: Path) -> None:
@@ -391,7 +406,6 @@ def _load_drafter(args, exit_layer=None):
 
 def cmd_generate(args) -> int:
     from draftsmith.eval.run import context_length, generate_one, too_long
-    from draftsmith.runs import work_in
     from draftsmith.runtime.generate import cache_in_use, verification_kernel
 
     sampling = _sampling(args)

@@ -724,11 +724,6 @@ def _check_values(recipe: Recipe) -> None:
     server = recipe.data.regenerate.server
     if recipe.data.regenerate.backend == "server" and server.model is None:
         server.model = recipe.target.path  # the name the server is asked for
-    if recipe.data.cache_dir and Path(recipe.data.cache_dir).resolve() == Path(recipe.output_dir).resolve():
-        raise RecipeError(
-            f"recipe keys 'output_dir' and 'data.cache_dir' name the same folder ({recipe.output_dir}): a run's recipe.yaml and "
-            "checkpoints would mix with the data cache's; set data.cache_dir to another folder (or leave it out: <output_dir>/data)"
-        )
     rules = TRAINER_RULES[recipe.trainer]
     mode = recipe.data.features.mode
     if mode != "online" and not rules.feature_cache:

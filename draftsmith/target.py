@@ -32,6 +32,10 @@ class TargetLoadError(RuntimeError):
     """The target model or its tokenizer cannot be loaded. The message names the path."""
 
 
+class TargetNotFoundError(TargetLoadError):
+    """The model is neither a local folder (or file) nor in the local HF cache."""
+
+
 @dataclass(frozen=True)
 class TargetDims:
     """What a draft head needs to know about the target's shapes."""
@@ -148,7 +152,7 @@ def resolve_model_path(path: str, gguf_file: Optional[str] = None) -> tuple[str,
     if p.is_file():
         raise TargetLoadError(f"{p} is a file, not a model folder: give the folder holding config.json (or a .gguf file)")
     if path.startswith((".", "/", "~")) or os.sep in path and path.count("/") > 1:
-        raise TargetLoadError(f"model folder not found: {p}")
+        raise TargetNotFoundError(f"model folder not found: {p}")
     return _cached_snapshot(path), gguf_file
 
 
@@ -161,7 +165,7 @@ def _cached_snapshot(repo_id: str) -> str:
         return snapshot_download(repo_id, local_files_only=True)
     except Exception as err:  # not cached, or not a valid repo id: either way not here
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise TargetLoadError(
+        raise TargetNotFoundError(
             f"model {repo_id} is not a local folder, and the local HF cache does not hold it ({first}): draftsmith reads hub ids "
             f"from that cache only, without the network. Download it there first, or give a local folder, a .gguf file or a "
             f"built-in name ({', '.join(BUILTIN_MODELS)})"

@@ -95,8 +95,8 @@ def _progress(artifact) -> Optional[str]:
         # An earlier checkpoint of a run that went on (asked for by name, or the newest was damaged).
         log(f"note: exporting {artifact.folder} at step {step} of train.max_steps={total}; its run has a later checkpoint, at step {newest}")
         return f"Exported from checkpoint `{name}`, step {step} of the recipe's {total} (not its run's last)."
-    running = holder_of(artifact.folder.parent.parent)
-    if total is not None and step < total and running:
+    running = holder_of(artifact.folder.parent.parent) if total is not None and step < total else None
+    if running:
         log(f"note: exporting {artifact.folder} at step {step} of train.max_steps={total}: its run is still training (pid {running.get('pid', '?')})")
         return f"Exported from checkpoint `{name}`, step {step} of the recipe's {total}, while its training went on."
     if total is not None and step < total:

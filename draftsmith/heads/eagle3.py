@@ -236,7 +236,8 @@ class Eagle3Head(EagleHead):
     def ranked(self, output: Tensor, lm_head, k: int) -> Tensor:
         """Ranked over the draft vocabulary and named in target ids: the logits are never spread
         over the target's vocabulary (at evaluation's [B,T] positions, 8 x 2048 x 128k floats a
-        step at a Llama-3 target)."""
+        step at a Llama-3 target). At most the draft vocabulary's size of picks: the tokens past it
+        cannot be drafted (evaluation counts the ranks it gets)."""
         logits = self.draft_logits(output)
         return self.draft_ids[logits.topk(min(k, logits.shape[-1]), dim=-1).indices]
 

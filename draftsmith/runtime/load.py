@@ -33,7 +33,7 @@ from draftsmith.runtime.static import check_cache
 from draftsmith.runtime.early_exit import DEFAULT_DRAFT_LENGTH, EarlyExitDrafter, check_exit_layer, is_chain
 from draftsmith.runtime.lookup import DEFAULT_LOOKUP_TREE, LOOKUP_KINDS, HybridDrafter, LookupDrafter, make_matcher
 from draftsmith.runtime.tree import SparseTree, TreeError, TreeSpec, default_tree, parse_tree, tree_shape
-from draftsmith.target import BUILTIN_MODELS, FrozenTarget, TargetLoadError, choose_device, resolve_dtype
+from draftsmith.target import BUILTIN_MODELS, FrozenTarget, TargetNotFoundError, choose_device, resolve_dtype
 
 
 @dataclass
@@ -175,13 +175,13 @@ def _target_for(artifact: Artifact, override: Optional[str], dtype: str, device:
         raise DrafterError(f"{artifact.folder} does not record its target (no recipe.yaml): pass --target")
     try:
         return FrozenTarget.load(path, dtype, None if override else gguf, device), path
-    except TargetLoadError as err:
-        if override or Path(path).is_absolute() or Path(path).exists() or path in BUILTIN_MODELS:
+    except TargetNotFoundError as err:
+        if override or Path(path).is_absolute():
             raise
-        # A relative folder recorded at training time reads from the folder the run was started in.
-        raise TargetLoadError(
-            f"{artifact.folder} records its target as {path!r}, which is no folder under {Path.cwd()} and no model in the local HF cache: "
-            f"a relative folder is read from where the command runs, so run it from the folder the drafter was trained in, or pass --target"
+        # A relative folder recorded at training time is read from where the command runs.
+        raise TargetNotFoundError(
+            f"{artifact.folder} records its target as {path!r}, not found from {Path.cwd()}: a relative folder is read from where the "
+            f"command runs, so run it from the folder the drafter was trained in, or pass --target ({err})"
         ) from None
 
 

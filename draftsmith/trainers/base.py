@@ -185,6 +185,9 @@ class Trainer:
         self.restore(state)
         self.metrics.truncate_after(int(state["step"]))
         log(f"resumed from {self.resume_from} at {state['step']}")
+        # The loaded groups are the stepping optimizer's own now (a copy of ours under DeepSpeed's
+        # optimizer offload): the schedule sets its learning rate there.
+        self.scheduler.optimizer = engine.stepping_optimizer(self.optimizer)
         changed = engine.apply_optimizer_settings(self.scheduler, self.recipe.train)
         if changed:
             log(f"the recipe changed the optimizer since that checkpoint: {'; '.join(changed)} from here on (its Adam moments are kept)")

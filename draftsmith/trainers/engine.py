@@ -290,6 +290,18 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train))
 
 
+def stepping_optimizer(optimizer):
+    """The torch optimizer whose step moves the weights, inside the engine's wrappers (accelerate's
+    AcceleratedOptimizer, DeepSpeed's ZeRO optimizer): the AdamW build_optimizer made, except under
+    DeepSpeed's optimizer offload, where it is the DeepSpeedCPUAdam accelerate made from it. The
+    two share their parameter groups until a checkpoint loads; the load gives the stepping one new
+    groups, so the schedule must follow that one (Trainer.resume)."""
+    inner = optimizer
+    while hasattr(getattr(inner, "optimizer", None), "param_groups"):
+        inner = inner.optimizer
+    return inner
+
+
 def apply_optimizer_settings(scheduler, train: TrainConfig) -> list[str]:
     """After a resume: a checkpoint brings back the optimizer's settings with its state (AdamW's
     moments, which stay), so a recipe that changed train.lr, weight_decay or the Adam betas since

@@ -26,28 +26,37 @@ from draftsmith.target import FrozenTarget, TargetFeatures
 from draftsmith.trainers.engine import TrainingError, any_rank
 
 
-def features_dir(cfg, data_dir: Path, layers, spec: Optional[fc.FeatureSpec] = None) -> Path:
+def features_dir(cfg, data_dir: Path, layers, spec: Optional[fc.FeatureSpec] = None, say=None) -> Path:
     """data.features.dir, or by default a folder of the data cache named after the decoder layers
     the head reads (``features`` for the final hidden state alone, ``features-l1-14-26`` for
     EAGLE-3's), so recipes that share one data cache (Medusa, EAGLE-3, Clover on the same answers)
     each keep their own feature cache instead of refusing each other's; and, given the ``spec``
     the run wants, after what they were computed from (``features-l1-14-26-<spec.key()>``), so a
     trial run on fewer examples, another target or another precision keeps its own beside the
-    others, as the data cache keeps each variant's answers. A folder without the key that already
-    serves the spec (made before keys were added) is read as it is."""
+    others, as the data cache keeps each variant's answers. A cache of those layers that already
+    serves the spec is read wherever it is (the key-less folder of an older draftsmith, one with
+    more top-k logits); where one was found that does not, ``say`` is told why, before a new one
+    is built (prepare on another device than train gives another precision, so other features)."""
     if cfg.dir:
         return Path(cfg.dir)
     layers = sorted(set(layers))
     base = data_dir / ("features" + ("-l" + "-".join(str(i) for i in layers) if layers else ""))
     if spec is None:
         return base
-    try:
-        stored = fc.read_spec(base)
-    except fc.FeatureCacheError:  # an unreadable index: that folder is not this spec's
-        stored = None
-    if stored is not None and stored.serves(spec):
-        return base
-    return base.with_name(f"{base.name}-{spec.key()}")
+    keyed = base.with_name(f"{base.name}-{spec.key()}")
+    found = [base] + sorted(p for p in data_dir.glob(f"{base.name}-*") if p.name[len(base.name) + 1 :].isalnum())
+    refusals = []
+    for folder in [keyed] + [f for f in found if f != keyed]:
+        try:
+            stored = fc.read_spec(folder)
+            if stored is not None:
+                stored.check_serves(spec, folder)
+                return folder
+        except fc.FeatureCacheError as err:  # an unreadable index, or a cache of something else
+            refusals.append(str(err).split(": set data.features.dir")[0].split(": delete")[0].split("; delete")[0])
+    if refusals and say is not None:
+        say(f"note: {refusals[0]}" + (f" (and {len(refusals) - 1} more)" if len(refusals) > 1 else "") + f"; this run's features go to {keyed}")
+    return keyed
 
 
 class _DroppedDecoderLayer(nn.Module):
@@ -103,7 +112,7 @@ class FeatureSource:
         r, acc, data = self.recipe, self.accelerator, self.data
         cfg = r.data.features
         spec = fc.make_spec(self.target, self.layers, cfg, data.train, data.eval, r.data.max_length)
-        folder = features_dir(cfg, r.data_dir(), self.layers, spec)
+        folder = features_dir(cfg, r.data_dir(), self.layers, spec, say=log)
         splits = {"train": data.train, "eval": data.eval}
         if cfg.mode == "cache":
             if self.shard_target:
@@ -210,7 +219,7 @@ def build_feature_cache(recipe: Recipe, target: FrozenTarget, data, layers, acce
 
     cfg = recipe.data.features
     spec = fc.make_spec(target, layers, cfg, data.train, data.eval, recipe.data.max_length)
-    folder = features_dir(cfg, recipe.data_dir(), layers, spec)
+    folder = features_dir(cfg, recipe.data_dir(), layers, spec, say=log)
     fc.build_cache(
         target, spec, {"train": data.train, "eval": data.eval}, Collator(pad_token_id=pad_token_id(target.tokenizer), max_length=recipe.data.max_length),
         folder, cfg.shard_tokens, cfg.batch_size, cfg.reserve_gb, rank=accelerator.process_index, world_size=accelerator.num_processes,

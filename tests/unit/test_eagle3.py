@@ -67,19 +67,26 @@ def test_init_from_data_sets_the_maps_and_the_lm_head_rows(target):
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == expected.ids.tolist()
 
 
-def test_top_tokens_rank_the_draft_vocabulary_as_the_full_logits_do(target):
+def test_top_tokens_rank_the_draft_vocabulary_as_the_full_logits_do(target, monkeypatch):
     """Evaluation's top-k over the draft vocabulary alone, named in target ids: what a top-k over
-    the logits spread over the whole vocabulary gives (10 draft tokens of 48, top 5, then every one)."""
+    the logits spread over the whole vocabulary gives (10 draft tokens of 48, top 5, then every
+    one), without spreading them (the spread raises inside top_tokens here)."""
+    import draftsmith.heads.eagle3 as eagle3
+
     head = Eagle3Head(Eagle3Config(draft_vocab_size=10, depth=3, train_depth=3), target.dims)
     gen = torch.Generator().manual_seed(1)
     head.init_from_data([{"input_ids": torch.randint(3, V, (40,), generator=gen).tolist(), "loss_mask": [1] * 40}])
     head.init_from_target(target)
     feats = target.features(torch.randint(3, V, (2, 9), generator=gen), layers=head.required_layers())
     with torch.no_grad():
+        full = {k: head(feats).topk(k, dim=-1).indices for k in (5, 10)}
+        spread = eagle3.to_target_vocab
+        monkeypatch.setattr(eagle3, "to_target_vocab", lambda *a: (_ for _ in ()).throw(AssertionError("spread over the vocabulary")))
         for k in (5, 10):
             top = head.top_tokens(feats, k)
             assert top.shape == (2, 9, 3, k) and set(top.unique().tolist()) <= set(head.draft_ids.tolist())
-            assert torch.equal(top, head(feats).topk(k, dim=-1).indices)
+            assert torch.equal(top, full[k])
+        monkeypatch.setattr(eagle3, "to_target_vocab", spread)
 
 
 @pytest.mark.parametrize("out_of_vocab", ["skip", "keep"])

@@ -267,8 +267,6 @@ def test_variants_of_the_data_keep_a_feature_cache_each(tmp_path, tiny_llama_dir
     trap: the second was refused once its answers were made). Each gets its own features-<key>;
     running either again reads its own, and a folder made before keys (no key in its name) that
     serves the run is read as it is."""
-    import shutil
-
     path = recipe_file(tmp_path, tiny_llama_dir, "v", "mode: cache, dtype: float32")
     assert cli.main(["prepare", str(path), "data.limit=12"]) == 0
     (trial,) = (tmp_path / "data").glob("features-*")
@@ -277,6 +275,9 @@ def test_variants_of_the_data_keep_a_feature_cache_each(tmp_path, tiny_llama_dir
     assert fc.read_spec(trial).data != fc.read_spec(full).data
     assert full.name == f"features-{fc.read_spec(full).key()}" and trial.name == f"features-{fc.read_spec(trial).key()}"
     assert cli.main(["prepare", str(path)]) == 0 and set((tmp_path / "data").glob("features-*")) == {trial, full}
+    # A cache that does not serve the run is named, with why, before another is built.
+    printed = capsys.readouterr().out
+    assert f"note: feature cache {trial} was built for other data" in printed and f"this run's features go to {full}" in printed, printed
     # The full run's cache under the key-less name an older draftsmith gave it: read there.
     full.rename(tmp_path / "data" / "features")
     trainer, _ = train(path)

@@ -11,7 +11,7 @@ from draftsmith.recipe import TrainConfig
 from draftsmith.runs import RunFolderError, STATE_FILE, checkpoint_problem, checkpoint_root, list_checkpoints
 from draftsmith.trainers import loop
 from draftsmith.trainers.checkpoint import clear_partial_checkpoints, find_resume_checkpoint
-from draftsmith.trainers.engine import TrainingError, lr_factor
+from draftsmith.trainers.engine import TrainingError, apply_optimizer_settings, build_optimizer, build_scheduler, lr_factor, stepping_optimizer
 
 
 def test_lr_schedule_warmup_then_cosine_to_floor():
@@ -159,3 +159,33 @@ def test_tensorboard_opens_at_the_first_record(tmp_path, monkeypatch):
     log.write(1, "train", {"loss": 1.0})
     log.write(2, "train", {"loss": 0.5})
     assert opened == [str(tmp_path / "run" / "tensorboard")] and (tmp_path / "run" / "tensorboard" / "events").is_file()
+
+
+def test_a_resumed_schedule_drives_the_optimizer_that_steps():
+    """DeepSpeed's optimizer offload, in torch alone: accelerate builds the optimizer that steps
+    (DeepSpeedCPUAdam) from ours, and a checkpoint load gives it new parameter groups. Found
+    through the wrappers (accelerate's, then ZeRO's), it takes the schedule and the recipe's new
+    learning rate; left on ours, it would keep the checkpoint's (the mutant below)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    train = TrainConfig(lr=0.1, warmup_steps=0, lr_schedule="linear", max_steps=10, min_lr_ratio=0.0)
+    ours = build_optimizer([torch.nn.Parameter(torch.zeros(2))], train)
+    scheduler = build_scheduler(ours, train)
+    stepping = torch.optim.Adam(ours.param_groups)
+    stepping.load_state_dict(stepping.state_dict())  # the checkpoint's groups: new dicts
+    assert stepping.param_groups[0] is not ours.param_groups[0]
+    zero = SimpleNamespace(optimizer=stepping, param_groups=stepping.param_groups)
+    wrapped = SimpleNamespace(optimizer=zero, param_groups=stepping.param_groups)
+    assert stepping_optimizer(wrapped) is stepping and stepping_optimizer(ours) is ours
+    scheduler.optimizer = stepping_optimizer(wrapped)
+    changed = apply_optimizer_settings(scheduler, TrainConfig(lr=0.5, warmup_steps=0, lr_schedule="linear", max_steps=10, min_lr_ratio=0.0))
+    assert changed == ["train.lr 0.1 -> 0.5"] and stepping.param_groups[0]["lr"] == pytest.approx(0.5)
+    scheduler.step()
+    assert stepping.param_groups[0]["lr"] == pytest.approx(0.5 * 0.9)
+    # Left on ours, the one that steps never hears of either.
+    stale = torch.optim.Adam(ours.param_groups)
+    stale.load_state_dict(stale.state_dict())
+    build_scheduler(ours, train).step()
+    assert stale.param_groups[0]["lr"] == pytest.approx(0.1)
