@@ -97,7 +97,7 @@ def test_hub_id_loads_offline_from_the_local_hub_cache(tiny_qwen2_dir, tmp_path,
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "3 64"
-    assert lines[1].startswith("TargetLoadError") and "some-org/not-cached" in lines[1], lines[1]
+    assert lines[1].startswith("TargetNotFoundError") and "some-org/not-cached" in lines[1], lines[1]
     assert "local HF cache" in lines[1] and "smollm2-135m" in lines[1], lines[1]
     assert time.monotonic() - started < 20  # no network retries (about 5 s here: the interpreter and torch start in it; 29 s with them)
 
