@@ -97,14 +97,6 @@ class FeatureSpec:
                 "top_k": self.top_k, "data": self.data, "format": self.format}  # fmt: skip
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:8]
 
-    def serves(self, wanted: "FeatureSpec") -> bool:
-        """Whether this stored cache serves `wanted` (check_serves, as a yes or no)."""
-        try:
-            self.check_serves(wanted, Path("."))
-        except FeatureCacheError:
-            return False
-        return True
-
     def check_serves(self, wanted: "FeatureSpec", folder: Path) -> None:
         """Raise FeatureCacheError unless this (stored) cache serves `wanted`: same target, data and
         storage format, every wanted layer present, at least as many top-k logits."""
